@@ -1,0 +1,71 @@
+"""Typed objects that cross the engine ↔ model-runner boundary.
+
+The engine (pure Python) produces a `SchedulerOutput` per step; the runner (torch) turns it into flat
+batch tensors, runs the model and returns a `ModelRunnerOutput`. Nothing else crosses the boundary, so
+the runner can live in another process (tensor parallelism) and the engine stays testable without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything the runner must know about a request it has not seen, or sees again after preemption.
+
+    `all_token_ids` holds prompt + output tokens so far; the first `num_prompt_tokens` are the prompt
+    (penalties treat the two parts differently).
+    """
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Invariants: `token_ids` are the tokens at positions
+    `[num_computed_tokens, num_computed_tokens + len(token_ids))`; `block_ids` is the full block table
+    when `new` is set, else only the blocks appended since the runner last saw the request.
+    `sample` is true when this step computes the last known token, so its logits yield a new token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    new: NewRequestData | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests that ended since the previous step: the runner drops their per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    # Log-probability of the sampled token and the top-k alternatives (token id → logprob), when asked for.
+    logprob: float | None = None
+    rank: int | None = None  # 1 = the most likely token
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # One entry per scheduled request with `sample=True`, keyed by request id.
+    sampled: dict[str, SampledToken]

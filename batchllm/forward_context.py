@@ -1,0 +1,54 @@
+"""Attention metadata for the current forward pass, set by the model runner.
+
+Model code sees only `(input_ids, positions)`; the attention layers read paging information from here.
+This is what lets the same model code serve prefill, chunked prefill, decode and mixed batches.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A flat batch of `num_tokens` query tokens from `num_seqs` sequences.
+
+    Sequence i owns query tokens `query_start_loc[i]:query_start_loc[i+1]`, which sit at the end of its
+    `seq_lens[i]` tokens of context (so `seq_lens[i] - query_len` of them were computed in earlier steps and
+    live only in the KV cache). `block_tables[i, j]` is the cache block holding tokens
+    `[j*block_size, (j+1)*block_size)` of sequence i. `slot_mapping[t]` is the flat cache slot
+    (block * block_size + offset) where token t's K and V are written.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the CPU reference path can loop without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside a forward context (use batchllm.forward_context.set_forward_context)")
+    return _current
+
+
+@contextmanager
+def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous
