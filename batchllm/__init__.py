@@ -1,0 +1,8 @@
+"""batchllm: throughput-first offline LLM batch inference."""
+
+from batchllm.llm import LLM
+from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from batchllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""The pool of KV-cache blocks and its free list.
+
+Invariants:
+- a block is in the free queue iff its `ref_cnt` is 0;
+- `ref_cnt` never goes negative (freeing a free block raises);
+- the free queue is ordered by eviction priority: the head is taken first. Freed blocks join the tail, so
+  a block that was used recently is reused last (LRU), which is what lets cached contents survive longest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Intrusive links of the free queue: O(1) removal from the middle without a search.
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) append, pop-front and remove."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels keep the link updates branch-free
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free, block.next_free = last, self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def pop_front(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise RuntimeError("no free KV-cache block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"block {block.block_id} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a KV-cache pool needs at least one block, got {num_blocks}")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, count: int) -> list[KVCacheBlock]:
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"asked for {count} KV-cache blocks, only {self.num_free_blocks} free")
+        taken = [self.free_queue.pop_front() for _ in range(count)]
+        for block in taken:
+            block.ref_cnt = 1
+        return taken
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free queue in the given order."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"KV-cache block {block.block_id} freed more often than allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)

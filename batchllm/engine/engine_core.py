@@ -1,0 +1,51 @@
+"""The engine loop: schedule a step, run it, apply the results. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from batchllm.engine.detokenizer import Detokenizer
+from batchllm.engine.interfaces import ModelRunnerOutput, SchedulerOutput
+from batchllm.engine.request import Request
+from batchllm.engine.scheduler import Scheduler
+from batchllm.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    request: Request
+    text: str
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor, detokenizer: Detokenizer) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.detokenizer = detokenizer
+        self._arrivals = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        request = Request(request_id, list(prompt_token_ids), params, arrival_index=self._arrivals)
+        self._arrivals += 1
+        self.scheduler.add_request(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[FinishedRequest]:
+        """Run one engine step; returns the requests that finished in it (rejected ones included)."""
+        finished = [FinishedRequest(r, "") for r in self.scheduler.take_rejected()]
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
+            return finished
+        runner_output = self.executor.execute_model(scheduler_output)
+        for request in self.scheduler.update_from_output(scheduler_output, runner_output):
+            finished.append(FinishedRequest(request, self.detokenizer.finish(request)))
+        return finished

@@ -1,0 +1,76 @@
+"""A generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from batchllm.engine.interfaces import SampledToken
+from batchllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again, its KV blocks freed; recomputed when rescheduled
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ERROR}
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Invariant: `token_ids == prompt_token_ids + output_token_ids`, and the first `num_computed_tokens`
+    of them have their K/V in the cache (0 after a preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int = 0
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # The runner already holds this request's state (block table, generator); cleared on preemption.
+    known_to_runner: bool = False
+    num_preemptions: int = 0
+    output_logprobs: list[SampledToken] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token: SampledToken) -> None:
+        self.token_ids.append(token.token_id)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs.append(token)

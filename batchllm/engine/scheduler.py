@@ -1,0 +1,208 @@
+"""The token-budget scheduler: one code path for prefill, chunked prefill and decode.
+
+Each step every request is given `num_tokens - num_computed_tokens` new tokens, capped by what is left of
+the step's token budget: a fresh prompt, the next chunk of a long prompt, a recompute after preemption and
+a one-token decode are the same operation. Running requests are served first, oldest first, then waiting
+requests in FIFO order. When the KV pool runs dry the newest running request is preempted (its blocks are
+freed and it is re-queued at the front of the waiting queue to be recomputed), which always lets the
+oldest request progress: no deadlock, since a single request never exceeds `max_model_len` and
+`max_model_len` never exceeds the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from batchllm.config import SchedulerConfig
+from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from batchllm.engine.kv_cache_manager import KVCacheManager
+from batchllm.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
+    num_decode_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0  # scheduled prompt chunks that stopped short of the prompt's end
+    max_step_tokens: int = 0
+    max_running: int = 0
+    peak_used_blocks: int = 0
+    num_blocks: int = 0
+    num_errors: int = 0
+
+
+# Returns True when the request must stop after its newest token; sets status and stop_reason.
+StopCheck = Callable[[Request], bool]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, check_stop: StopCheck) -> None:
+        if config.max_model_len < 1 or config.max_model_len > kv_cache.capacity_tokens:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) must be in [1, KV pool capacity = "
+                f"{kv_cache.capacity_tokens} tokens]"
+            )
+        self.config = config
+        self.kv_cache = kv_cache
+        self.check_stop = check_stop
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats(num_blocks=kv_cache.pool.num_blocks)
+        self._finished_ids: list[str] = []  # reported to the runner with the next step
+        self._rejected: list[Request] = []
+        self._preempted_this_step = False
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        error = self._admission_error(request)
+        if error is not None:
+            request.status, request.error = RequestStatus.FINISHED_ERROR, error
+            self.stats.num_errors += 1
+            self._rejected.append(request)
+            return
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _admission_error(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty (0 tokens)"
+        if n >= self.config.max_model_len:
+            return (
+                f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the model "
+                f"and by the KV pool of {self.kv_cache.capacity_tokens} tokens), leaving no room to generate"
+            )
+        return None
+
+    def reset_stats(self) -> None:
+        self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
+        self.kv_cache.peak_used_blocks = self.kv_cache.pool.num_used_blocks
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._rejected)
+
+    def take_rejected(self) -> list[Request]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        self._preempted_this_step = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new)
+            if new_block_ids is None:
+                break  # the request preempted itself: it was the newest, nothing after it is running
+            scheduled.append(self._schedule_request(request, num_new, new_block_ids))
+            budget -= num_new
+            i += 1
+
+        # A step that had to preempt admits nobody new: the pool is already too tight.
+        while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break  # strict FIFO: a later, smaller request may not overtake the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._schedule_request(request, num_new, new_block_ids))
+            budget -= num_new
+
+        num_tokens = self.config.max_num_batched_tokens - budget
+        self._record_step(num_tokens)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, num_tokens, finished_ids)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+        """Allocate blocks for `request`, preempting the newest running requests until they fit.
+
+        Returns None when `request` itself had to be preempted.
+        """
+        while True:
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.known_to_runner = False
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._preempted_this_step = True
+        self.waiting.appendleft(request)
+
+    def _schedule_request(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        new_data = None
+        block_ids = new_block_ids
+        if not request.known_to_runner:
+            new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
+                                      request.sampling_params)
+            block_ids = self.kv_cache.block_ids(request)
+            request.known_to_runner = True
+        if new_data is None and num_new == 1 and start >= request.num_prompt_tokens:
+            self.stats.num_decode_tokens += 1
+        else:
+            self.stats.num_prefill_tokens += num_new
+        if end < request.num_tokens:
+            self.stats.num_chunked_prefills += 1
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids[start:end],
+            num_computed_tokens=start,
+            block_ids=block_ids,
+            sample=end == request.num_tokens,
+            new=new_data,
+        )
+
+    def _record_step(self, num_tokens: int) -> None:
+        stats = self.stats
+        if num_tokens:
+            stats.num_steps += 1
+        stats.num_scheduled_tokens += num_tokens
+        stats.max_step_tokens = max(stats.max_step_tokens, num_tokens)
+        stats.max_running = max(stats.max_running, len(self.running))
+        stats.peak_used_blocks = self.kv_cache.peak_used_blocks
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, stop what must stop, and free the finished requests' blocks."""
+        finished: list[Request] = []
+        for scheduled in output.requests:
+            if not scheduled.sample:
+                continue
+            request = self.requests[scheduled.request_id]
+            request.append_token(runner_output.sampled[scheduled.request_id])
+            self.stats.num_generated_tokens += 1
+            if request.num_tokens >= self.config.max_model_len:
+                request.status = RequestStatus.FINISHED_LENGTH
+            if request.status.finished or self.check_stop(request):
+                finished.append(request)
+        if finished:
+            for request in finished:
+                self.kv_cache.free(request)
+                del self.requests[request.request_id]
+                self._finished_ids.append(request.request_id)
+            self.running = [r for r in self.running if not r.status.finished]
+        return finished

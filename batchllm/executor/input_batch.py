@@ -1,0 +1,96 @@
+"""Persistent input buffers for the flat batch, filled from a SchedulerOutput each step.
+
+Every buffer is allocated once at its maximum size: host staging arrays (numpy views of pinned memory on
+CUDA) and device tensors of the same shape. A step fills a prefix of each on the host with vectorized
+numpy, then issues one asynchronous copy per buffer. Nothing is allocated on the hot path, which is what
+CUDA graphs (fixed addresses) need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchllm.forward_context import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Buffer:
+    host: torch.Tensor
+    device: torch.Tensor
+    np: np.ndarray
+
+    @classmethod
+    def create(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> _Buffer:
+        pin = device.type == "cuda"
+        host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        dev = host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+        return cls(host, dev, host.numpy())
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Copy the first n rows host → device (asynchronous on CUDA) and return the device view."""
+        if self.device is not self.host:
+            self.device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class InputBatch:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.input_ids = _Buffer.create((max_num_tokens,), torch.int64, device)
+        self.positions = _Buffer.create((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = _Buffer.create((max_num_tokens,), torch.int64, device)
+        self.query_start_loc = _Buffer.create((max_num_seqs + 1,), torch.int32, device)
+        self.seq_lens = _Buffer.create((max_num_seqs,), torch.int32, device)
+        self.block_tables = _Buffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        self.logits_indices = _Buffer.create((max_num_seqs,), torch.int64, device)
+        self._arange = np.arange(max_num_tokens, dtype=np.int64)
+
+    def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
+                block_rows: list[np.ndarray], sample_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                AttentionMetadata, torch.Tensor]:
+        """Fill the buffers for one step.
+
+        `num_scheduled[i]` new tokens of sequence i start at position `num_computed[i]`; `token_ids` is their
+        concatenation; `block_rows[i]` its block table; `sample_rows` the sequences whose last scheduled
+        token yields logits. Returns (input_ids, positions, attention metadata, logits indices) on device.
+        """
+        num_seqs = len(num_scheduled)
+        num_tokens = len(token_ids)
+        cu = self.query_start_loc.np
+        cu[0] = 0
+        np.cumsum(num_scheduled, out=cu[1 : num_seqs + 1])
+        seq_lens = self.seq_lens.np[:num_seqs]
+        np.add(num_computed, num_scheduled, out=seq_lens)
+
+        # Positions: each token's offset inside its sequence's chunk, plus the sequence's computed length.
+        seq_of_token = np.repeat(np.arange(num_seqs), num_scheduled)
+        positions = self.positions.np[:num_tokens]
+        np.subtract(self._arange[:num_tokens], cu[:num_seqs][seq_of_token], out=positions)
+        positions += num_computed[seq_of_token]
+
+        tables = self.block_tables.np
+        for i, row in enumerate(block_rows):
+            tables[i, : len(row)] = row
+        block_of_token = tables[seq_of_token, positions // self.block_size]
+        np.add(block_of_token * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:num_tokens])
+        self.input_ids.np[:num_tokens] = token_ids
+        num_samples = len(sample_rows)
+        np.subtract(cu[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
+
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(num_tokens),
+            query_start_loc=self.query_start_loc.upload(num_seqs + 1),
+            seq_lens=self.seq_lens.upload(num_seqs),
+            block_tables=self.block_tables.upload(num_seqs),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return (self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata,
+                self.logits_indices.upload(num_samples))

@@ -1,0 +1,37 @@
+"""Allocation of the paged KV cache and its hand-out to the attention layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchllm.model.config import ModelConfig
+from batchllm.model.layers.attention import Attention
+
+
+@dataclass(slots=True)
+class KVCache:
+    # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation for the pool.
+    tensor: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+
+
+def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
+                      device: torch.device, dtype: torch.dtype) -> KVCache:
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != config.num_layers:
+        raise RuntimeError(f"found {len(layers)} attention layers, the config says {config.num_layers}")
+    tensor = torch.empty(2, len(layers), num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                         dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = tensor[0, i], tensor[1, i]
+    return KVCache(tensor)

@@ -1,0 +1,172 @@
+"""Runs the model for a SchedulerOutput: flat batch in, sampled tokens out.
+
+The runner owns the weights, the paged KV cache and per-request device-side state (block table, token
+history for penalties, seeded generator). One host sync per step: reading the sampled token ids.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from batchllm.executor.input_batch import InputBatch
+from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
+from batchllm.forward_context import set_forward_context
+from batchllm.model.loader import load_model
+from batchllm.model.layers.sampler import Sampler, SamplingRow, SamplingTensors
+
+
+@dataclass(slots=True)
+class _RequestState:
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    params: object  # SamplingParams
+    block_ids: np.ndarray  # int32, capacity max_blocks_per_seq
+    num_blocks: int = 0
+    generator: torch.Generator | None = None
+
+    def set_blocks(self, block_ids: list[int], reset: bool) -> None:
+        if reset:
+            self.num_blocks = 0
+        end = self.num_blocks + len(block_ids)
+        self.block_ids[self.num_blocks : end] = block_ids
+        self.num_blocks = end
+
+
+class ModelRunner:
+    def __init__(self, model_path: Path, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, max_model_len: int | None, seed: int,
+                 eos_token_ids: frozenset[int], load_format: str = "auto") -> None:
+        torch.manual_seed(seed)
+        self.device, self.dtype = device, dtype
+        self.block_size = cache_config.block_size
+        self.scheduler_config = scheduler_config
+        self.model, self.model_config = load_model(model_path, device, dtype, load_format=load_format, seed=seed)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.eos_token_ids = eos_token_ids
+
+        num_blocks = cache_config.num_blocks or self._blocks_from_memory(cache_config)
+        self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
+                                                   device, dtype)
+        self.num_blocks = num_blocks
+        self.max_model_len = self._resolve_max_model_len(max_model_len, num_blocks)
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.inputs = InputBatch(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+                                 max_blocks_per_seq, self.block_size, device)
+        self._states: dict[str, _RequestState] = {}
+
+    def _resolve_max_model_len(self, requested: int | None, num_blocks: int) -> int:
+        model_limit = self.model_config.max_model_len
+        if requested is not None and requested > model_limit:
+            raise ValueError(f"max_model_len={requested} exceeds the model's limit of {model_limit} positions")
+        return min(requested or model_limit, num_blocks * self.block_size)
+
+    def _blocks_from_memory(self, cache_config: CacheConfig) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory(cache_config.gpu_memory_utilization)
+        else:
+            budget = cache_config.kv_cache_memory_bytes or _default_cpu_kv_bytes()
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} per block)")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self, utilization: float) -> int:
+        """Run one forward pass at the full token budget and return the bytes the KV pool may take."""
+        from batchllm.executor.profiling import profile_peak_memory
+
+        return profile_peak_memory(self, utilization)
+
+    # ----------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in so.finished_request_ids:
+            self._states.pop(request_id, None)
+        if so.is_empty:
+            return ModelRunnerOutput({})
+
+        num_seqs = len(so.requests)
+        num_scheduled = np.empty(num_seqs, dtype=np.int64)
+        num_computed = np.empty(num_seqs, dtype=np.int64)
+        token_ids: list[int] = []
+        block_rows: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        sampled_states: list[tuple[str, _RequestState]] = []
+        for i, scheduled in enumerate(so.requests):
+            state = self._state_for(scheduled.request_id, scheduled.new)
+            state.set_blocks(scheduled.block_ids, reset=scheduled.new is not None)
+            num_scheduled[i] = len(scheduled.token_ids)
+            num_computed[i] = scheduled.num_computed_tokens
+            token_ids.extend(scheduled.token_ids)
+            block_rows.append(state.block_ids[: state.num_blocks])
+            if scheduled.sample:
+                sample_rows.append(i)
+                sampled_states.append((scheduled.request_id, state))
+
+        input_ids, positions, metadata, logits_indices = self.inputs.prepare(
+            token_ids, num_scheduled, num_computed, block_rows, np.asarray(sample_rows, dtype=np.int64))
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        if not sampled_states:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[logits_indices])
+        return ModelRunnerOutput(self._sample(logits, sampled_states))
+
+    def _state_for(self, request_id: str, new: NewRequestData | None) -> _RequestState:
+        state = self._states.get(request_id)
+        if new is None:
+            assert state is not None, f"runner has no state for request {request_id}"
+            return state
+        generator = state.generator if state is not None else None  # a preempted request keeps its RNG stream
+        if generator is None and new.sampling_params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
+        state = _RequestState(list(new.all_token_ids), new.num_prompt_tokens, new.sampling_params,
+                              np.zeros(self.max_blocks_per_seq, dtype=np.int32), generator=generator)
+        self._states[request_id] = state
+        return state
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]]) -> dict[str, SampledToken]:
+        sampling_rows = [
+            SamplingRow(s.params, s.all_token_ids[: s.num_prompt_tokens], s.all_token_ids[s.num_prompt_tokens:],
+                        s.generator)
+            for _, s in rows
+        ]
+        tensors = SamplingTensors.build(sampling_rows, logits.shape[-1], self.device, self.eos_token_ids)
+        out = self.sampler(logits, tensors)
+        token_ids = out.token_ids.tolist()  # the step's one host sync
+        results: dict[str, SampledToken] = {}
+        logprob_lists = _logprob_lists(out) if out.logprobs is not None else None
+        for i, ((request_id, state), token) in enumerate(zip(rows, token_ids)):
+            state.all_token_ids.append(token)
+            sampled = SampledToken(token)
+            k = state.params.logprobs
+            if k is not None and logprob_lists is not None:
+                logprobs, ranks, top_ids, top_logprobs = logprob_lists
+                sampled.logprob, sampled.rank = logprobs[i], ranks[i]
+                sampled.top_logprobs = dict(zip(top_ids[i][:k], top_logprobs[i][:k]))
+            results[request_id] = sampled
+        return results
+
+
+def _logprob_lists(out) -> tuple[list, list, list, list]:
+    return out.logprobs.tolist(), out.ranks.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+
+
+def _default_cpu_kv_bytes() -> int:
+    """A quarter of physical memory, at most 4 GiB: room for the weights and the rest of the process."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return min(4 << 30, total // 4)
+

@@ -1,0 +1,56 @@
+"""GPU memory profiling: how much of the card the KV pool may take.
+
+One forward pass at the full token budget (plus logits and sampling for the largest batch) measures the
+activation peak; the pool gets `gpu_memory_utilization` of the card minus that peak and everything else
+already resident (weights, the CUDA context, other processes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from batchllm.executor.input_batch import InputBatch
+from batchllm.executor.kv_cache import allocate_kv_cache
+from batchllm.forward_context import set_forward_context
+
+if TYPE_CHECKING:
+    from batchllm.executor.model_runner import ModelRunner
+
+
+def profile_peak_memory(runner: ModelRunner, utilization: float) -> int:
+    config = runner.scheduler_config
+    block_size = runner.block_size
+    num_tokens = min(config.max_num_batched_tokens, runner.model_config.max_model_len)
+    num_seqs = min(config.max_num_seqs, num_tokens)
+    num_blocks = -(-num_tokens // block_size) + num_seqs
+    cache = allocate_kv_cache(runner.model, runner.model_config, num_blocks, block_size, runner.device, runner.dtype)
+    inputs = InputBatch(num_tokens, num_seqs, num_blocks, block_size, runner.device)
+
+    # One long sequence carries the token budget; the other sequences are single tokens asking for logits,
+    # so the profile sees both the largest activation and the largest logits tensor.
+    lengths = np.ones(num_seqs, dtype=np.int64)
+    lengths[0] = num_tokens - (num_seqs - 1)
+    rows, next_block = [], 0
+    for length in lengths:
+        count = -(-int(length) // block_size)
+        rows.append(np.arange(next_block, next_block + count, dtype=np.int32))
+        next_block += count
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    input_ids, positions, metadata, logits_indices = inputs.prepare(
+        [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), rows, np.arange(num_seqs))
+    with set_forward_context(metadata):
+        hidden = runner.model(input_ids, positions)
+    logits = runner.model.compute_logits(hidden[logits_indices])
+    torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del cache, inputs, hidden, logits
+    torch.cuda.empty_cache()
+
+    free, total = torch.cuda.mem_get_info()
+    used_by_others = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
+    return max(0, int(total * utilization) - peak - used_by_others)

