@@ -1,0 +1,160 @@
+"""The model hyper-parameters we need, parsed once from an HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Checkpoints converted from GGUF (the default model among them) carry `"architectures": null`.
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class RopeScaling:
+    """Frequency scaling on top of plain RoPE. `linear` uses only `factor`; `llama3` uses all fields."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """A Llama-family decoder's shape and numerics.
+
+    `max_model_len` is the longest sequence the model serves. It is `max_position_embeddings`, except for
+    sliding-window models (Mistral, or Qwen with `use_sliding_window`): we implement only full attention,
+    which equals sliding-window attention as long as no sequence is longer than the window, so the length
+    is capped to the window and results stay exact.
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    max_model_len: int
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on the q/k/v projections
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str | None = None  # the checkpoint's dtype name, e.g. "bfloat16"
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Parse `<path>/config.json`."""
+        return cls.from_hf_dict(read_hf_config(path))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse an HF config dict, written by transformers 4 (`rope_theta`/`rope_scaling`) or 5 (`rope_parameters`)."""
+        architecture = architecture_of(hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{architecture}: only hidden_act='silu' is supported, got {hf['hidden_act']!r}")
+        hidden_size, num_heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
+        max_positions = _required(hf, "max_position_embeddings")
+        sliding_window = _effective_sliding_window(hf)
+        rope_theta, rope_scaling = _parse_rope(hf)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden_size,
+            intermediate_size=_required(hf, "intermediate_size"),
+            num_layers=_required(hf, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden_size // num_heads,
+            vocab_size=_required(hf, "vocab_size"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            max_model_len=min(max_positions, sliding_window) if sliding_window else max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,  # Qwen2 biases q/k/v only
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        )
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The raw `config.json` of a model directory."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: a model directory must hold an HF config.json")
+    return json.loads(config_file.read_text())
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    """The HF architecture name (e.g. `LlamaForCausalLM`), inferred from `model_type` when not recorded."""
+    architectures = hf.get("architectures")
+    if architectures:
+        return architectures[0]
+    model_type = hf.get("model_type")
+    if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
+        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
+    raise ValueError(f"config.json names no architecture (architectures={architectures!r}, model_type={model_type!r})")
+
+
+def _required(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise ValueError(f"config.json has no {key!r}; is this a Llama-family causal LM checkpoint?")
+    return hf[key]
+
+
+def _effective_sliding_window(hf: dict[str, Any]) -> int | None:
+    # Qwen configs record a window even when it is switched off; Mistral has no switch.
+    if not hf.get("use_sliding_window", True):
+        return None
+    return hf.get("sliding_window")
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    # Older configs spell the type `type`.
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor=float(params["factor"]))
+    return theta, RopeScaling(
+        "llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", hf["max_position_embeddings"])
+        ),
+    )

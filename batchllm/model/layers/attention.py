@@ -1,0 +1,37 @@
+"""Paged attention layer: the only place where model code meets the KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchllm import kernels
+from batchllm.forward_context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the layer's cache, then attends over everything cached so far.
+
+    `k_cache` and `v_cache` (`[num_blocks, block_size, num_kv_heads, head_dim]`) are plain attributes, not
+    parameters or buffers, so they are never saved, loaded or moved with the model: the model runner
+    allocates them once the model is loaded and assigns them to each layer. Paging metadata comes from the
+    forward context (`batchllm.forward_context`).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`query [T, Hq, D]`, `key`/`value [T, Hkv, D]` of the flat batch → attention output `[T, Hq * D]`."""
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("Attention layer has no KV cache: the model runner must assign k_cache/v_cache first")
+        metadata = get_attention_metadata()
+        kernels.write_kv(key, value, self.k_cache, self.v_cache, metadata.slot_mapping)
+        out = kernels.paged_attention(query, self.k_cache, self.v_cache, metadata, self.scale)
+        return out.flatten(1)

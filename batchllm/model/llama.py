@@ -1,0 +1,136 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model over a flat batch of tokens.
+
+The differences between the families are config flags: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
+tied embeddings, RoPE scaling. Parameter names follow the HF checkpoints, except that q/k/v and gate/up
+are fused; `packed_modules_mapping` tells the loader how HF tensors map onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchllm.model.config import ModelConfig
+from batchllm.model.layers.activation import SiluAndMul
+from batchllm.model.layers.attention import Attention
+from batchllm.model.layers.embedding import VocabEmbedding
+from batchllm.model.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinear, RowLinear
+from batchllm.model.layers.norm import RMSNorm
+from batchllm.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=config.attention_bias
+        )
+        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, scale=config.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
+        )
+        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaSelfAttention(config, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(mlp output, residual stream)`; the next norm adds them, saving a separate add."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer: for long-context models it is tens of MB.
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a flat batch: `forward(input_ids [T], positions [T]) -> hidden [T, H]`.
+
+    Paging metadata is read from the forward context, so the runner must call the model inside
+    `batchllm.forward_context.set_forward_context(...)`, after assigning each layer's KV cache
+    (see `attention_layers`).
+    """
+
+    # HF checkpoint module name → (our fused module name, shard id).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied models read logits off the embedding table instead of holding a second copy.
+        self.lm_head = (
+            None if config.tie_word_embeddings else ColumnLinear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[N, vocab_size]` for the hidden states of the tokens that need them."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,165 @@
+"""Build a model and fill its weights from a local safetensors checkpoint (or with seeded random values)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
+from batchllm.model.default_model import default_model_path
+from batchllm.model.layers.linear import copy_checked
+from batchllm.model.layers.norm import RMSNorm
+from batchllm.model.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "dummy")
+# Tensors some checkpoints carry that we derive ourselves instead of loading.
+_UNUSED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_DUMMY_STD = 0.02
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The local model directory for a user's `model` argument; None means the default model.
+
+    Nothing is ever downloaded: a Hub repo id that is not an existing directory is an error.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {str(model)!r} is not a local directory. batchllm never downloads models: pass the path of "
+            f"an HF checkpoint directory (config.json + *.safetensors), e.g. one fetched with "
+            f"`huggingface-cli download <repo> --local-dir <dir>`, or model=None for the default model."
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json; is it an HF checkpoint directory?")
+    return path
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for the checkpoint at `path` on `device` in `dtype`, with its weights loaded.
+
+    `load_format="auto"` reads `*.safetensors` (memory-mapped; pickled checkpoints are never opened).
+    `load_format="dummy"` needs only config.json and fills the weights with seeded random values
+    (normal(0, 0.02), norms 1): right shapes and speed, meaningless text.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    model_class = get_model_class(architecture_of(hf_config))  # before parsing, so the error is about support
+    config = ModelConfig.from_hf_dict(hf_config)
+    # Parameters are created uninitialised, directly on the device and in the target dtype.
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)
+    with torch.no_grad():
+        if load_format == "dummy":
+            _fill_dummy_weights(model, seed)
+        else:
+            _load_safetensors(model, path, config)
+    return model.eval(), config
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+    """Loader for parameters that map one-to-one onto a checkpoint tensor."""
+    copy_checked(param.data, loaded_weight)
+
+
+def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig) -> None:
+    packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, Hashable]] = set()
+    unexpected: list[str] = []
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                if name.endswith(_UNUSED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                target, shard_id = _param_name_for(name, packed)
+                param = params.get(target)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    weight_loader(param, checkpoint.get_tensor(name), shard_id)
+                except ValueError as exc:
+                    raise ValueError(f"{file.name}: {name}: {exc}") from None
+                loaded.add((target, shard_id))
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
+    missing = sorted(_checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match {config.architecture}: "
+            + (f"missing tensors: {', '.join(missing)}. " if missing else "")
+            + (f"unexpected tensors: {', '.join(sorted(unexpected))}." if unexpected else "")
+        )
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    # The index is authoritative: some repos also ship a consolidated copy that must not be read twice.
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {path}; batchllm loads safetensors checkpoints only "
+            f"(use load_format='dummy' for random weights)"
+        )
+    return files
+
+
+def _param_name_for(checkpoint_name: str, packed: dict[str, tuple[str, Hashable]]) -> tuple[str, Hashable]:
+    """`model.layers.0.self_attn.k_proj.weight` → (`model.layers.0.self_attn.qkv_proj.weight`, "k")."""
+    *prefix, module, kind = checkpoint_name.split(".")
+    if module in packed:
+        fused, shard_id = packed[module]
+        return ".".join([*prefix, fused, kind]), shard_id
+    return checkpoint_name, None
+
+
+def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, tuple[str, Hashable]]) -> str:
+    """Inverse of `_param_name_for`, so errors name the tensors a user can look for in the checkpoint."""
+    if shard_id is None:
+        return param_name
+    *prefix, fused, kind = param_name.split(".")
+    module = next(hf for hf, target in packed.items() if target == (fused, shard_id))
+    return ".".join([*prefix, module, kind])
+
+
+def _fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, _DUMMY_STD, generator=generators[param.device])
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

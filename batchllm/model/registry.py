@@ -1,0 +1,29 @@
+"""Which model class serves which HF architecture."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from batchllm.model.llama import LlamaForCausalLM
+
+# The four families share one implementation; their differences are ModelConfig flags.
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class for an HF `architectures` entry; a ValueError names the supported ones otherwise."""
+    try:
+        return _MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"Model architecture {architecture!r} is not supported. Supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Use a checkpoint of one of these families "
+            f"(its config.json 'architectures' field says which it is)."
+        ) from None
