@@ -14,19 +14,20 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.sampling_params import SamplingParams
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
 from batchllm.model.loader import load_model
-from batchllm.model.layers.sampler import Sampler, SamplingRow, SamplingTensors
+from batchllm.model.layers.sampler import Sampler, SamplingRow, SamplingTensors, make_generator
 
 
 @dataclass(slots=True)
 class _RequestState:
-    all_token_ids: list[int]
-    num_prompt_tokens: int
-    params: object  # SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # grows by one per sampled token: penalties read it
+    params: SamplingParams
     block_ids: np.ndarray  # int32, capacity max_blocks_per_seq
     num_blocks: int = 0
     generator: torch.Generator | None = None
@@ -129,37 +130,22 @@ class ModelRunner:
             return state
         generator = state.generator if state is not None else None  # a preempted request keeps its RNG stream
         if generator is None and new.sampling_params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
-        state = _RequestState(list(new.all_token_ids), new.num_prompt_tokens, new.sampling_params,
+            generator = make_generator(new.sampling_params.seed, self.device)
+        num_prompt = new.num_prompt_tokens
+        state = _RequestState(new.all_token_ids[:num_prompt], new.all_token_ids[num_prompt:], new.sampling_params,
                               np.zeros(self.max_blocks_per_seq, dtype=np.int32), generator=generator)
         self._states[request_id] = state
         return state
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]]) -> dict[str, SampledToken]:
-        sampling_rows = [
-            SamplingRow(s.params, s.all_token_ids[: s.num_prompt_tokens], s.all_token_ids[s.num_prompt_tokens:],
-                        s.generator)
-            for _, s in rows
-        ]
+        sampling_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for _, s in rows]
         tensors = SamplingTensors.build(sampling_rows, logits.shape[-1], self.device, self.eos_token_ids)
-        out = self.sampler(logits, tensors)
-        token_ids = out.token_ids.tolist()  # the step's one host sync
+        sampled = self.sampler(logits, tensors).to_sampled_tokens()  # the step's one host sync
         results: dict[str, SampledToken] = {}
-        logprob_lists = _logprob_lists(out) if out.logprobs is not None else None
-        for i, ((request_id, state), token) in enumerate(zip(rows, token_ids)):
-            state.all_token_ids.append(token)
-            sampled = SampledToken(token)
-            k = state.params.logprobs
-            if k is not None and logprob_lists is not None:
-                logprobs, ranks, top_ids, top_logprobs = logprob_lists
-                sampled.logprob, sampled.rank = logprobs[i], ranks[i]
-                sampled.top_logprobs = dict(zip(top_ids[i][:k], top_logprobs[i][:k]))
-            results[request_id] = sampled
+        for (request_id, state), token in zip(rows, sampled):
+            state.output_token_ids.append(token.token_id)
+            results[request_id] = token
         return results
-
-
-def _logprob_lists(out) -> tuple[list, list, list, list]:
-    return out.logprobs.tolist(), out.ranks.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
 
 
 def _default_cpu_kv_bytes() -> int:

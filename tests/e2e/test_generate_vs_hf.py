@@ -76,8 +76,11 @@ def test_greedy_equals_hf(llm_default, prompts, hf_greedy):
 
 
 def test_greedy_equals_hf_under_preemption(llm_default, prompts, hf_greedy):
-    longest = max(len(p) for p in prompts) + MAX_NEW
-    llm = LLM(num_kv_blocks=longest // 16 + 4)  # room for the longest request and little else
+    # Exactly enough blocks to admit every prompt at once: the first decode step that crosses a block
+    # boundary must preempt, and so on for every later growth. (The longest request fits alone.)
+    num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts)
+    assert num_blocks * 16 >= max(len(p) for p in prompts) + MAX_NEW
+    llm = LLM(num_kv_blocks=num_blocks)
     assert _greedy_ids(llm, prompts) == hf_greedy
     assert llm.stats.num_preemptions >= 5, llm.stats
 
