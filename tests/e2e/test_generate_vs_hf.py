@@ -6,6 +6,7 @@ time (no padding), so it shares no code with batchllm's model, runner or schedul
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -93,7 +94,8 @@ def test_greedy_equals_hf_with_every_prompt_chunked(llm_default, prompts, hf_gre
 
 
 def test_seeded_sample_independent_of_batch(llm_default):
-    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
+    # ignore_eos keeps all 24 draws in play: a first-token EOS would make any two seeds look alike.
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
     prompt = "Tell me a short story about a robot."
     alone = llm_default.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     others = [f"Question {i}: name a color and a number bigger than {i}." for i in range(30)]
@@ -102,6 +104,5 @@ def test_seeded_sample_independent_of_batch(llm_default):
                                  use_tqdm=False)
     assert batch[13].outputs[0].text == alone.text
     assert batch[13].outputs[0].token_ids == alone.token_ids
-    different_seed = llm_default.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
-                                                                   max_tokens=24), use_tqdm=False)[0]
+    different_seed = llm_default.generate([prompt], dataclasses.replace(params, seed=99), use_tqdm=False)[0]
     assert different_seed.outputs[0].token_ids != alone.token_ids, "the seed had no effect"
