@@ -40,7 +40,7 @@ _current: AttentionMetadata | None = None
 
 def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
-        raise RuntimeError("attention called outside a forward context (use batchllm.forward_context.set_forward_context)")
+        raise RuntimeError("attention ran outside a forward context: wrap the forward pass in set_forward_context()")
     return _current
 
 

@@ -48,9 +48,11 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "an int >= 1 or None")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an int >= 0")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "an int >= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"<= max_tokens ({self.max_tokens})")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop, "non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "non-negative ints")

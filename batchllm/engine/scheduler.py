@@ -110,7 +110,8 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits nobody new: the pool is already too tight.
-        while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
-from batchllm.sampling_params import SamplingParams
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
-from batchllm.model.loader import load_model
 from batchllm.model.layers.sampler import Sampler, SamplingRow, SamplingTensors, make_generator
+from batchllm.model.loader import load_model
+from batchllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
