@@ -58,7 +58,8 @@ class LLM:
                              max_model_len, seed, eos_token_ids, load_format=load_format)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
-        scheduler = Scheduler(scheduler_config, KVCacheManager(runner.num_blocks, block_size), detokenizer.check_stop)
+        kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
+        scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop)
         self.engine = EngineCore(scheduler, runner, detokenizer)
         self.runner = runner
         self.load_seconds = time.perf_counter() - start
@@ -72,7 +73,8 @@ class LLM:
     @property
     def stats(self) -> EngineStats:
         """Statistics of the most recent `generate` / `chat` call."""
-        return EngineStats.collect(self.engine.scheduler.stats, self.runner, self._last_call_seconds)
+        scheduler = self.engine.scheduler
+        return EngineStats.collect(scheduler.stats, scheduler.kv_cache, self.runner, self._last_call_seconds)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -120,7 +122,8 @@ class LLM:
             for sample in range(params.n):
                 request_id = f"{outputs[-1].request_id}.{sample}"
                 owners[request_id] = (index, sample)
-                engine.add_request(request_id, token_ids, _sample_params(params, sample))
+                fork_of = f"{outputs[-1].request_id}.0" if sample else None
+                engine.add_request(request_id, token_ids, _sample_params(params, sample), fork_of=fork_of)
         progress = _progress_bar(len(owners), use_tqdm)
         results: list[list[CompletionOutput | None]] = [[None] * p.n for p in params_list]
         try:

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import SchedulerStats
 
 
@@ -25,14 +26,27 @@ class EngineStats:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens served from cached blocks
+    shared_blocks: int  # block references shared between the samples of n > 1 requests
+    cow_copies: int  # shared blocks copied because a sample wrote into them
+    evicted_blocks: int  # cached blocks reused for other contents
     elapsed_seconds: float
 
     @classmethod
-    def collect(cls, scheduler_stats: SchedulerStats, runner: Any, elapsed_seconds: float) -> EngineStats:
+    def collect(cls, scheduler_stats: SchedulerStats, kv_cache: KVCacheManager, runner: Any,
+                elapsed_seconds: float) -> EngineStats:
         fields = dataclasses.asdict(scheduler_stats)
         fields["num_kv_blocks"] = fields.pop("num_blocks")
+        cache = kv_cache.stats
         return cls(**fields, block_size=runner.block_size, max_model_len=runner.max_model_len,
-                   elapsed_seconds=elapsed_seconds)
+                   prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
+                   shared_blocks=cache.shared_blocks, cow_copies=cache.cow_copies,
+                   evicted_blocks=kv_cache.pool.num_evictions, elapsed_seconds=elapsed_seconds)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def generated_tokens_per_second(self) -> float:

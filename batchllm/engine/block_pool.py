@@ -1,10 +1,12 @@
-"""The pool of KV-cache blocks and its free list.
+"""The pool of KV-cache blocks, its free list and the prefix-cache index.
 
 Invariants:
 - a block is in the free queue iff its `ref_cnt` is 0;
 - `ref_cnt` never goes negative (freeing a free block raises);
 - the free queue is ordered by eviction priority: the head is taken first. Freed blocks join the tail, so
-  a block that was used recently is reused last (LRU), which is what lets cached contents survive longest.
+  a block that was used recently is reused last (LRU), which is what lets cached contents survive longest;
+- `cached[h] is b` iff `b.block_hash == h`: a full block keeps its hash (and stays findable) while it sits
+  in the free queue, and loses it only when it is handed out again (lazy eviction).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: bytes | None = None  # set while the block is full and indexed in the prefix cache
     # Intrusive links of the free queue: O(1) removal from the middle without a search.
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
@@ -63,11 +66,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"a KV-cache pool needs at least one block, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -86,8 +92,32 @@ class BlockPool:
             raise RuntimeError(f"asked for {count} KV-cache blocks, only {self.num_free_blocks} free")
         taken = [self.free_queue.pop_front() for _ in range(count)]
         for block in taken:
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
         return taken
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix-cache hit or a shared block)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Index a block that just became full. If an identical block is already indexed, keep that one:
+        the new block stays private and is simply freed later."""
+        if self.enable_caching and block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue in the given order."""

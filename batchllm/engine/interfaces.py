@@ -32,7 +32,8 @@ class ScheduledRequest:
 
     Invariants: `token_ids` are the tokens at positions
     `[num_computed_tokens, num_computed_tokens + len(token_ids))`; `block_ids` is the full block table
-    when `new` is set, else only the blocks appended since the runner last saw the request.
+    when `full_block_table` is set (a new request, or a block replaced by its copy-on-write copy), else
+    only the blocks appended since the runner last saw the request.
     `sample` is true when this step computes the last known token, so its logits yield a new token.
     """
 
@@ -42,6 +43,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     new: NewRequestData | None = None
+    full_block_table: bool = False
 
 
 @dataclass(slots=True)
@@ -50,6 +52,8 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     # Requests that ended since the previous step: the runner drops their per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Copy-on-write: copy KV block src to dst (all layers) before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -49,6 +49,10 @@ class Request:
     output_logprobs: list[SampledToken] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
     error: str | None = None
+    # Set for samples 2..n of a prompt: they share the first sample's prompt blocks once it has computed them.
+    fork_of: str | None = None
+    # Chained hashes of the full blocks of token_ids computed so far (prefix caching), extended lazily.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

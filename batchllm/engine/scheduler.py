@@ -17,7 +17,7 @@ from typing import Callable
 
 from batchllm.config import SchedulerConfig
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from batchllm.engine.kv_cache_manager import KVCacheManager
+from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager, PrefixCacheStats
 from batchllm.engine.request import Request, RequestStatus
 
 
@@ -36,6 +36,8 @@ class SchedulerStats:
     num_blocks: int = 0
     num_errors: int = 0
 
+
+_WAIT = object()  # sentinel: a forked sample waits for its parent's prompt
 
 # Returns True when the request must stop after its newest token; sets status and stop_reason.
 StopCheck = Callable[[Request], bool]
@@ -58,6 +60,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # reported to the runner with the next step
         self._rejected: list[Request] = []
         self._preempted_this_step = False
+        self._scheduled_now: dict[str, int] = {}  # request id → tokens scheduled in the step being built
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -85,6 +88,7 @@ class Scheduler:
     def reset_stats(self) -> None:
         self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
         self.kv_cache.peak_used_blocks = self.kv_cache.pool.num_used_blocks
+        self.kv_cache.stats = PrefixCacheStats()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._rejected)
@@ -102,10 +106,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new)
-            if new_block_ids is None:
+            allocation = self._allocate_or_preempt(request, num_new)
+            if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
-            scheduled.append(self._schedule_request(request, num_new, new_block_ids))
+            scheduled.append(self._schedule_request(request, num_new, allocation))
             budget -= num_new
             i += 1
 
@@ -113,30 +117,73 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
-            if new_block_ids is None:
+            admitted = self._admit(request, budget)
+            if admitted is None:
                 break  # strict FIFO: a later, smaller request may not overtake the head of the queue
+            num_new, allocation = admitted
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._schedule_request(request, num_new, new_block_ids))
+            scheduled.append(self._schedule_request(request, num_new, allocation))
             budget -= num_new
 
         num_tokens = self.config.max_num_batched_tokens - budget
         self._record_step(num_tokens)
         finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, num_tokens, finished_ids)
+        self._scheduled_now.clear()
+        return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies())
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+    def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation] | None:
+        """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus
+        fresh ones. Returns (tokens to compute, allocation), or None if it must keep waiting."""
+        kv = self.kv_cache
+        parent = self._fork_parent(request)
+        if parent is _WAIT:
+            return None
+        if parent is not None:
+            # Share the parent's prompt blocks and recompute only the last prompt token, whose logits this
+            # sample needs; its write into the shared last block triggers the copy-on-write.
+            kv.fork(parent, request, request.num_prompt_tokens)
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            allocation = kv.allocate_slots(request, num_new)
+            if allocation is None:
+                kv.free(request)
+                request.num_computed_tokens = 0
+                return None
+            return num_new, allocation
+        cached = kv.find_cached_prefix(request)
+        num_cached = len(cached) * kv.block_size
+        num_new = min(request.num_tokens - num_cached, budget)
+        allocation = kv.allocate_slots(request, num_new, cached)
+        if allocation is None:
+            return None
+        kv.stats.queries += request.num_tokens
+        kv.stats.hits += num_cached
+        request.num_computed_tokens = num_cached
+        return num_new, allocation
+
+    def _fork_parent(self, request: Request) -> Request | object | None:
+        """The running request whose prompt K/V this one can share, `_WAIT` if that parent is still
+        computing its prompt, None to run on its own (no parent, or the parent is no longer running)."""
+        if request.fork_of is None:
+            return None
+        parent = self.requests.get(request.fork_of)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            return None
+        # Only K/V written in earlier steps can be copied before this step's forward pass.
+        ready = parent.num_computed_tokens - self._scheduled_now.get(parent.request_id, 0)
+        return parent if ready >= request.num_prompt_tokens else _WAIT
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> BlockAllocation | None:
         """Allocate blocks for `request`, preempting the newest running requests until they fit.
 
         Returns None when `request` itself had to be preempted.
         """
         while True:
-            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
+            allocation = self.kv_cache.allocate_slots(request, num_new)
+            if allocation is not None:
+                return allocation
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
@@ -152,16 +199,16 @@ class Scheduler:
         self._preempted_this_step = True
         self.waiting.appendleft(request)
 
-    def _schedule_request(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+    def _schedule_request(self, request: Request, num_new: int, allocation: BlockAllocation) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         new_data = None
-        block_ids = new_block_ids
         if not request.known_to_runner:
             new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
                                       request.sampling_params)
-            block_ids = self.kv_cache.block_ids(request)
             request.known_to_runner = True
+        full_table = new_data is not None or allocation.copied
+        block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids
         if new_data is None and num_new == 1 and start >= request.num_prompt_tokens:
             self.stats.num_decode_tokens += 1
         else:
@@ -169,6 +216,7 @@ class Scheduler:
         if end < request.num_tokens:
             self.stats.num_chunked_prefills += 1
         request.num_computed_tokens = end
+        self._scheduled_now[request.request_id] = num_new
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids[start:end],
@@ -176,6 +224,7 @@ class Scheduler:
             block_ids=block_ids,
             sample=end == request.num_tokens,
             new=new_data,
+            full_block_table=full_table,
         )
 
     def _record_step(self, num_tokens: int) -> None:

@@ -15,6 +15,12 @@ class KVCache:
     # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation for the pool.
     tensor: torch.Tensor
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src → block dst in every layer, K and V, in one indexed copy."""
+        src = torch.tensor([s for s, _ in copies], device=self.tensor.device)
+        dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
+        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
     @property
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()

@@ -93,6 +93,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in so.finished_request_ids:
             self._states.pop(request_id, None)
+        if so.block_copies:
+            self.kv_cache.copy_blocks(so.block_copies)
         if so.is_empty:
             return ModelRunnerOutput({})
 
@@ -105,7 +107,7 @@ class ModelRunner:
         sampled_states: list[tuple[str, _RequestState]] = []
         for i, scheduled in enumerate(so.requests):
             state = self._state_for(scheduled.request_id, scheduled.new)
-            state.set_blocks(scheduled.block_ids, reset=scheduled.new is not None)
+            state.set_blocks(scheduled.block_ids, reset=scheduled.full_block_table)
             num_scheduled[i] = len(scheduled.token_ids)
             num_computed[i] = scheduled.num_computed_tokens
             token_ids.extend(scheduled.token_ids)

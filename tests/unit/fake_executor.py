@@ -37,14 +37,20 @@ class FakeExecutor:
         assert so.num_scheduled_tokens <= self.max_num_batched_tokens, "token budget exceeded"
         for request_id in so.finished_request_ids:
             self.block_tables.pop(request_id, None)
-        sampled = {}
+        for src, dst in so.block_copies:
+            size = self.block_size
+            self.slots[dst * size : (dst + 1) * size] = self.slots[src * size : (src + 1) * size]
         for r in so.requests:
-            if r.new is not None:
+            if r.full_block_table:
                 self.block_tables[r.request_id] = list(r.block_ids)
             else:
                 self.block_tables[r.request_id].extend(r.block_ids)
+        sampled = {}
+        self._written_this_step: set[int] = set()
+        for r in so.requests:
             table = self.block_tables[r.request_id]
             end = r.num_computed_tokens + len(r.token_ids)
+            self._check_writes_are_private(so, r, table)
             assert len(table) * self.block_size >= end, "block table too short for the scheduled tokens"
             for offset, token in enumerate(r.token_ids):
                 pos = r.num_computed_tokens + offset
@@ -53,10 +59,15 @@ class FakeExecutor:
                 context = [self.slots[table[p // self.block_size] * self.block_size + p % self.block_size]
                            for p in range(end)]
                 sampled[r.request_id] = SampledToken(next_token(context))
-        self._check_no_shared_blocks(so)
         return ModelRunnerOutput(sampled)
 
-    def _check_no_shared_blocks(self, so: SchedulerOutput) -> None:
-        live = [rid for rid in self.block_tables if rid in {r.request_id for r in so.requests}]
-        owned = [b for rid in live for b in self.block_tables[rid]]
-        assert len(owned) == len(set(owned)), "a KV block is owned by two live requests"
+    def _check_writes_are_private(self, so: SchedulerOutput, r, table: list[int]) -> None:
+        """No two requests of a step write into the same block. (A request may read a block another request
+        fills in the same step: a prefix-cache hit on a block being computed, safe because every layer
+        writes the step's K/V before attention reads it. Overwrites of shared contents show up as wrong
+        tokens, since the fake model reads its context back from the slots.)"""
+        written = {table[p // self.block_size] for p in range(r.num_computed_tokens,
+                                                               r.num_computed_tokens + len(r.token_ids))}
+        overlap = written & self._written_this_step
+        assert not overlap, f"{r.request_id} writes blocks {overlap} that another request writes this step"
+        self._written_this_step |= written

@@ -75,7 +75,7 @@ def test_kv_manager_allocates_on_demand_and_frees_everything():
     grow = requests[0]
     before = len(manager.block_ids(grow))
     needed = 16 * before - grow.num_tokens + 1  # one token past the last block's end
-    assert len(manager.allocate_slots(grow, needed)) == 1
+    assert len(manager.allocate_slots(grow, needed).new_block_ids) == 1
     assert manager.allocate_slots(grow, 10_000) is None  # too big: nothing changes
     assert len(manager.block_ids(grow)) == before + 1
     for r in requests:

@@ -31,8 +31,9 @@ class _NoDetokenizer:
         return ""
 
 
-def _engine(num_blocks: int, budget: int, max_num_seqs: int = 64, max_model_len: int | None = None):
-    kv = KVCacheManager(num_blocks, BLOCK)
+def _engine(num_blocks: int, budget: int, max_num_seqs: int = 64, max_model_len: int | None = None,
+            enable_caching: bool = False):
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching)
     config = SchedulerConfig(max_num_seqs, budget, max_model_len or num_blocks * BLOCK)
     scheduler = Scheduler(config, kv, _max_tokens_stop)
     executor = FakeExecutor(num_blocks, BLOCK, budget)
