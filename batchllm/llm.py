@@ -6,8 +6,9 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
+from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
@@ -19,6 +20,7 @@ from batchllm.stats import EngineStats
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
+K = TypeVar("K")
 
 
 class LLM:
@@ -82,18 +84,80 @@ class LLM:
         """Generate completions for `prompts` (strings, or token-id lists); results come in input order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
-        texts: list[str | None] = []
-        token_lists: list[list[int]] = []
-        for index, prompt in enumerate(prompt_list):
-            if isinstance(prompt, str):
-                texts.append(prompt)
-                token_lists.append(self.tokenizer(prompt)["input_ids"])
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                texts.append(None)
-                token_lists.append(prompt)
-            else:
-                raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
+        encoded = [self._encode(prompt, index) for index, prompt in enumerate(prompt_list)]
+        texts = [text for text, _ in encoded]
+        token_lists = [token_ids for _, token_ids in encoded]
         return self._run(texts, token_lists, params_list, use_tqdm)
+
+    def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | None], *,
+               max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
+        """Generate for an iterator of `(key, prompt, params)`, yielding `(key, output)` as each prompt finishes.
+
+        Results come in completion order, not input order: the key says which request a result belongs to.
+        Requests are pulled lazily: before every engine step the stream admits requests until
+        `max_in_flight` prompts are in the engine (None: no limit, so everything is admitted before the
+        first step, exactly like `generate`). A caller can thus feed an unbounded source with bounded
+        memory, and the engine never drains between the caller's batches.
+
+        The source may yield None to pause admission until the next step (backpressure); it must not
+        pause while nothing is in flight. Closing the generator early (or an error in the source) lets
+        the in-flight requests run to completion and discards them, so the engine is empty for the next
+        call.
+        """
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
+        engine = self.engine
+        engine.scheduler.reset_stats()
+        start = time.perf_counter()
+        source = iter(requests)
+        in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
+        num_admitted = 0
+        exhausted = stepping = False
+        try:
+            while True:
+                while not exhausted and (max_in_flight is None or len(in_flight) < max_in_flight):
+                    item = next(source, _END)
+                    if item is _END:
+                        exhausted = True
+                    elif item is None:
+                        break
+                    else:
+                        key, prompt, params = item
+                        text, token_ids = self._encode(prompt, num_admitted)
+                        num_admitted += 1
+                        prompt_id = str(next(self._request_counter))
+                        output = RequestOutput(prompt_id, text, token_ids, finished=False)
+                        in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
+                        for sample in range(params.n):
+                            engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample))
+                if not in_flight:
+                    if exhausted:
+                        return
+                    raise RuntimeError("the request source paused admission with nothing in flight")
+                stepping = True
+                finished_requests = engine.step()
+                stepping = False
+                for finished in finished_requests:
+                    prompt_id, sample = finished.request.request_id.rsplit(".", 1)
+                    entry = in_flight[prompt_id]
+                    entry.completions[int(sample)] = self._completion(int(sample), finished)
+                    if all(c is not None for c in entry.completions):
+                        del in_flight[prompt_id]
+                        _complete(entry.output, entry.completions)
+                        yield entry.key, entry.output
+        finally:
+            # A step cut short (e.g. by KeyboardInterrupt) leaves the scheduler mid-update: nothing safe to do.
+            if not stepping:
+                while engine.has_unfinished():
+                    engine.step()
+            self._last_call_seconds = time.perf_counter() - start
+
+    def _encode(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, prompt
+        raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -109,6 +173,11 @@ class LLM:
         token_lists = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         params_list = _broadcast_params(sampling_params, len(prompts))
         return self._run(list(prompts), token_lists, params_list, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (strings or token ids), with HF transformers' selection and stopping rules;
+        see `batchllm.beam_search`. Beams share their history's K/V through the prefix cache."""
+        return beam_search(self, _as_prompt_list(prompts), params)
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
@@ -137,9 +206,7 @@ class LLM:
             if progress is not None:
                 progress.close()
         for output, completions in zip(outputs, results):
-            output.outputs = [c for c in completions if c is not None]
-            output.finished = True
-            output.error = next((c.error for c in output.outputs if c.error), None)
+            _complete(output, completions)
         self._last_call_seconds = time.perf_counter() - start
         return outputs
 
@@ -161,6 +228,22 @@ class LLM:
         for tid, entry in entries.items():
             entry.decoded_token = self.tokenizer.decode([tid])
         return entries
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight(Generic[K]):
+    key: K
+    output: RequestOutput
+    completions: list[CompletionOutput | None]
+
+
+_END = object()
+
+
+def _complete(output: RequestOutput, completions: list[CompletionOutput | None]) -> None:
+    output.outputs = [c for c in completions if c is not None]
+    output.finished = True
+    output.error = next((c.error for c in output.outputs if c.error), None)
 
 
 def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:

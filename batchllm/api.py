@@ -1,0 +1,99 @@
+"""The map operator `generate` and the resumable job `run_job`: batchllm's data-pipeline surface."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from batchllm.connectors.engine_cache import get_llm
+from batchllm.connectors.job import JobResult
+from batchllm.connectors.mapper import map_columns
+from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, Template, resolve_options
+from batchllm.llm import LLM
+from batchllm.sampling_params import SamplingParams
+
+# (module that must already be imported for the data to be of its kind, connector module)
+_CONNECTORS = (("pandas", "pandas"), ("pyarrow", "arrow"), ("datasets", "hf_datasets"), (None, "records"))
+
+
+def generate(data: Any, *, prompt_column: str | None = None, messages_column: str | None = None,
+             prompt_template: Template | None = None, chat: bool = False, model: str | Path | None = None,
+             llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
+             sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
+             truncate: str = "error", use_tqdm: bool = True, **sampling_fields: Any) -> Any:
+    """Generate a completion per row and return the same kind of object with output columns added.
+
+        df.pipe(batchllm.generate, prompt_column="question", max_tokens=64, temperature=0)
+
+    `data`: a pandas DataFrame (index and order kept), a pyarrow Table or RecordBatch, a Hugging Face
+    `datasets.Dataset`, a list of prompt strings or a list of row dicts (a list of new dicts comes back).
+
+    The prompt is one of: `prompt_column` (text), `messages_column` (a list of {role, content}, rendered
+    with the model's chat template) or `prompt_template` (a `str.format` template over the row's columns,
+    or a callable taking the row as a dict and returning text or a list of messages). `chat=True` sends
+    the text of a prompt column or template as one user message through the chat template. A list of
+    strings needs none of them.
+
+    Sampling: `sampling_params=SamplingParams(...)` or its fields as keywords (`max_tokens=64`,
+    `temperature=0`, `n=2`, `logprobs=3`, ...). The engine: `llm=` an existing `LLM`, or `model=` (a
+    local HF directory; None: the default model) with `engine_kwargs` for `LLM(...)`; that engine is built
+    once per process and reused while later calls ask for the same model and options.
+
+    Output columns (see `batchllm.connectors.results`): `output_column` (default "generated_text"),
+    `finish_reason`, `prompt_tokens`, `completion_tokens`, `error` and, with logprobs, `logprobs`; with
+    another `output_column` the other names take it as a prefix. `truncate` ("error", "left", "right")
+    decides what happens to prompts that leave no room for `max_tokens` within the model's length.
+
+    A bad row (null / non-string / empty prompt, malformed messages, a null template field, an over-long
+    prompt under truncate="error") gets an `error` and no text; every other row completes. A problem with
+    the call itself (no or several prompt sources, an unknown column, a bad sampling value, an output
+    column that already exists) raises before any generation.
+    """
+    connector = _connector_for(data)
+    if prompt_column is messages_column is prompt_template is None and _is_string_list(data):
+        prompt_column = "prompt"
+    options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
+                              prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
+                              output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
+    columns, num_rows = connector.read_columns(data, options)
+    engine = get_llm(model, llm, engine_kwargs)
+    arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
+    return connector.attach_outputs(data, arrays, options)
+
+
+def run_job(input: str | Path, output: str | Path, **options: Any) -> JobResult:
+    """Run a resumable batch job: Parquet in → Parquet shards out, or OpenAI batch JSONL in → JSONL out.
+
+    `input` ending in `.jsonl` is an OpenAI Batch API request file (see `batchllm.connectors.jsonl_batch`);
+    anything else is a Parquet file, directory or glob (see `batchllm.connectors.parquet_job`, which
+    documents the options, the output layout, resumption and interruption). Re-running the same call
+    resumes where it stopped.
+    """
+    if str(input).endswith(".jsonl"):
+        from batchllm.connectors.jsonl_batch import run_jsonl_job
+
+        return run_jsonl_job(input, output, **options)
+    from batchllm.connectors.parquet_job import run_parquet_job
+
+    return run_parquet_job(input, output, **options)
+
+
+def _connector_for(data: Any):
+    for required, name in _CONNECTORS:
+        # A DataFrame can only exist if pandas was imported: never import a library just to type-check.
+        if required is not None and required not in sys.modules:
+            continue
+        try:
+            module = importlib.import_module(f"batchllm.connectors.{name}")
+        except ImportError:
+            continue
+        if module.accepts(data):
+            return module
+    raise TypeError(f"batchllm.generate takes a pandas DataFrame, a pyarrow Table or RecordBatch, a datasets.Dataset "
+                    f"or a list of strings / dicts, got {type(data).__name__}")
+
+
+def _is_string_list(data: Any) -> bool:
+    return isinstance(data, list) and all(isinstance(item, str) for item in data)

@@ -1,0 +1,40 @@
+"""Crash-safe file writes: a reader sees the old state or the new one, never a torn file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+TMP_PREFIX = "."
+TMP_MARKER = ".tmp-"
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write through a temporary file in the same directory, fsync it, rename it over `path`, fsync the
+    directory (so the rename itself survives a power loss)."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}{TMP_MARKER}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Temporary files left by a killed writer; they are never part of the output."""
+    for path in directory.glob(f"{TMP_PREFIX}*{TMP_MARKER}*"):
+        path.unlink(missing_ok=True)

@@ -1,0 +1,195 @@
+"""OpenAI Batch API job: a request JSONL file in → a response JSONL file out, resumable.
+
+Every non-blank input line gets exactly one output line (`openai_batch.py` has both formats); a line
+that is not valid JSON, not a valid request, a repeated `custom_id`, or a prompt that cannot be served
+is answered with its `error` set, and the other lines are unaffected. Output lines come shard by shard
+(a shard is `rows_per_shard` consecutive request lines), in input order within a shard; match them to
+requests by `custom_id`, as with OpenAI's own output.
+
+Durability: a finished shard's lines are appended to OUTPUT and fsynced, then the shard is recorded with
+the file's new size in `OUTPUT.manifest.jsonl` (`manifest.py`). On resume the output is cut back to the
+last recorded size (dropping a shard cut off by a kill) and the recorded shards are skipped. The
+fingerprint pins the input file's SHA-256, the model, `max_model_len`, the default sampling parameters,
+`truncate` and `rows_per_shard`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+
+from batchllm.connectors.engine_cache import get_llm
+from batchllm.connectors.job import (
+    DEFAULT_ROWS_PER_SHARD,
+    JobResult,
+    JobSettings,
+    RowRequest,
+    model_identity,
+    run_sharded_job,
+)
+from batchllm.connectors.manifest import Manifest, ShardRecord
+from batchllm.connectors.openai_batch import (
+    CHAT_URL,
+    Envelope,
+    parse_envelope,
+    prompt_of,
+    response_line,
+    sampling_params,
+)
+from batchllm.connectors.options import TRUNCATE_MODES, params_dict, resolve_sampling_params
+from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
+from batchllm.connectors.results import RowOutcome
+from batchllm.llm import LLM
+from batchllm.sampling_params import SamplingParams
+
+_SCHEMA = pa.schema([("line", pa.int64()), ("custom_id", pa.string()), ("url", pa.string()), ("request", pa.string())])
+
+
+def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | None = None, llm: LLM | None = None,
+                  engine_kwargs: Mapping[str, Any] | None = None, sampling_params: SamplingParams | None = None,
+                  truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+                  max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
+                  **sampling_fields: Any) -> JobResult:
+    """Answer the OpenAI batch request file `input` into the JSONL file `output`.
+
+    `sampling_params` / sampling keywords are the defaults for fields a request body does not set. The
+    other options are those of `run_parquet_job`; prompts come from the requests themselves.
+    """
+    for name in ("prompt_column", "messages_column", "prompt_template", "chat", "output_column"):
+        if name in sampling_fields:
+            raise ValueError(f"{name}= does not apply to an OpenAI batch file: each request carries its prompt")
+    defaults = resolve_sampling_params(sampling_params, sampling_fields)
+    if truncate not in TRUNCATE_MODES:
+        raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
+    settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm)
+    source = JsonlSource(Path(input))
+    output = Path(output).expanduser().resolve()
+    manifest_path = output.with_name(output.name + ".manifest.jsonl")
+    if output.is_dir():
+        raise IsADirectoryError(f"output {output} is a directory; an OpenAI batch job writes one JSONL file")
+    if output.exists() and not manifest_path.exists():
+        raise FileExistsError(f"output {output} exists and has no batchllm manifest beside it; refusing to overwrite")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    engine = get_llm(model, llm, engine_kwargs)
+    fingerprint = {"job": "openai-batch", "input": source.fingerprint(), "model": model_identity(engine.model_path),
+                   "max_model_len": engine.max_model_len, "defaults": params_dict(defaults), "truncate": truncate,
+                   "rows_per_shard": settings.rows_per_shard}
+    manifest = Manifest.open(manifest_path, fingerprint)
+    sink = JsonlSink(output, manifest, model_name=engine.model_path.name)
+    planner = _planner(PromptEncoder(engine.tokenizer, engine.max_model_len, truncate), defaults, source.duplicates)
+    return run_sharded_job(source, planner, sink, manifest, engine, settings, output)
+
+
+class JsonlSource:
+    """The request lines (blank lines are not requests) with their line numbers, custom_ids and urls.
+
+    Opening reads the file once to count the lines, hash the content and find repeated custom_ids;
+    only `custom_id`s are kept, so memory does not grow with the prompts.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.expanduser().resolve()
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no OpenAI batch file at {str(path)!r}")
+        digest = hashlib.sha256()
+        first_line: dict[str, int] = {}
+        self.duplicates: dict[int, tuple[str, int]] = {}  # line → (custom_id, the line that used it first)
+        self.total_rows = 0
+        for number, raw in self._lines(digest):
+            self.total_rows += 1
+            custom_id = parse_envelope(raw).custom_id
+            if custom_id is not None:
+                if custom_id in first_line:
+                    self.duplicates[number] = (custom_id, first_line[custom_id])
+                else:
+                    first_line[custom_id] = number
+        self._sha256 = digest.hexdigest()
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"name": self.path.name, "bytes": self.path.stat().st_size, "sha256": self._sha256}
+
+    def batches(self, batch_size: int, skip: Callable[[int, int], bool]) -> Iterator[tuple[int, pa.RecordBatch]]:
+        start, pending = 0, []
+        for number, raw in self._lines():
+            pending.append((number, raw))
+            if len(pending) == batch_size:
+                if not skip(start, start + len(pending)):
+                    yield start, _batch(pending)
+                start, pending = start + len(pending), []
+        if pending and not skip(start, start + len(pending)):
+            yield start, _batch(pending)
+
+    def _lines(self, digest: Any = None) -> Iterator[tuple[int, str]]:
+        with open(self.path, "rb") as file:
+            for number, data in enumerate(file, start=1):
+                if digest is not None:
+                    digest.update(data)
+                if data.strip():
+                    yield number, data.decode("utf-8", errors="replace")
+
+
+class JsonlSink:
+    """Appends each finished shard's response lines to the output file, durably, in one write."""
+
+    def __init__(self, path: Path, manifest: Manifest, model_name: str) -> None:
+        self.path = path
+        self.model_name = model_name
+        recorded_end = max((r.end_offset for r in manifest.shards.values()), default=0)
+        size = path.stat().st_size if path.exists() else 0
+        if size < recorded_end:
+            raise FileNotFoundError(f"{path} is shorter than {manifest.path} records ({size} < {recorded_end} bytes); "
+                                    f"delete both to start over")
+        with open(path, "ab") as file:
+            file.truncate(recorded_end)  # drops the lines of a shard whose record a kill prevented
+            os.fsync(file.fileno())
+
+    def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome]) -> ShardRecord:
+        columns = rows.to_pydict()
+        lines = [response_line(line, Envelope(custom_id, url, None), outcome, self.model_name)
+                 for line, custom_id, url, outcome in zip(columns["line"], columns["custom_id"], columns["url"],
+                                                          outcomes)]
+        with open(self.path, "ab") as file:
+            file.write(("\n".join(lines) + "\n").encode())
+            file.flush()
+            os.fsync(file.fileno())
+            end = file.tell()
+        return ShardRecord(shard, len(outcomes), sum(o.error is not None for o in outcomes),
+                           sum(o.completion_tokens for o in outcomes), end_offset=end)
+
+
+def _planner(encoder: PromptEncoder, defaults: SamplingParams,
+             duplicates: dict[int, tuple[str, int]]) -> Callable[[pa.RecordBatch], list[RowRequest]]:
+    def plan(batch: pa.RecordBatch) -> list[RowRequest]:
+        rendered: list[Rendered | RowError] = []
+        params: list[SamplingParams] = []
+        for line, raw in zip(batch.column("line").to_pylist(), batch.column("request").to_pylist()):
+            row_params = defaults
+            try:
+                envelope = parse_envelope(raw)
+                if envelope.error is not None:
+                    raise RowError(envelope.error)
+                if line in duplicates:
+                    custom_id, first = duplicates[line]
+                    raise RowError(f"custom_id {custom_id!r} was already used on line {first}")
+                chat = envelope.url == CHAT_URL
+                row_params = sampling_params(envelope.body, defaults, chat)
+                prompt = prompt_of(envelope.body, chat)
+                rendered.append(encoder.render_chat(prompt) if chat else Rendered(prompt, is_chat=False))
+            except RowError as exc:
+                rendered.append(exc)
+            params.append(row_params)
+        encoded = encoder.encode(rendered, [p.max_tokens for p in params])
+        return [RowRequest(prompt, p) for prompt, p in zip(encoded, params)]
+
+    return plan
+
+
+def _batch(lines: list[tuple[int, str]]) -> pa.RecordBatch:
+    envelopes = [parse_envelope(raw) for _, raw in lines]
+    return pa.record_batch([[number for number, _ in lines], [e.custom_id for e in envelopes],
+                            [e.url for e in envelopes], [raw for _, raw in lines]], schema=_SCHEMA)

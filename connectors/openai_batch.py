@@ -1,0 +1,147 @@
+"""The OpenAI Batch API formats: request lines in, response lines out.
+
+A request line is `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/chat/completions`
+(body: `messages`) or `/v1/completions` (body: a single string `prompt`). Body fields mapped to sampling:
+`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `n`, `seed`, `stop`, the presence and
+frequency penalties, `logprobs` (chat: true with `top_logprobs`; completions: an int), and vLLM's
+extensions `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`. Fields
+the body does not set take the job's defaults. `model`, `user`, `metadata`, `store`, `service_tier` and a
+false `stream` are ignored; any other field is refused for that line rather than silently ignored.
+
+A response line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
+null}` with a `chat.completion` or `text_completion` body, or `"response": null` and `"error": {"code",
+"message"}` for a line that could not be answered. Ids derive from the line number, so reruns agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchllm.connectors.prompts import RowError, check_text
+from batchllm.connectors.results import RowOutcome, token_logprobs
+from batchllm.outputs import CompletionOutput
+from batchllm.sampling_params import SamplingParams
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
+_SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+             "top_p": "top_p", "n": "n", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+             "min_tokens": "min_tokens", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+             "stop_token_ids": "stop_token_ids"}
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A request line's outer fields; `error` when the line is not a valid request."""
+
+    custom_id: str | None
+    url: str | None
+    body: dict[str, Any] | None
+    error: str | None = None
+
+
+def parse_envelope(raw: str) -> Envelope:
+    try:
+        request = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return Envelope(None, None, None, f"invalid JSON: {exc}")
+    if not isinstance(request, dict):
+        return Envelope(None, None, None, f"a request line must be a JSON object, got {type(request).__name__}")
+    custom_id, url, body = request.get("custom_id"), request.get("url"), request.get("body")
+    custom_id = custom_id if isinstance(custom_id, str) and custom_id else None
+    error = None
+    if custom_id is None:
+        error = "custom_id must be a non-empty string"
+    elif request.get("method", "POST") != "POST":
+        error = f"method must be POST, got {request.get('method')!r}"
+    elif url not in (CHAT_URL, COMPLETIONS_URL):
+        error = f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}"
+    elif not isinstance(body, dict):
+        error = "body must be a JSON object"
+    return Envelope(custom_id, url if error is None else None, body if error is None else None, error)
+
+
+def sampling_params(body: dict[str, Any], defaults: SamplingParams, chat: bool) -> SamplingParams:
+    """The request's sampling parameters: the job's defaults overridden by the body's fields."""
+    unknown = sorted(set(body) - _IGNORED - set(_SAMPLING) - {"messages", "prompt", "logprobs", "top_logprobs"})
+    if unknown:
+        raise RowError(f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    if body.get("stream"):
+        raise RowError("stream=true is not supported in a batch")
+    overrides = {_SAMPLING[key]: value for key, value in body.items() if key in _SAMPLING}
+    if chat:
+        if body.get("logprobs"):
+            overrides["logprobs"] = body.get("top_logprobs") or 0
+        elif "top_logprobs" in body:
+            raise RowError("top_logprobs needs logprobs=true")
+    elif body.get("logprobs") is not None:
+        overrides["logprobs"] = body["logprobs"]
+    try:
+        return dataclasses.replace(defaults, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise RowError(str(exc).replace("SamplingParams.", "")) from exc
+
+
+def prompt_of(body: dict[str, Any], chat: bool) -> Any:
+    """The messages (chat) or the prompt text (completions) of a body."""
+    if chat:
+        if "messages" not in body:
+            raise RowError("body.messages is required for /v1/chat/completions")
+        return body["messages"]
+    if isinstance(body.get("prompt"), list):
+        raise RowError("body.prompt must be a single string; send one line per prompt")
+    return check_text(body.get("prompt"), "body.prompt")
+
+
+def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str) -> str:
+    request_id = f"batch_req_{line}"
+    if outcome.error is not None or outcome.output is None:
+        code = "invalid_request" if outcome.output is None else "generation_error"
+        return json.dumps({"id": request_id, "custom_id": envelope.custom_id, "response": None,
+                           "error": {"code": code, "message": f"line {line}: {outcome.error}"}})
+    chat = envelope.url == CHAT_URL
+    completions = outcome.output.outputs
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{line}", "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": model,
+        "choices": [_chat_choice(c, outcome.top_logprobs) if chat else _text_choice(c, outcome.top_logprobs)
+                    for c in completions],
+        "usage": {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": outcome.prompt_tokens + completion_tokens},
+    }
+    return json.dumps({"id": request_id, "custom_id": envelope.custom_id,
+                       "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None})
+
+
+def _chat_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
+    logprobs = None
+    if top_k is not None:
+        logprobs = {"content": [
+            {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode()),
+             "top_logprobs": [{"token": a["token"], "logprob": a["logprob"], "bytes": list(a["token"].encode())}
+                              for a in t["top_logprobs"]]}
+            for t in token_logprobs(completion, top_k) or []]}
+    return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+            "logprobs": logprobs, "finish_reason": completion.finish_reason}
+
+
+def _text_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
+    logprobs = None
+    if top_k is not None:
+        tokens = token_logprobs(completion, top_k) or []
+        offsets, position = [], 0
+        for t in tokens:
+            offsets.append(position)
+            position += len(t["token"])
+        logprobs = {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                    "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
+                    "text_offset": offsets}
+    return {"index": completion.index, "text": completion.text, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason}

@@ -1,0 +1,179 @@
+"""The options every connector shares, validated once per call, before any generation.
+
+Whatever is wrong for the whole call (no or several prompt sources, an unknown column, a bad sampling
+value, an output column that would overwrite an input column) raises here, naming the problem. What is
+wrong for a single row is the business of `prompts.py` and never raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from batchllm.sampling_params import SamplingParams
+
+TRUNCATE_MODES = ("error", "left", "right")
+DEFAULT_OUTPUT_COLUMN = "generated_text"
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+# A callable template gets the row as a dict and returns the prompt text or a list of chat messages.
+Template = str | Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpec:
+    """Where a row's prompt comes from: exactly one of the three sources.
+
+    `chat=True` sends the text of `prompt_column` / `prompt_template` as one user message through the
+    model's chat template instead of as raw completion text.
+    """
+
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    template: Template | None = None
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name, value in (("prompt_column", self.prompt_column),
+                                          ("messages_column", self.messages_column),
+                                          ("prompt_template", self.template)) if value is not None]
+        if len(given) != 1:
+            raise ValueError("pass exactly one of prompt_column=, messages_column= or prompt_template="
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if self.chat and self.messages_column is not None:
+            raise ValueError("chat=True applies to prompt_column= or prompt_template=; messages_column= is "
+                             "always rendered with the chat template")
+        if self.template is not None and not (isinstance(self.template, str) or callable(self.template)):
+            raise ValueError(f"prompt_template must be a format string or a callable, got "
+                             f"{type(self.template).__name__}")
+        if isinstance(self.template, str):
+            template_fields(self.template)  # raises on malformed braces or positional fields
+
+    def required_columns(self, available: Sequence[str]) -> list[str]:
+        """The input columns a row's prompt needs; raises ValueError naming any that do not exist."""
+        if self.prompt_column is not None:
+            needed = [self.prompt_column]
+        elif self.messages_column is not None:
+            needed = [self.messages_column]
+        elif isinstance(self.template, str):
+            needed = template_fields(self.template)
+        else:
+            return list(available)  # a callable sees the whole row
+        missing = [name for name in needed if name not in available]
+        if missing:
+            raise ValueError(f"unknown column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}; "
+                             f"the input has {list(available)}")
+        return needed
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able identity for job manifests (a callable is known by its qualified name only)."""
+        template = self.template
+        if callable(template):
+            template = f"<callable {getattr(template, '__module__', '?')}.{getattr(template, '__qualname__', '?')}>"
+        return {"prompt_column": self.prompt_column, "messages_column": self.messages_column,
+                "prompt_template": template, "chat": self.chat}
+
+
+@dataclass(frozen=True, slots=True)
+class OutputNames:
+    """Names of the output columns.
+
+    With the default output column they are `generated_text`, `finish_reason`, `prompt_tokens`,
+    `completion_tokens`, `error` (and `logprobs`). With `output_column="answer"` the others get the
+    prefix `answer_` (`answer_error`, ...), so a second `generate` over the same table can add its own
+    columns without clobbering the first one's.
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: str
+    completion_tokens: str
+    error: str
+    logprobs: str
+
+    @classmethod
+    def for_column(cls, output_column: str) -> OutputNames:
+        if not isinstance(output_column, str) or not output_column:
+            raise ValueError(f"output_column must be a non-empty string, got {output_column!r}")
+        prefix = "" if output_column == DEFAULT_OUTPUT_COLUMN else f"{output_column}_"
+        return cls(output_column, *(prefix + name for name in
+                                    ("finish_reason", "prompt_tokens", "completion_tokens", "error", "logprobs")))
+
+
+@dataclass(frozen=True, slots=True)
+class MapOptions:
+    """Everything that decides a row's output, besides the model."""
+
+    prompt: PromptSpec
+    sampling_params: SamplingParams
+    names: OutputNames
+    truncate: str = "error"
+
+    @property
+    def with_logprobs(self) -> bool:
+        return self.sampling_params.logprobs is not None
+
+    def output_names(self) -> list[str]:
+        names = self.names
+        columns = [names.text, names.finish_reason, names.prompt_tokens, names.completion_tokens, names.error]
+        return columns + [names.logprobs] if self.with_logprobs else columns
+
+    def check_input_columns(self, available: Sequence[str]) -> list[str]:
+        """Fail fast on unknown prompt columns or output columns that already exist; returns the needed ones."""
+        needed = self.prompt.required_columns(available)
+        clashes = [name for name in self.output_names() if name in available]
+        if clashes:
+            raise ValueError(f"the input already has column{'s' if len(clashes) > 1 else ''} "
+                             f"{', '.join(map(repr, clashes))}; pass another output_column= (the other output "
+                             f"columns take it as a prefix) or drop them first")
+        return needed
+
+    def describe(self) -> dict[str, Any]:
+        return {"prompt": self.prompt.describe(), "sampling_params": params_dict(self.sampling_params),
+                "output_column": self.names.text, "truncate": self.truncate}
+
+
+def resolve_options(*, prompt_column: str | None = None, messages_column: str | None = None,
+                    prompt_template: Template | None = None, chat: bool = False,
+                    sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
+                    truncate: str = "error", sampling_fields: Mapping[str, Any] | None = None) -> MapOptions:
+    """Validate the per-call options; `sampling_fields` are SamplingParams fields given as keywords."""
+    if truncate not in TRUNCATE_MODES:
+        raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
+    return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat),
+                      resolve_sampling_params(sampling_params, sampling_fields or {}),
+                      OutputNames.for_column(output_column), truncate)
+
+
+def resolve_sampling_params(sampling_params: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:
+    unknown = sorted(set(fields) - _SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                        f"(sampling fields are {sorted(_SAMPLING_FIELDS)})")
+    if sampling_params is not None:
+        if fields:
+            raise ValueError(f"pass sampling_params= or sampling fields as keywords ({', '.join(fields)}), not both")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        return sampling_params
+    return SamplingParams(**fields)
+
+
+def template_fields(template: str) -> list[str]:
+    """The columns a format-string template names: `{q}`, `{meta[lang]}` and `{obj.attr}` all name a column."""
+    names: list[str] = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        column = field.split(".", 1)[0].split("[", 1)[0]
+        if not column or column.isdigit():
+            raise ValueError(f"prompt_template {template!r} has a positional field {{{field}}}; name a column")
+        if column not in names:
+            names.append(column)
+    return names
+
+
+def params_dict(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}

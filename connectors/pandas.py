@@ -1,0 +1,38 @@
+"""pandas `DataFrame` ↔ columns: the frame comes back with the output columns added, index untouched.
+
+Output dtypes: text columns use pandas' default string dtype (missing = NA/NaN), token counts the
+nullable `Int32`, list and logprob columns hold Python lists (object dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+from batchllm.connectors.options import MapOptions
+from batchllm.connectors.results import output_schema
+
+
+def accepts(data: Any) -> bool:
+    return isinstance(data, pd.DataFrame)
+
+
+def read_columns(frame: pd.DataFrame, options: MapOptions) -> tuple[dict[Any, list], int]:
+    needed = options.check_input_columns(list(frame.columns))
+    return {name: frame[name].tolist() for name in needed}, len(frame)
+
+
+def attach_outputs(frame: pd.DataFrame, arrays: list[pa.Array], options: MapOptions) -> pd.DataFrame:
+    # assign() adds columns to a new frame and leaves the caller's untouched; the index carries over.
+    return frame.assign(**{field.name: _series(array, frame.index)
+                           for field, array in zip(output_schema(options), arrays)})
+
+
+def _series(array: pa.Array, index: pd.Index) -> pd.Series:
+    if pa.types.is_integer(array.type):
+        return pd.Series(pd.array(array.to_pylist(), dtype="Int32"), index=index)
+    if pa.types.is_string(array.type):
+        return pd.Series(array.to_pandas().array, index=index)
+    return pd.Series(array.to_pylist(), index=index, dtype=object)

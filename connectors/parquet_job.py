@@ -1,0 +1,198 @@
+"""Parquet job: a Parquet file, directory or glob in → a directory of Parquet shards out, resumable.
+
+Input: a file; a directory (every `*.parquet` below it, skipping names that start with "." or "_", as
+Spark and pyarrow do); or a glob (`data/*.parquet`, `**` allowed). Files are read in sorted path order,
+row group by row group, as a stream of record batches through `pyarrow.dataset`; all files must share one
+schema. Hive partition values in directory names are not added as columns.
+
+Output: `OUTPUT/part-00000.parquet`, ... — shard `i` holds input rows `[i * rows_per_shard,
+(i + 1) * rows_per_shard)` in input order, with every input column followed by the output columns
+(`batchllm.connectors.results`). Each shard is written atomically (temporary file, fsync, rename) and
+then recorded in `OUTPUT/_manifest.jsonl` (`manifest.py`); readers that skip "_" and "." files
+(pyarrow, Spark, DuckDB globs on `*.parquet`) see only finished shards.
+
+Resuming: re-run the same job. Recorded shards are skipped (whole row groups inside finished shards are
+not even read); a recorded shard whose file was deleted is redone. The manifest's fingerprint pins the
+input (relative paths, sizes, row counts and a hash of each Parquet footer, so moving the input directory
+is fine but any rewrite is caught), the model (config hash and weight size), `max_model_len`, the prompt
+options, the sampling parameters, `truncate`, `output_column` and `rows_per_shard`; a mismatch is
+refused. Engine-only options (device, dtype, batch limits, `max_in_flight`) may change between runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from batchllm.connectors.atomic import remove_stale_temporaries, write_atomically
+from batchllm.connectors.engine_cache import get_llm
+from batchllm.connectors.job import (
+    DEFAULT_ROWS_PER_SHARD,
+    JobResult,
+    JobSettings,
+    RowRequest,
+    model_identity,
+    run_sharded_job,
+)
+from batchllm.connectors.manifest import Manifest, ShardRecord
+from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
+from batchllm.connectors.prompts import PromptEncoder, encode_rows
+from batchllm.connectors.results import RowOutcome, output_arrays, output_schema
+from batchllm.llm import LLM
+from batchllm.sampling_params import SamplingParams
+
+MANIFEST_NAME = "_manifest.jsonl"
+
+
+def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path | None = None,
+                    llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
+                    prompt_column: str | None = None, messages_column: str | None = None,
+                    prompt_template: Template | None = None, chat: bool = False,
+                    sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
+                    truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+                    max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
+                    **sampling_fields: Any) -> JobResult:
+    """Generate for every row of the Parquet `input` into shards under the directory `output`.
+
+    Prompt, sampling, engine and output options are those of `batchllm.generate`. `rows_per_shard` sets
+    the unit of output and of resumption; `max_in_flight` the prompts kept in the engine (default: twice
+    its max_num_seqs); `max_buffered_rows` the input rows held in memory (see `job.py`). Raises
+    `JobInterrupted` after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job.
+    """
+    options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
+                              prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
+                              output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
+    settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm)
+    source = ParquetSource(input)
+    needed = options.check_input_columns(source.schema.names)
+    directory = _prepare_output(Path(output), input)
+    engine = get_llm(model, llm, engine_kwargs)
+    encoder = PromptEncoder.for_llm(engine, options)
+    fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
+                   "max_model_len": engine.max_model_len, "options": options.describe(),
+                   "rows_per_shard": settings.rows_per_shard}
+    manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint)
+    for index, record in list(manifest.shards.items()):
+        if not (directory / record.file).exists():
+            del manifest.shards[index]  # deleted by hand: redo it
+
+    def plan(batch: pa.RecordBatch) -> list[RowRequest]:
+        columns = {name: batch.column(name).to_pylist() for name in needed}
+        return [RowRequest(p, options.sampling_params) for p in encode_rows(columns, batch.num_rows, options, encoder)]
+
+    num_shards = -(-source.total_rows // settings.rows_per_shard)
+    sink = ParquetSink(directory, options, width=max(5, len(str(num_shards - 1))))
+    return run_sharded_job(source, plan, sink, manifest, engine, settings, directory)
+
+
+class ParquetSource:
+    """The input files in a fixed order, their total row count and identity, read as a batch stream."""
+
+    def __init__(self, input: str | Path) -> None:
+        self.files = _resolve_files(input)
+        metadata = [pq.read_metadata(f) for f in self.files]
+        self.schema = metadata[0].schema.to_arrow_schema()
+        for file, meta in zip(self.files, metadata):
+            if not meta.schema.to_arrow_schema().equals(self.schema, check_metadata=False):
+                raise ValueError(f"{file} has another schema than {self.files[0]}; all input files must share one:\n"
+                                 f"{meta.schema.to_arrow_schema()}\nvs\n{self.schema}")
+        self.file_rows = [meta.num_rows for meta in metadata]
+        self.total_rows = sum(self.file_rows)
+        self._dataset = ds.dataset([str(f) for f in self.files], schema=self.schema, format="parquet")
+
+    def fingerprint(self) -> dict[str, Any]:
+        root = _common_parent(self.files)
+        return {"files": [{"path": str(f.relative_to(root)), "bytes": f.stat().st_size, "rows": rows,
+                           "footer_sha256": _footer_hash(f)} for f, rows in zip(self.files, self.file_rows)]}
+
+    def batches(self, batch_size: int, skip: Callable[[int, int], bool]) -> Iterator[tuple[int, pa.RecordBatch]]:
+        start = 0
+        for fragment in self._dataset.get_fragments():  # in the order of self.files
+            for group in fragment.split_by_row_group():
+                rows = group.row_groups[0].num_rows
+                if rows and not skip(start, start + rows):
+                    position = start
+                    # Little readahead: memory is bounded by what the job holds, not by the scanner.
+                    for batch in group.to_batches(batch_size=batch_size, batch_readahead=1, fragment_readahead=1):
+                        yield position, batch
+                        position += batch.num_rows
+                start += rows
+
+
+class ParquetSink:
+    def __init__(self, directory: Path, options: MapOptions, width: int) -> None:
+        self.directory = directory
+        self.options = options
+        self.width = width
+
+    def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome]) -> ShardRecord:
+        table = rows
+        for field, array in zip(output_schema(self.options), output_arrays(outcomes, self.options)):
+            table = table.append_column(field, array)
+        name = f"part-{shard:0{self.width}d}.parquet"
+        write_atomically(self.directory / name, lambda file: pq.write_table(table, file))
+        return ShardRecord(shard, len(outcomes), sum(o.error is not None for o in outcomes),
+                           sum(o.completion_tokens for o in outcomes), file=name)
+
+
+def _resolve_files(input: str | Path) -> list[Path]:
+    path = Path(input).expanduser()
+    if path.is_file():
+        return [path.resolve()]
+    if path.is_dir():
+        files = [f for f in path.rglob("*.parquet")
+                 if f.is_file() and not any(part.startswith((".", "_")) for part in f.relative_to(path).parts)]
+    else:
+        files = [Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file()]
+    if not files:
+        raise FileNotFoundError(f"no Parquet files at {str(input)!r} (a file, a directory or a glob)")
+    return sorted(f.resolve() for f in files)
+
+
+def _prepare_output(directory: Path, input: str | Path) -> Path:
+    directory = directory.expanduser().resolve()
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"output {directory} exists and is not a directory")
+    if _input_would_include(input, directory / "part-0.parquet"):
+        raise ValueError(f"output {directory} is inside the input {str(input)!r}: its shards would be read as "
+                         f"input when the job is resumed")
+    if directory.exists() and not (directory / MANIFEST_NAME).exists() and any(directory.iterdir()):
+        raise FileExistsError(f"output directory {directory} is not empty and holds no batchllm manifest; "
+                              f"refusing to write into it")
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory)
+    return directory
+
+
+def _input_would_include(input: str | Path, file: Path) -> bool:
+    path = Path(input).expanduser()
+    if path.is_file():
+        return False
+    if path.is_dir():
+        root = path.resolve()
+        return file.is_relative_to(root) and not any(p.startswith((".", "_")) for p in file.relative_to(root).parts)
+    return fnmatch.fnmatch(str(file), os.path.abspath(path))  # "*" matches "/" here too: errs on the safe side
+
+
+def _common_parent(files: list[Path]) -> Path:
+    return Path(os.path.commonpath([str(f.parent) for f in files]))
+
+
+def _footer_hash(path: Path) -> str:
+    """Hash of the Parquet footer (schema, row groups, offsets, statistics): changes with any rewrite of the
+    file, and costs one small read instead of hashing the whole file."""
+    with open(path, "rb") as file:
+        file.seek(-8, 2)
+        tail = file.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        file.seek(-8 - length, 2)
+        return hashlib.sha256(file.read(length)).hexdigest()

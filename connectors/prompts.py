@@ -1,0 +1,200 @@
+"""Rows → prompt token ids, with a per-row error instead of an exception for every bad row.
+
+A bad row (null / NaN / non-string / blank prompt, malformed messages, a template field that is null or
+missing in that row, a chat template that rejects the conversation, a prompt over the length budget under
+`truncate="error"`) gets an `EncodedPrompt` with `error` set; the other rows are unaffected. Prompts are
+tokenized exactly as `LLM.generate` (text) and `LLM.chat` (messages) do, so results match the facade's.
+
+The length budget leaves room for the whole completion: `max_model_len - max_tokens` prompt tokens
+(`max_model_len - 1` when max_tokens is None). Over budget, "error" fails the row, "left" keeps the end
+of the prompt (the right choice for chat prompts: the generation prompt survives) and "right" keeps its
+beginning.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchllm.connectors.options import MapOptions, PromptSpec
+
+
+class RowError(ValueError):
+    """What is wrong with one row's prompt; it becomes that row's `error`."""
+
+
+@dataclass(slots=True)
+class EncodedPrompt:
+    """A row's prompt token ids, or why it has none. Over-long prompts keep their ids so the count is known."""
+
+    token_ids: list[int] | None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int | None:
+        return None if self.token_ids is None else len(self.token_ids)
+
+
+@dataclass(slots=True)
+class Rendered:
+    """A prompt as text; chat-rendered text already holds its special tokens, so none are added."""
+
+    text: str
+    is_chat: bool
+
+
+class PromptEncoder:
+    """Renders chat messages and tokenizes prompts in batches, applying the truncation policy."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, truncate: str) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.truncate = truncate
+
+    @classmethod
+    def for_llm(cls, llm: Any, options: MapOptions) -> PromptEncoder:
+        """The encoder for `llm`; fails fast when the call's max_tokens leaves no room for any prompt."""
+        max_tokens = options.sampling_params.max_tokens
+        if max_tokens is not None and max_tokens >= llm.max_model_len:
+            raise ValueError(f"max_tokens={max_tokens} leaves no room for a prompt: the model's max_model_len "
+                             f"is {llm.max_model_len}")
+        return cls(llm.tokenizer, llm.max_model_len, options.truncate)
+
+    def render_chat(self, messages: Any) -> Rendered:
+        conversation = check_messages(messages)
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja raises whatever the template author chose, e.g. roles not alternating
+            raise RowError(f"the chat template rejected the messages: {exc}") from exc
+        return Rendered(text, is_chat=True)
+
+    def encode(self, prompts: Sequence[Rendered | RowError],
+               max_tokens: Sequence[int | None]) -> list[EncodedPrompt]:
+        """Tokenize the rendered prompts (one batch per kind) and fit each into its length budget."""
+        encoded = [EncodedPrompt(None, str(p)) if isinstance(p, RowError) else None for p in prompts]
+        for is_chat in (False, True):
+            indices = [i for i, p in enumerate(prompts) if isinstance(p, Rendered) and p.is_chat == is_chat]
+            if not indices:
+                continue
+            ids = self.tokenizer([prompts[i].text for i in indices], add_special_tokens=not is_chat)["input_ids"]
+            for i, token_ids in zip(indices, ids):
+                encoded[i] = self._fit(token_ids, max_tokens[i])
+        return encoded
+
+    def _fit(self, token_ids: list[int], max_tokens: int | None) -> EncodedPrompt:
+        reserved = 1 if max_tokens is None else max_tokens
+        budget = self.max_model_len - reserved
+        if budget < 1:
+            return EncodedPrompt(token_ids, f"max_tokens={max_tokens} leaves no room for a prompt within "
+                                            f"max_model_len={self.max_model_len}")
+        if len(token_ids) <= budget:
+            return EncodedPrompt(token_ids)
+        if self.truncate == "left":
+            return EncodedPrompt(token_ids[-budget:])
+        if self.truncate == "right":
+            return EncodedPrompt(token_ids[:budget])
+        return EncodedPrompt(token_ids, f"the prompt has {len(token_ids)} tokens, over the budget of {budget} "
+                                        f"(max_model_len={self.max_model_len} minus {reserved} for the completion); "
+                                        f"pass truncate='left' or 'right' to cut it")
+
+
+def encode_rows(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions,
+                encoder: PromptEncoder) -> list[EncodedPrompt]:
+    """Encode the prompts of `num_rows` rows whose needed columns are given as Python sequences."""
+    spec = options.prompt
+    rendered = [_render_row(columns, i, spec, encoder) for i in range(num_rows)]
+    return encoder.encode(rendered, [options.sampling_params.max_tokens] * num_rows)
+
+
+def _render_row(columns: Mapping[str, Sequence[Any]], index: int, spec: PromptSpec,
+                encoder: PromptEncoder) -> Rendered | RowError:
+    try:
+        if spec.messages_column is not None:
+            return encoder.render_chat(columns[spec.messages_column][index])
+        if spec.prompt_column is not None:
+            text = check_text(columns[spec.prompt_column][index], f"prompt column {spec.prompt_column!r}")
+        else:
+            prompt = _apply_template(spec.template, {name: values[index] for name, values in columns.items()})
+            if isinstance(prompt, str) or spec.chat:
+                text = check_text(prompt, "the template's prompt")
+            else:
+                return encoder.render_chat(prompt)  # a callable template may return chat messages
+        if spec.chat:
+            return encoder.render_chat([{"role": "user", "content": text}])
+        return Rendered(text, is_chat=False)
+    except RowError as exc:
+        return exc
+
+
+def _apply_template(template: Any, row: dict[str, Any]) -> Any:
+    if callable(template):
+        try:
+            return template(row)
+        except Exception as exc:  # the user's code: any exception is that row's failure
+            raise RowError(f"prompt_template raised {type(exc).__name__}: {exc}") from exc
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is not None:
+            column = field.split(".", 1)[0].split("[", 1)[0]
+            if is_missing(row[column]):
+                raise RowError(f"template field {{{field}}}: column {column!r} is null in this row")
+    try:
+        return template.format_map(row)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+        raise RowError(f"prompt_template cannot be rendered for this row: {type(exc).__name__}: {exc}") from exc
+
+
+def check_text(value: Any, what: str) -> str:
+    if is_missing(value):
+        raise RowError(f"{what} is null")
+    if not isinstance(value, str):
+        raise RowError(f"{what} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError(f"{what} is empty")
+    return value
+
+
+def check_messages(value: Any) -> list[dict[str, str]]:
+    """A conversation as the chat template wants it: a non-empty list of {role, content} with text content.
+
+    Arrow and pandas hand list cells over as lists or numpy arrays, and struct cells may carry extra null
+    keys; OpenAI-style content given as a list of text parts is joined.
+    """
+    if is_missing(value):
+        raise RowError("messages are null")
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
+        raise RowError(f"messages must be a list of {{role, content}} objects, got {type(value).__name__}")
+    if len(value) == 0:
+        raise RowError("messages are empty")
+    conversation = []
+    for position, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise RowError(f"message {position} must be an object with role and content, got {type(message).__name__}")
+        role, content = message.get("role"), _content_text(message.get("content"), position)
+        if not isinstance(role, str) or not role:
+            raise RowError(f"message {position} has no role")
+        conversation.append({"role": role, "content": content})
+    return conversation
+
+
+def _content_text(content: Any, position: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)) and all(isinstance(p, Mapping) for p in content):
+        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+            raise RowError(f"message {position}: only text content parts are supported")
+        return "".join(part["text"] for part in content)
+    if is_missing(content):
+        raise RowError(f"message {position} has no content")
+    raise RowError(f"message {position}: content must be a string, got {type(content).__name__}")
+
+
+def is_missing(value: Any) -> bool:
+    """None, a float NaN (numpy's included) or pandas' NA / NaT, without importing pandas."""
+    if value is None:
+        return True
+    if isinstance(value, float):
+        return math.isnan(value)
+    return type(value).__name__ in ("NAType", "NaTType")

@@ -1,0 +1,105 @@
+"""Per-row results and the typed Arrow output columns built from them.
+
+Column types are fixed by the options alone (never inferred from the values), so an empty input, an
+all-error batch and every shard of a job share one schema:
+
+- text and `finish_reason`: string, or list<string> with one entry per sample when n > 1;
+- `prompt_tokens`: int32; `completion_tokens`: int32, or list<int32> when n > 1;
+- `error`: string, null when the row succeeded;
+- `logprobs` (only when logprobs are asked for): per generated token a struct of the token, its id, its
+  logprob and the top alternatives; a list of those per sample when n > 1.
+
+A failed row has null text, `finish_reason="error"`, null `completion_tokens` and its `prompt_tokens`
+when the prompt could be tokenized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchllm.connectors.options import MapOptions
+from batchllm.outputs import CompletionOutput, RequestOutput
+from batchllm.sampling_params import SamplingParams
+
+_ALTERNATIVE = pa.struct([("token", pa.string()), ("token_id", pa.int32()), ("logprob", pa.float64())])
+_TOKEN_LOGPROB = pa.struct([("token", pa.string()), ("token_id", pa.int32()), ("logprob", pa.float64()),
+                            ("top_logprobs", pa.list_(_ALTERNATIVE))])
+
+
+@dataclass(slots=True)
+class RowOutcome:
+    """One row's result: the engine's output, or the error that kept the row from the engine."""
+
+    output: RequestOutput | None = None
+    error: str | None = None
+    prompt_tokens: int | None = None
+    # The request's top-k for logprobs: each step's logprob dict holds k or k + 1 tokens, so k must travel along.
+    top_logprobs: int | None = None
+
+    @classmethod
+    def from_output(cls, output: RequestOutput, params: SamplingParams) -> RowOutcome:
+        return cls(output, output.error, len(output.prompt_token_ids), params.logprobs)
+
+    @property
+    def completion_tokens(self) -> int:
+        return 0 if self.output is None else sum(len(c.token_ids) for c in self.output.outputs)
+
+
+def output_schema(options: MapOptions) -> pa.Schema:
+    many = options.sampling_params.n > 1
+    text = pa.list_(pa.string()) if many else pa.string()
+    fields = [(options.names.text, text), (options.names.finish_reason, text),
+              (options.names.prompt_tokens, pa.int32()),
+              (options.names.completion_tokens, pa.list_(pa.int32()) if many else pa.int32()),
+              (options.names.error, pa.string())]
+    if options.with_logprobs:
+        per_sample = pa.list_(_TOKEN_LOGPROB)
+        fields.append((options.names.logprobs, pa.list_(per_sample) if many else per_sample))
+    return pa.schema(fields)
+
+
+def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Array]:
+    """The output columns for `outcomes`, in `output_schema(options)` order."""
+    many = options.sampling_params.n > 1
+    columns: list[list[Any]] = [[] for _ in output_schema(options)]
+    for outcome in outcomes:
+        completions = None if outcome.error is not None or outcome.output is None else outcome.output.outputs
+        values = [
+            _per_sample(completions, many, lambda c: c.text),
+            "error" if completions is None else _per_sample(completions, many, lambda c: c.finish_reason),
+            outcome.prompt_tokens,
+            _per_sample(completions, many, lambda c: len(c.token_ids)),
+            outcome.error,
+        ]
+        if options.with_logprobs:
+            values.append(_per_sample(completions, many, lambda c: token_logprobs(c, outcome.top_logprobs or 0)))
+        for column, value in zip(columns, values):
+            column.append(value)
+    return [pa.array(values, type=field.type) for values, field in zip(columns, output_schema(options))]
+
+
+def _per_sample(completions: list[CompletionOutput] | None, many: bool, get) -> Any:
+    if completions is None:
+        return None
+    return [get(c) for c in completions] if many else get(completions[0])
+
+
+def token_logprobs(completion: CompletionOutput, top_k: int) -> list[dict[str, Any]] | None:
+    """OpenAI's shape: the sampled token's logprob and the `top_k` most likely tokens at each step.
+
+    Each step's dict holds the top-k tokens and the sampled one (which may rank below k), keyed by id.
+    """
+    if completion.logprobs is None:
+        return None
+    entries = []
+    for token_id, step in zip(completion.token_ids, completion.logprobs):
+        ranked = sorted(step.items(), key=lambda item: item[1].rank if item[1].rank is not None else len(step))
+        entries.append({
+            "token": step[token_id].decoded_token, "token_id": token_id, "logprob": step[token_id].logprob,
+            "top_logprobs": [{"token": lp.decoded_token, "token_id": tid, "logprob": lp.logprob}
+                             for tid, lp in ranked[:top_k]],
+        })
+    return entries
