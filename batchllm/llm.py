@@ -128,7 +128,9 @@ class LLM:
                         output = RequestOutput(prompt_id, text, token_ids, finished=False)
                         in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                         for sample in range(params.n):
-                            engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample))
+                            fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
+                            engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
+                                               fork_of=fork_of)
                 if not in_flight:
                     if exhausted:
                         return
