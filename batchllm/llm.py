@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
+from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
@@ -174,6 +175,11 @@ class LLM:
         token_lists = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         params_list = _broadcast_params(sampling_params, len(prompts))
         return self._run(list(prompts), token_lists, params_list, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (strings or token ids), with HF transformers' selection and stopping rules;
+        see `batchllm.beam_search`. Beams share their history's K/V through the prefix cache."""
+        return beam_search(self, _as_prompt_list(prompts), params)
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
