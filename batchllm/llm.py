@@ -34,7 +34,8 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, load_format: str = "auto",
+                 enable_prefix_caching: bool = True, reorder_by_prefix: bool = True, seed: int = 0,
+                 load_format: str = "auto",
                  tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
         import torch  # the facade needs torch only to pick the device; the engine never imports it
 
@@ -67,6 +68,7 @@ class LLM:
         self.load_seconds = time.perf_counter() - start
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0
+        self.reorder_by_prefix = reorder_by_prefix and enable_prefix_caching
 
     @property
     def max_model_len(self) -> int:
@@ -106,25 +108,35 @@ class LLM:
         """
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
+        return self._stream(self._encoded(requests), max_in_flight)
+
+    def _encoded(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | None]
+                 ) -> Iterator[tuple[K, str | None, list[int], SamplingParams] | None]:
+        """Tokenize lazily, as the stream pulls: an unbounded source is never materialized."""
+        for index, item in enumerate(requests):
+            if item is None:
+                yield None
+            else:
+                key, prompt, params = item
+                yield (key, *self._encode(prompt, index), params)
+
+    def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
+                max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput]]:
         engine = self.engine
         engine.scheduler.reset_stats()
         start = time.perf_counter()
-        source = iter(requests)
         in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
-        num_admitted = 0
         exhausted = stepping = False
         try:
             while True:
                 while not exhausted and (max_in_flight is None or len(in_flight) < max_in_flight):
-                    item = next(source, _END)
+                    item = next(requests, _END)
                     if item is _END:
                         exhausted = True
                     elif item is None:
                         break
                     else:
-                        key, prompt, params = item
-                        text, token_ids = self._encode(prompt, num_admitted)
-                        num_admitted += 1
+                        key, text, token_ids, params = item
                         prompt_id = str(next(self._request_counter))
                         output = RequestOutput(prompt_id, text, token_ids, finished=False)
                         in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
@@ -183,34 +195,27 @@ class LLM:
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.engine
-        engine.scheduler.reset_stats()
-        start = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        owners: dict[str, tuple[int, int]] = {}
-        for index, (text, token_ids, params) in enumerate(zip(texts, token_lists, params_list)):
-            outputs.append(RequestOutput(str(next(self._request_counter)), text, token_ids, finished=False))
-            for sample in range(params.n):
-                request_id = f"{outputs[-1].request_id}.{sample}"
-                owners[request_id] = (index, sample)
-                fork_of = f"{outputs[-1].request_id}.0" if sample else None
-                engine.add_request(request_id, token_ids, _sample_params(params, sample), fork_of=fork_of)
-        progress = _progress_bar(len(owners), use_tqdm)
-        results: list[list[CompletionOutput | None]] = [[None] * p.n for p in params_list]
+        order = self._admission_order(token_lists)
+        items = ((i, texts[i], token_lists[i], params_list[i]) for i in order)
+        outputs: list[RequestOutput | None] = [None] * len(token_lists)
+        progress = _progress_bar(len(token_lists), use_tqdm)
         try:
-            while engine.has_unfinished():
-                for finished in engine.step():
-                    index, sample = owners[finished.request.request_id]
-                    results[index][sample] = self._completion(sample, finished)
-                    if progress is not None:
-                        progress.update(1)
+            for index, output in self._stream(items, max_in_flight=None):
+                outputs[index] = output
+                if progress is not None:
+                    progress.update(1)
         finally:
             if progress is not None:
                 progress.close()
-        for output, completions in zip(outputs, results):
-            _complete(output, completions)
-        self._last_call_seconds = time.perf_counter() - start
-        return outputs
+        return outputs  # type: ignore[return-value]  (every slot is filled once the stream ends)
+
+    def _admission_order(self, token_lists: list[list[int]]) -> list[int]:
+        """Prefix-aware ordering: with the whole batch known up front, admit prompts in lexicographic token
+        order, so rows sharing a prefix run back to back and hit its blocks before they can be evicted.
+        Results still come back in input order."""
+        if not self.reorder_by_prefix:
+            return list(range(len(token_lists)))
+        return sorted(range(len(token_lists)), key=token_lists.__getitem__)
 
     def _completion(self, index: int, finished: FinishedRequest) -> CompletionOutput:
         request = finished.request
