@@ -35,8 +35,9 @@ class LLM:
                  max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enable_prefix_caching: bool = True, reorder_by_prefix: bool = True, seed: int = 0,
-                 load_format: str = "auto",
-                 tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
+                 load_format: str = "auto", enforce_eager: bool = False,
+                 tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
+                 trust_remote_code: bool = False) -> None:
         import torch  # the facade needs torch only to pick the device; the engine never imports it
 
         from batchllm.executor.model_runner import ModelRunner
@@ -55,10 +56,13 @@ class LLM:
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
-        self.tokenizer = load_tokenizer(tokenizer or self.model_path, trust_remote_code=trust_remote_code)
+        # skip_tokenizer_init: token ids in, token ids out (no text, no stop strings), e.g. random-weight shapes.
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
+                                                                         trust_remote_code=trust_remote_code)
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
         runner = ModelRunner(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
-                             max_model_len, seed, eos_token_ids, load_format=load_format)
+                             max_model_len, seed, eos_token_ids, load_format=load_format,
+                             enforce_eager=enforce_eager)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
@@ -168,6 +172,8 @@ class LLM:
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index} is text, but the LLM was built with skip_tokenizer_init=True")
             return prompt, self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, prompt
@@ -195,6 +201,8 @@ class LLM:
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
+        if self.tokenizer is None and any(p.stop_strings for p in params_list):
+            raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         order = self._admission_order(token_lists)
         items = ((i, texts[i], token_lists[i], params_list[i]) for i in order)
         outputs: list[RequestOutput | None] = [None] * len(token_lists)
@@ -232,8 +240,9 @@ class LLM:
         entries[token_id] = Logprob(sampled.logprob, sampled.rank)
         for rank, tid in enumerate(sampled.top_logprobs or {}, start=1):
             entries[tid].rank = rank
-        for tid, entry in entries.items():
-            entry.decoded_token = self.tokenizer.decode([tid])
+        if self.tokenizer is not None:
+            for tid, entry in entries.items():
+                entry.decoded_token = self.tokenizer.decode([tid])
         return entries
 
 

@@ -25,7 +25,7 @@ def resolve_eos_token_ids(model_path: Path, tokenizer: Any) -> frozenset[int]:
             ids = _as_id_set(json.loads(file.read_text()).get("eos_token_id"))
             if ids:
                 return ids
-    return _as_id_set(tokenizer.eos_token_id)
+    return frozenset() if tokenizer is None else _as_id_set(tokenizer.eos_token_id)
 
 
 def _as_id_set(value: int | list[int] | None) -> frozenset[int]:

@@ -25,14 +25,15 @@ class _StreamState:
 
 @dataclass
 class Detokenizer:
-    """`tokenizer` is a transformers tokenizer backed by `tokenizers` (a "fast" tokenizer)."""
+    """`tokenizer` is a transformers tokenizer backed by `tokenizers` (a "fast" tokenizer), or None for
+    token-ids-only engines: texts are then empty and stop strings are refused."""
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
     _streams: dict[str, _StreamState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._backend = self.tokenizer.backend_tokenizer
+        self._backend = None if self.tokenizer is None else self.tokenizer.backend_tokenizer
 
     def check_stop(self, request: Request) -> bool:
         """Decide whether `request` stops after its newest token; sets its status and stop_reason."""
@@ -45,6 +46,8 @@ class Detokenizer:
             if token in params.stop_token_ids:
                 return _finish(request, RequestStatus.FINISHED_STOPPED, token)
         if params.stop_strings:
+            if self._backend is None:
+                raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
             stop = self._find_stop_string(request)
             if stop is not None and num_output >= params.min_tokens:
                 return _finish(request, RequestStatus.FINISHED_STOPPED, stop)
@@ -73,6 +76,8 @@ class Detokenizer:
     def finish(self, request: Request) -> str:
         """The request's final text (stop string cut off unless asked for), releasing its stream."""
         self._streams.pop(request.request_id, None)
+        if self.tokenizer is None:
+            return ""
         params = request.sampling_params
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
         if isinstance(request.stop_reason, str):

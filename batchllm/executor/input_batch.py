@@ -51,13 +51,15 @@ class InputBatch:
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
 
     def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
-                block_rows: list[np.ndarray], sample_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                AttentionMetadata, torch.Tensor]:
+                block_rows: list[np.ndarray], sample_rows: np.ndarray, pad_to: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Fill the buffers for one step.
 
         `num_scheduled[i]` new tokens of sequence i start at position `num_computed[i]`; `token_ids` is their
         concatenation; `block_rows[i]` its block table; `sample_rows` the sequences whose last scheduled
-        token yields logits. Returns (input_ids, positions, attention metadata, logits indices) on device.
+        token yields logits. `pad_to` (decode-only steps replayed from a CUDA graph) appends padding rows up
+        to that many one-token sequences. Returns (input_ids, positions, attention metadata, logits indices)
+        on device.
         """
         num_seqs = len(num_scheduled)
         num_tokens = len(token_ids)
@@ -81,16 +83,54 @@ class InputBatch:
         self.input_ids.np[:num_tokens] = token_ids
         num_samples = len(sample_rows)
         np.subtract(cu[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
+        if pad_to is not None and pad_to > num_seqs:
+            self.fill_padding(num_seqs, pad_to)
+            num_seqs = num_tokens = pad_to
+            seq_lens = self.seq_lens.np[:num_seqs]
 
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping.upload(num_tokens),
             query_start_loc=self.query_start_loc.upload(num_seqs + 1),
             seq_lens=self.seq_lens.upload(num_seqs),
             block_tables=self.block_tables.upload(num_seqs),
-            max_query_len=int(num_scheduled.max()),
+            max_query_len=int(num_scheduled.max()) if pad_to is None else 1,
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         return (self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata,
                 self.logits_indices.upload(num_samples))
+
+    def fill_padding(self, start: int, end: int) -> None:
+        """Make one-token sequences `start..end` inert padding: their K/V write is skipped (slot -1) and they
+        attend to one arbitrary cached key, so their (discarded) outputs stay finite-or-garbage in their own
+        rows only. Used for CUDA-graph batch padding and capture. Assumes rows before `start` are one-token
+        sequences too (a decode-only step)."""
+        cu = self.query_start_loc.np
+        cu[start + 1 : end + 1] = np.arange(cu[start] + 1, cu[start] + 1 + end - start)
+        first, last = int(cu[start]), int(cu[end])
+        self.seq_lens.np[start:end] = 1
+        self.block_tables.np[start:end, 0] = 0
+        self.positions.np[first:last] = 0
+        self.input_ids.np[first:last] = 0
+        self.slot_mapping.np[first:last] = -1
+
+    def graph_inputs(self, batch_size: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        AttentionMetadata]:
+        """Fixed-address device views for capturing a decode step of `batch_size` one-token sequences.
+
+        Replays read whatever `prepare(..., pad_to=batch_size)` last uploaded into the same storage.
+        """
+        self.query_start_loc.np[0] = 0
+        self.fill_padding(0, batch_size)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(batch_size),
+            query_start_loc=self.query_start_loc.upload(batch_size + 1),
+            seq_lens=self.seq_lens.upload(batch_size),
+            block_tables=self.block_tables.upload(batch_size),
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=list(range(batch_size + 1)),
+            seq_lens_cpu=[1] * batch_size,
+        )
+        return self.input_ids.upload(batch_size), self.positions.upload(batch_size), metadata

@@ -15,6 +15,7 @@ import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
@@ -43,7 +44,7 @@ class _RequestState:
 class ModelRunner:
     def __init__(self, model_path: Path, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, max_model_len: int | None, seed: int,
-                 eos_token_ids: frozenset[int], load_format: str = "auto") -> None:
+                 eos_token_ids: frozenset[int], load_format: str = "auto", enforce_eager: bool = False) -> None:
         torch.manual_seed(seed)
         self.device, self.dtype = device, dtype
         self.block_size = cache_config.block_size
@@ -63,6 +64,15 @@ class ModelRunner:
         self.inputs = InputBatch(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
                                  max_blocks_per_seq, self.block_size, device)
         self._states: dict[str, _RequestState] = {}
+        self.graphs = self._capture_graphs() if device.type == "cuda" and not enforce_eager else None
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        from batchllm.kernels import triton_enabled
+
+        if not triton_enabled():
+            return None  # the reference KV write syncs with the host: it cannot be captured
+        return DecodeGraphs(self.model, self.inputs, self.scheduler_config.max_num_seqs, self.max_model_len)
 
     def _resolve_max_model_len(self, requested: int | None, num_blocks: int) -> int:
         model_limit = self.model_config.max_model_len
@@ -116,10 +126,17 @@ class ModelRunner:
                 sample_rows.append(i)
                 sampled_states.append((scheduled.request_id, state))
 
+        graph_size = None
+        if self.graphs is not None and len(token_ids) == num_seqs and num_seqs <= self.graphs.max_batch_size:
+            graph_size = self.graphs.padded_size(num_seqs)
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
-            token_ids, num_scheduled, num_computed, block_rows, np.asarray(sample_rows, dtype=np.int64))
-        with set_forward_context(metadata):
-            hidden = self.model(input_ids, positions)
+            token_ids, num_scheduled, num_computed, block_rows, np.asarray(sample_rows, dtype=np.int64),
+            pad_to=graph_size)
+        if graph_size is not None:
+            hidden = self.graphs.replay(graph_size)
+        else:
+            with set_forward_context(metadata):
+                hidden = self.model(input_ids, positions)
         if not sampled_states:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[logits_indices])
