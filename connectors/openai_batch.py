@@ -75,6 +75,9 @@ def sampling_params(body: dict[str, Any], defaults: SamplingParams, chat: bool) 
     if body.get("stream"):
         raise RowError("stream=true is not supported in a batch")
     overrides = {_SAMPLING[key]: value for key, value in body.items() if key in _SAMPLING}
+    temperature = overrides.get("temperature")
+    if isinstance(temperature, (int, float)) and temperature > 2:
+        raise RowError(f"temperature must be in [0, 2], got {temperature}")  # OpenAI's range, stricter than ours
     if chat:
         if body.get("logprobs"):
             overrides["logprobs"] = body.get("top_logprobs") or 0
