@@ -1,17 +1,25 @@
-"""Paged KV-cache kernels, installed as `batchllm.kernels`.
+"""Kernels, installed as `batchllm.kernels`: the one dispatch point between implementations.
 
-The two functions below are the only dispatch point between implementations: model code calls them and
-never imports an implementation directly. Today every device uses the pure-torch reference.
+Model code calls the functions below and never imports an implementation directly. The rule is the same
+for every function: the Triton kernel when the tensor is on CUDA and Triton is importable, otherwise the
+pure-torch reference of `reference.py` (the CPU path). `BATCHLLM_DISABLE_TRITON=1` forces the references
+everywhere; it is read once, on the first CUDA call. Triton is imported lazily on that first call, so
+`import batchllm` never imports it and the CPU path works without it installed.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from types import SimpleNamespace
 
 import torch
 
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
 
 
 def write_kv(
@@ -22,7 +30,10 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each token's K/V `[T, num_kv_heads, head_dim]` into its cache slot (negative slots are skipped)."""
-    reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    if _use_triton(key):
+        _triton().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -33,4 +44,55 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of a flat mixed batch of queries `[T, num_heads, head_dim]` over the paged KV cache."""
+    if _use_triton(query):
+        return _triton().paged_attention(query, k_cache, v_cache, metadata, scale)
     return reference.paged_attention(query, k_cache, v_cache, metadata, scale)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`norm(x)`, or `(norm(x + residual), x + residual)` given the residual stream (see `reference.rms_norm`)."""
+    if _use_triton(x):
+        return _triton().rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def apply_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `query [T, Hq, D]` and `key [T, Hkv, D]` in place by `positions` (neox style); returns them."""
+    if _use_triton(query):
+        return _triton().apply_rotary(positions, query, key, cos, sin)
+    return reference.apply_rotary(positions, query, key, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for a fused gate_up tensor `[..., 2 * d]` (gate first) → `[..., d]`."""
+    if _use_triton(gate_up):
+        return _triton().silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and _triton_enabled()
+
+
+@functools.cache
+def _triton_enabled() -> bool:
+    return os.environ.get("BATCHLLM_DISABLE_TRITON") != "1" and importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _triton() -> SimpleNamespace:
+    """The Triton implementations, imported on first use (importing them imports and initialises Triton)."""
+    from batchllm.kernels.activation import silu_and_mul_triton
+    from batchllm.kernels.attention import paged_attention_triton
+    from batchllm.kernels.kv_write import write_kv_triton
+    from batchllm.kernels.rmsnorm import rms_norm_triton
+    from batchllm.kernels.rotary import apply_rotary_triton
+
+    return SimpleNamespace(
+        write_kv=write_kv_triton, paged_attention=paged_attention_triton, rms_norm=rms_norm_triton,
+        apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
+    )

@@ -1,4 +1,4 @@
-"""Pure-torch reference implementations of the paged KV-cache kernels.
+"""Pure-torch reference implementations of the kernels: paged KV cache, RMSNorm, rotary, SiLU-and-mul.
 
 These are the CPU path and the ground truth the Triton kernels are tested against. They favour clarity, but
 avoid per-token Python loops: all decode rows of a batch share one gather and one attention call.
@@ -141,3 +141,46 @@ def _gather_padded(cache: torch.Tensor, tables: torch.Tensor, max_len: int, vali
     gathered = cache[tables].flatten(1, 2)[:, :max_len]  # [B, max_len, num_kv_heads, head_dim]
     gathered = torch.where(valid[:, :, None, None], gathered, 0)
     return gathered.transpose(1, 2)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension, numerically HF's `LlamaRMSNorm`; with `residual`, the fused add.
+
+    Returns `norm(x)`, or `(norm(x + residual), x + residual)`. The add happens in the input dtype, as HF's
+    decoder layers do it; statistics are float32 and the result is cast back to the input dtype before the
+    weight multiply, in that order, because that is what the checkpoints were trained and evaluated with.
+    """
+    if residual is not None:
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def apply_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary, in place: `query [T, Hq, D]` and `key [T, Hkv, D]` rotated by `positions [T]`.
+
+    `cos`/`sin` are float32 tables `[max_positions, D // 2]`; rows are cast to the activation dtype before
+    use, as HF does. Returns `(query, key)`.
+    """
+    cos_t = cos[positions].to(query.dtype)[:, None, :]
+    sin_t = sin[positions].to(query.dtype)[:, None, :]
+    query.copy_(_rotate(query, cos_t, sin_t))
+    key.copy_(_rotate(key, cos_t, sin_t))
+    return query, key
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for a fused gate_up projection output `[..., 2 * d]` (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

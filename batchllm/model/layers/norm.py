@@ -7,6 +7,8 @@ from typing import overload
 import torch
 from torch import nn
 
+from batchllm import kernels
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, numerically identical to HF's `LlamaRMSNorm`.
@@ -34,12 +36,4 @@ class RMSNorm(nn.Module):
         The fused form lets a decoder layer carry the residual stream without a separate add. The add
         happens in the input dtype, as HF's decoder layers do it.
         """
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps, residual)

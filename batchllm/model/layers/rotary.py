@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from batchllm import kernels
 from batchllm.model.config import RopeScaling
 
 
@@ -28,15 +29,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate `query [T, Hq, D]` and `key [T, Hkv, D]` by `positions [T]`."""
-        cos = self.cos[positions].to(query.dtype)[:, None, :]
-        sin = self.sin[positions].to(query.dtype)[:, None, :]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """Rotate `query [T, Hq, D]` and `key [T, Hkv, D]` by `positions [T]`, in place; returns them."""
+        return kernels.apply_rotary(positions, query, key, self.cos, self.sin)
 
 
 def _inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:

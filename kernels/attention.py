@@ -1,0 +1,316 @@
+"""Triton paged attention for a flat mixed batch: decode rows, prefill chunks and prefill on cached context.
+
+(Named `attention.py`, not `paged_attention.py`: importing a submodule binds its name on the package, and a
+module `batchllm.kernels.paged_attention` would replace the dispatch function of that name.)
+
+Layouts: `query`/`out` `[num_tokens, num_heads, head_dim]` (last dim contiguous), caches
+`[num_blocks, block_size, num_kv_heads, head_dim]`, and the `AttentionMetadata` of `batchllm.forward_context`.
+Query token j of sequence i sits at absolute position `seq_lens[i] - query_len_i + j` and sees the keys at
+positions `<=` its own; query head h reads KV head `h // (num_heads // num_kv_heads)`. Rows past
+`query_start_loc[num_seqs]` (batch padding) are written as zeros, like the reference.
+
+One program handles BLOCK_Q query tokens of one sequence for all query heads of one KV head: the group's
+heads are packed into the M dimension of the tile (`BLOCK_M = BLOCK_Q * GROUP_P2`), so a decode row of a GQA
+model still gives `tl.dot` 16 rows and K/V are read once per group instead of once per query head.
+
+Program → (sequence, query block) without the host: query blocks are numbered so that sequence i's first
+block is `query_start_loc[i] // BLOCK_Q + i`, which is monotone in i and leaves every sequence at least
+`cdiv(query_len_i, BLOCK_Q)` numbers; a program finds its sequence by binary search over `query_start_loc`.
+The grid is therefore `num_tokens // BLOCK_Q + num_seqs + 1` programs long (the `+ 1` is a pseudo-sequence
+covering the padding rows), sized by host shapes only. A `(num_seqs, cdiv(max_query_len, BLOCK_Q))` grid
+would launch hundreds of thousands of idle programs for a batch of one long prefill and many decode rows.
+
+Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one of NUM_SPLITS equal slices of its
+query block's keys and writes its unnormalised partial `(max, sum, acc)`; a second kernel merges the slices.
+Slices are cut on the device from `seq_lens`, so the result does not depend on NUM_SPLITS: a CUDA graph
+captured with one value stays correct for any sequence lengths. No host syncs happen anywhere here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from batchllm.forward_context import AttentionMetadata
+
+# Split-KV heuristic. Below SPLIT_TARGET_PROGRAMS_PER_SM * SMs programs the GPU is not full; each slice keeps
+# at least MIN_SPLIT_TOKENS keys so the partials' extra traffic stays small next to the K/V reads.
+SPLIT_TARGET_PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 16
+
+
+@dataclass(slots=True)
+class SplitKVWorkspace:
+    """Scratch for the split-KV partials, allocated once (e.g. before CUDA-graph capture) and reused.
+
+    `partial_acc [max_num_tokens, num_heads, max_splits, head_dim]`, `partial_max`/`partial_sum`
+    `[max_num_tokens, num_heads, max_splits]`, all float32; maxima are in log2 units (scores times
+    `scale * log2(e)`). Only the slices a launch writes are read back, so the contents never need clearing.
+    """
+
+    partial_acc: torch.Tensor
+    partial_max: torch.Tensor
+    partial_sum: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_num_tokens: int, num_heads: int, head_dim: int, max_splits: int = MAX_SPLITS,
+                 device: torch.device | str = "cuda") -> SplitKVWorkspace:
+        acc = torch.empty(max_num_tokens, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
+        stats = (max_num_tokens, num_heads, max_splits)
+        return cls(acc, torch.empty(stats, dtype=torch.float32, device=device),
+                   torch.empty(stats, dtype=torch.float32, device=device))
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.partial_acc.shape[0]
+
+    @property
+    def max_splits(self) -> int:
+        return self.partial_acc.shape[2]
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
+    """How many KV slices per sequence: 1 (the single-pass kernel) unless the GPU would sit mostly idle.
+
+    Only decode-only batches split (`max_query_len == 1`): with prefill tokens there are enough query
+    blocks to fill the GPU, and the scratch would grow with the token count. A decode batch launches
+    `num_seqs * num_kv_heads` working programs; below `SPLIT_TARGET_PROGRAMS_PER_SM` per SM each sequence's
+    keys are cut into enough slices to get there, but never slices shorter than `MIN_SPLIT_TOKENS` keys
+    (short contexts are cheap anyway) and never more than `MAX_SPLITS`.
+    """
+    if max_query_len > 1:
+        return 1
+    wanted = math.ceil(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms / max(num_seqs * num_kv_heads, 1))
+    return max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+    workspace: SplitKVWorkspace | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of `query [T, num_heads, head_dim]`; returns `out` (allocated if not given).
+
+    `num_splits=None` picks the variant with `choose_num_splits`; 1 forces the single-pass kernel, more
+    forces split-KV. Split-KV uses `workspace` if given (it caps the split count) and allocates one
+    otherwise. Every launch parameter comes from tensor shapes and the metadata's host ints, never from
+    device values, so the call can be captured in a CUDA graph.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = metadata.seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    if k_cache.stride() != v_cache.stride() or query.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("paged_attention_triton needs unit-stride head dims and K/V caches of one layout")
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, metadata.max_query_len, metadata.max_seq_len,
+                                       _num_sms(query.device))
+    if workspace is not None:
+        num_splits = min(num_splits, workspace.max_splits)
+
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    block_m, tile_n, num_warps = _tile_config(metadata.max_query_len, group_p2)
+    block_q = block_m // group_p2
+    constants = dict(
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile_n, NUM_SPLITS=num_splits,
+        # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
+    common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+              num_seqs, num_tokens, scale * math.log2(math.e), query.stride(0), query.stride(1),
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0))
+    if num_splits == 1:
+        _attention_kernel[grid](*common, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
+                                **constants, num_warps=num_warps)
+        return out
+
+    if workspace is None:
+        workspace = SplitKVWorkspace.allocate(num_tokens, num_heads, head_dim, num_splits, query.device)
+    elif workspace.max_num_tokens < num_tokens:
+        raise ValueError(f"workspace holds {workspace.max_num_tokens} tokens, the batch has {num_tokens}")
+    acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
+    _attention_kernel[grid](*common, out, out.stride(0), out.stride(1), acc, m, s,
+                            acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+                            **constants, num_warps=num_warps)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out, acc, m, s, metadata.query_start_loc, num_seqs, out.stride(0), out.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        NUM_SPLITS=num_splits, NUM_SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim), num_warps=4,
+    )
+    return out
+
+
+def _tile_config(max_query_len: int, group_p2: int) -> tuple[int, int, int]:
+    """`(BLOCK_M rows, keys per KV tile, warps)`. Correctness does not depend on the choice.
+
+    Decode-only batches take the smallest `tl.dot` tile, 16 rows; batches with prefill tokens take 64 rows,
+    so each K/V tile loaded serves four times more queries. 32-key tiles (two pages) with 4 warps for 16
+    rows and 8 warps for 64 rows compile for sm_90 without register spills at head_dim 128 (64-key tiles
+    spill at 4 warps: the gathered K/V loads hold one 64-bit address per element).
+    """
+    if max_query_len * group_p2 <= 16:
+        return max(16, group_p2), 32, 4
+    return max(64, group_p2), 32, 8
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    # Off the GPU (the Triton interpreter) the value only feeds the heuristic: assume an H200.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
+    """The largest i in [0, num_seqs] whose first query block `query_start_loc[i] // BLOCK_Q + i` is <= q_block_id."""
+    # Tensors from the start: an int argument equal to 1 arrives as a constant, which cannot be loop-carried.
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        starts_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_id
+        lo = tl.where(starts_before, mid, lo)
+        hi = tl.where(starts_before, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attention_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, num_tokens, qk_scale,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    out_ptr, stride_ot, stride_oh,
+    acc_ptr, max_ptr, sum_ptr, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`; see the module docstring."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_block = q_block_id - (q_start // BLOCK_Q + seq)
+    # Row r of the tile is query token r // GROUP_P2 of the block, query head kv_head * GROUP + r % GROUP_P2.
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_block * BLOCK_Q + rows // GROUP_P2  # within this sequence's query tokens
+    head = kv_head * GROUP + rows % GROUP_P2
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dims < HEAD_DIM
+
+    if seq == num_seqs:
+        # Padding pseudo-sequence: zero its rows. With splits the merge kernel writes them instead.
+        if NUM_SPLITS == 1:
+            token = (q_start + q_index).to(tl.int64)
+            row_ok = (token < num_tokens) & (rows % GROUP_P2 < GROUP)
+            out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+            zeros = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, zeros, mask=row_ok[:, None] & dim_ok[None, :])
+        return
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= query_len:
+        return
+
+    token = (q_start + q_index).to(tl.int64)
+    row_ok = (q_index < query_len) & (rows % GROUP_P2 < GROUP)
+    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    context_len = tl.load(seq_lens_ptr + seq) - query_len
+    q_pos = context_len + q_index  # absolute position: sees keys at positions <= q_pos
+    # Keys visible to the block's last row; later keys are skipped, not just masked.
+    kv_end = context_len + tl.minimum(query_len, (q_block + 1) * BLOCK_Q)
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(kv_lo, kv_hi, TILE_N):
+        key_pos = tile_start + tl.arange(0, TILE_N)
+        key_ok = key_pos < kv_hi
+        # Masked keys load as 0, not from the cache: their slots (and table entries) may hold anything,
+        # and a NaN times a zero softmax weight is still NaN.
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row with nothing visible yet keeps max -inf; subtracting 0 instead avoids inf - inf = NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    store_ok = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        # Every real row sees key 0, so l_i > 0 on the rows that are stored.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_ok)
+    else:
+        # Empty slices store max -inf, sum 0, acc 0: they drop out of the merge.
+        stat_offset = token * stride_mt + head * stride_mh + split
+        tl.store(max_ptr + stat_offset, m_i, mask=row_ok)
+        tl.store(sum_ptr + stat_offset, l_i, mask=row_ok)
+        acc_offset = token[:, None] * stride_at + head[:, None] * stride_ah + split * stride_as + dims[None, :]
+        tl.store(acc_ptr + acc_offset, acc, mask=store_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, acc_ptr, max_ptr, sum_ptr, query_start_loc_ptr, num_seqs,
+    stride_ot, stride_oh, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
+    NUM_SPLITS: tl.constexpr, NUM_SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+):
+    """Grid `(num_tokens, num_heads)`: rescale each slice's partial to the common max and normalise."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    out_ptrs = out_ptr + token * stride_ot + head * stride_oh + dims
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        # Padding row: its partials were never written.
+        tl.store(out_ptrs, tl.zeros([HEAD_DIM_P2], dtype=out_ptr.dtype.element_ty), mask=dim_ok)
+        return
+    splits = tl.arange(0, NUM_SPLITS_P2)
+    split_ok = splits < NUM_SPLITS
+    stat_ptrs = token * stride_mt + head * stride_mh + splits
+    m = tl.load(max_ptr + stat_ptrs, mask=split_ok, other=float("-inf"))
+    total = tl.load(sum_ptr + stat_ptrs, mask=split_ok, other=0.0)
+    acc = tl.load(acc_ptr + token * stride_at + head * stride_ah + splits[:, None] * stride_as + dims[None, :],
+                  mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    # Slice 0 always holds key 0, so the common max is finite.
+    weight = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
