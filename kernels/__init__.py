@@ -19,7 +19,7 @@ import torch
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
+__all__ = ["apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "triton_enabled", "write_kv"]
 
 
 def write_kv(
@@ -75,11 +75,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and _triton_enabled()
+    return tensor.is_cuda and triton_enabled()
 
 
 @functools.cache
-def _triton_enabled() -> bool:
+def triton_enabled() -> bool:
+    """Whether CUDA tensors take the Triton kernels (installed, and not disabled by BATCHLLM_DISABLE_TRITON)."""
     return os.environ.get("BATCHLLM_DISABLE_TRITON") != "1" and importlib.util.find_spec("triton") is not None
 
 

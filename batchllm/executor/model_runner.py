@@ -19,6 +19,7 @@ from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
+from batchllm.kernels import triton_enabled
 from batchllm.model.layers.sampler import Sampler, SamplingRow, SamplingTensors, make_generator
 from batchllm.model.loader import load_model
 from batchllm.sampling_params import SamplingParams
@@ -68,8 +69,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs | None:
-        from batchllm.kernels import triton_enabled
-
         if not triton_enabled():
             return None  # the reference KV write syncs with the host: it cannot be captured
         return DecodeGraphs(self.model, self.inputs, self.scheduler_config.max_num_seqs, self.max_model_len)

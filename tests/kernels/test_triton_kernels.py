@@ -363,13 +363,13 @@ def test_gpu_dispatch_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchllm import kernels
 
     x = torch.randn(4, 64, device=DEVICE)
-    kernels._triton_enabled.cache_clear()
+    kernels.triton_enabled.cache_clear()
     assert kernels._use_triton(x) and not kernels._use_triton(x.cpu())
     monkeypatch.setenv("BATCHLLM_DISABLE_TRITON", "1")
-    kernels._triton_enabled.cache_clear()
+    kernels.triton_enabled.cache_clear()
     try:
         assert not kernels._use_triton(x)
     finally:
         monkeypatch.undo()
-        kernels._triton_enabled.cache_clear()
+        kernels.triton_enabled.cache_clear()
 

@@ -1,0 +1,47 @@
+"""Model shapes of shared/bench/WORKLOADS.md as HF config directories, for random-weight runs.
+
+`make_shape_dir(name)` writes a config.json (and generation_config.json) that `LLM(model=dir,
+load_format="dummy", skip_tokenizer_init=True)` and HF `LlamaConfig` both read, so no weights or tokenizer
+have to travel to the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
+                      max_position_embeddings=8192),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+                         max_position_embeddings=8192),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
+                       max_position_embeddings=8192),
+}
+
+
+def shape_config(name: str) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", **SHAPES[name]}
+
+
+def make_shape_dir(name: str, root: Path | None = None) -> Path:
+    directory = Path(root or tempfile.mkdtemp(prefix="batchllm-shape-")) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(shape_config(name), indent=2))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return directory
+
+
+def num_params(name: str) -> int:
+    s = SHAPES[name]
+    h, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    head_dim = h // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    embeddings = vocab * h * (1 if s["tie_word_embeddings"] else 2)
+    return layers * per_layer + embeddings + h
