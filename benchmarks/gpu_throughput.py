@@ -1,0 +1,148 @@
+"""Throughput on the GPU with random bf16 weights: batchllm vs HF transformers `generate_batch`, same prompts,
+same process, plus the share of the physical limit.
+
+    python benchmarks/gpu_throughput.py --shape llama3-8b --workload W1 --rows 200 --max-tokens 128
+
+Weights are random (values do not change throughput), so the peer's weights are its own random init of the
+same shape. Roofline figures use the card's measured rates from shared/bench/WORKLOADS.md: bf16 matmul
+793 TFLOP/s (W1: 2 × params × total tokens) and copy bandwidth 4.24 TB/s (W3: per decode step the weights
+plus every running sequence's K/V, summed over steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import time
+
+import torch
+from shapes import SHAPES, make_shape_dir, num_params, shape_config
+from throughput import RESULTS, WORKLOADS, _plain, continuous_batching_attn, git_sha, hardware, make_prompts
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+from batchllm import LLM, SamplingParams
+
+MATMUL_FLOPS = 793e12
+COPY_BYTES_PER_S = 4.24e12
+
+
+def run_batchllm(directory, prompts, max_tokens: int, args) -> dict:
+    times = {}
+    start = time.perf_counter()
+    llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+    times["load_s"] = time.perf_counter() - start  # engine ready: weights, profiling, KV pool, graphs
+    start = time.perf_counter()
+    llm.generate([list(range(100, 164))] * 8, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    times["warmup_s"] = time.perf_counter() - start
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    times["generate_s"] = time.perf_counter() - start
+    stats = llm.stats
+    result = {**times, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+              "stats": _plain(stats), "num_kv_blocks": stats.num_kv_blocks,
+              "peak_kv_blocks": stats.peak_used_blocks, "preemptions": stats.num_preemptions,
+              "steps": stats.num_steps}
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_hf(shape: str, prompts, max_tokens: int) -> dict:
+    times = {}
+    attn = continuous_batching_attn()
+    start = time.perf_counter()
+    config = LlamaConfig(**{k: v for k, v in shape_config(shape).items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    times["load_s"] = time.perf_counter() - start
+    generation = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1)
+    start = time.perf_counter()
+    model.generate_batch(inputs=[list(range(100, 164))] * 8,
+                         generation_config=GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1))
+    times["warmup_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=generation)
+    times["generate_s"] = time.perf_counter() - start
+    output_tokens = sum(len(r.generated_tokens) for r in results.values())
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {**times, "output_tokens": output_tokens, "attn_implementation": attn}
+
+
+def roofline(shape: str, workload: str, prompts, max_tokens: int, seconds: float) -> dict:
+    params = num_params(shape)
+    total_tokens = sum(map(len, prompts)) + len(prompts) * max_tokens
+    s = SHAPES[shape]
+    kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * (
+        s["hidden_size"] // s["num_attention_heads"]) * 2
+    compute_s = 2 * params * total_tokens / MATMUL_FLOPS
+    # Bandwidth bound, assuming every row decodes in lock-step (true for W3's equal lengths): each step reads
+    # the weights once and each row's K/V so far.
+    kv_reads = sum(kv_bytes_per_token * (len(p) + t) for p in prompts for t in range(max_tokens))
+    bandwidth_s = (max_tokens * params * 2 + kv_reads) / COPY_BYTES_PER_S
+    return {"compute_roofline_s": round(compute_s, 3), "compute_share": round(compute_s / seconds, 3),
+            "bandwidth_roofline_s": round(bandwidth_s, 3), "bandwidth_share": round(bandwidth_s / seconds, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
+    parser.add_argument("--rows", type=int)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--peer", choices=["generate_batch", "none"], default="generate_batch")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--out", default=None, help="also copy the JSON record here")
+    args = parser.parse_args()
+
+    workload = WORKLOADS[args.workload]
+    rows = args.rows or workload.rows
+    max_tokens = args.max_tokens or workload.output_tokens
+    prompts = make_prompts(workload, rows, SHAPES[args.shape]["vocab_size"])
+    directory = make_shape_dir(args.shape)
+    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args)}
+    if args.peer == "generate_batch":
+        systems["hf_generate_batch"] = run_hf(args.shape, prompts, max_tokens)
+    prompt_tokens = sum(map(len, prompts))
+    for figures in systems.values():
+        seconds = figures["generate_s"]
+        figures["output_tok_s"] = round(figures["output_tokens"] / seconds, 1)
+        figures["total_tok_s"] = round((prompt_tokens + figures["output_tokens"]) / seconds, 1)
+        figures["mean_s_per_output_token_per_row"] = round(seconds / max_tokens, 5)
+    systems["batchllm"]["roofline"] = roofline(args.shape, args.workload, prompts, max_tokens,
+                                               systems["batchllm"]["generate_s"])
+    print(f"{args.workload} {args.shape}: {rows} rows, {prompt_tokens} prompt tokens, {max_tokens} output tokens")
+    print(f"{'system':20} {'load s':>7} {'warm s':>7} {'gen s':>7} {'out tok/s':>10} {'total tok/s':>11}")
+    for name, f in systems.items():
+        print(f"{name:20} {f['load_s']:>7.1f} {f['warmup_s']:>7.1f} {f['generate_s']:>7.2f} "
+              f"{f['output_tok_s']:>10.1f} {f['total_tok_s']:>11.1f}")
+    ours = systems["batchllm"]
+    print(f"batchllm: KV blocks peak {ours['peak_kv_blocks']}/{ours['num_kv_blocks']}, preemptions "
+          f"{ours['preemptions']}, steps {ours['steps']}, roofline {ours['roofline']}")
+    if "hf_generate_batch" in systems:
+        ratio = ours["total_tok_s"] / systems["hf_generate_batch"]["total_tok_s"]
+        print(f"batchllm / HF generate_batch total tok/s: {ratio:.1f}x")
+    _, hw = hardware("cuda")
+    record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
+              "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
+                           "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
+    name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-h200.json"
+    text = json.dumps(record, indent=2, default=str) + "\n"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(text)
+    if args.out:
+        with open(f"{args.out}/{name}", "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
