@@ -1,0 +1,119 @@
+"""A `batchllm run` subprocess killed at several points (SIGKILL: no cleanup at all) and resumed: every
+input row ends up exactly once in the output, equal to an uninterrupted run. SIGINT stops gracefully."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import batchllm
+from tests.connectors.helpers import GREEDY
+from tests.connectors.jobs import read_shards, write_parquet_input
+
+ROWS_PER_SHARD = 6
+JOB = {"prompt_column": "q", "rows_per_shard": ROWS_PER_SHARD, "max_in_flight": 6, **GREEDY}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _command(input: Path, output: Path) -> list[str]:
+    return [sys.executable, "-m", "batchllm", "run", str(input), str(output), "--prompt-column", "q",
+            "--max-tokens", str(GREEDY["max_tokens"]), "--temperature", str(GREEDY["temperature"]),
+            "--rows-per-shard", str(ROWS_PER_SHARD), "--max-in-flight", str(JOB["max_in_flight"])]
+
+
+def _records(output: Path) -> int:
+    manifest = output / "_manifest.jsonl"
+    return max(0, len(manifest.read_bytes().split(b"\n")) - 2) if manifest.exists() else 0
+
+
+def _start(input: Path, output: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(_command(input, output), cwd=REPO, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def _wait_until(process: subprocess.Popen, condition, timeout: float = 600) -> bool:
+    """Poll until `condition()`; False if the job exited first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, "the job made no progress"
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory) -> tuple[Path, pa.Table]:
+    directory = tmp_path_factory.mktemp("kill") / "in"
+    table = write_parquet_input(directory, [11, 9, 7], row_group_size=5)  # 27 rows: 5 shards, across files
+    return directory, table
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(job_input, tmp_path_factory, llm) -> pa.Table:
+    output = tmp_path_factory.mktemp("reference") / "out"
+    batchllm.run_job(job_input[0], output, use_tqdm=False, **JOB)
+    return read_shards(output).sort_by("id")
+
+
+def _check_exactly_once(output: Path, table: pa.Table, uninterrupted: pa.Table) -> None:
+    shards = read_shards(output)
+    assert sorted(shards.column("id").to_pylist()) == table.column("id").to_pylist()  # each row once
+    assert shards.sort_by("id").equals(uninterrupted)
+    assert not [p.name for p in output.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_sigkill_at_several_points_then_resume(job_input, uninterrupted, tmp_path):
+    input, table = job_input
+    output, log = tmp_path / "out", tmp_path / "job.log"
+    log.touch()
+
+    def generating(runs_before: int):  # the progress bar appears once the engine is loaded and the job starts
+        return lambda: log.read_text().count("generating:") > runs_before
+
+    kills = []
+    for name in ("after the first shard", "after one more shard", "at a random moment of generation"):
+        process = _start(input, output, log)
+        if name == "at a random moment of generation":
+            assert _wait_until(process, generating(log.read_text().count("generating:"))), log.read_text()
+            time.sleep(random.uniform(0, 1.0))
+        else:
+            assert _wait_until(process, lambda: _records(output) >= len(kills) + 1), log.read_text()
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            kills.append((name, _records(output)))
+        process.wait(timeout=600)
+    assert len(kills) == 3, f"the job ended before a kill: {kills}"
+
+    final = _start(input, output, log)
+    assert final.wait(timeout=600) == 0, log.read_text()
+    assert log.read_text().rstrip().splitlines()[-1].startswith("batchllm: done:")
+    _check_exactly_once(output, table, uninterrupted)
+
+
+def test_sigint_flushes_completed_shards_and_says_how_to_resume(job_input, uninterrupted, tmp_path):
+    input, table = job_input
+    output, log = tmp_path / "out", tmp_path / "job.log"
+    process = _start(input, output, log)
+    assert _wait_until(process, lambda: _records(output) >= 1), log.read_text()
+    process.send_signal(signal.SIGINT)
+    code = process.wait(timeout=600)
+    text = log.read_text()
+    if code == 0:
+        pytest.skip("the job finished before the signal arrived")
+    assert code == 128 + signal.SIGINT, text
+    assert "SIGINT: no new rows are admitted" in text and "run the same job again to resume" in text
+    assert f"batchllm run {input} {output}" in text
+    records = [json.loads(line) for line in (output / "_manifest.jsonl").read_text().splitlines()[1:]]
+    assert sorted(p.name for p in output.glob("part-*.parquet")) == sorted(r["file"] for r in records)
+
+    result = batchllm.run_job(input, output, use_tqdm=False, **JOB)
+    assert result.resumed_rows == sum(r["rows"] for r in records) and result.complete
+    _check_exactly_once(output, table, uninterrupted)
