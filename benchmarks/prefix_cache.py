@@ -2,7 +2,7 @@
 prefix-aware admission order on vs off, in one process on the same prompts.
 
     python benchmarks/prefix_cache.py                 # CPU-sized W2 (40 rows, 16 output tokens)
-    python benchmarks/prefix_cache.py --rows 1000 --max-tokens 128 --device cuda --load-format dummy
+    python benchmarks/prefix_cache.py --rows 1000 --max-tokens 128 --shape llama3-8b
 
 Each configuration builds its own engine (so no cache carries over) and runs the same prompts once after
 a small warm-up. The tight-pool configurations hold only about three of the ten system prompts at a time,
@@ -18,6 +18,7 @@ import json
 import time
 
 import torch
+from shapes import SHAPES, make_shape_dir
 from throughput import RESULTS, WORKLOADS, _plain, git_sha, hardware, make_prompts, warmup_prompts
 
 from batchllm import LLM, SamplingParams
@@ -34,10 +35,15 @@ CONFIGS = {  # name → LLM keyword arguments
 def run(args, name: str, prompts: list[list[int]]) -> dict:
     options = dict(CONFIGS[name])
     if options.pop("tight", False):
-        options["num_kv_blocks"] = 3 * (1000 // 16) + args.max_num_seqs * 8
+        # Three system prompts' blocks, plus each running row's private suffix and output blocks.
+        private_blocks = -(-(100 + args.max_tokens) // 16) + 1
+        options["num_kv_blocks"] = 3 * (-(-1000 // 16)) + args.max_num_seqs * private_blocks
     start = time.perf_counter()
-    llm = LLM(model=args.model, device=args.device, load_format=args.load_format,
-              max_num_seqs=args.max_num_seqs, **options)
+    if args.shape:  # a random-weight shape of WORKLOADS.md: no checkpoint, no tokenizer
+        options.update(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True)
+    else:
+        options.update(model=args.model, load_format=args.load_format)
+    llm = LLM(device=args.device, max_num_seqs=args.max_num_seqs, **options)
     load_s = time.perf_counter() - start
     llm.generate(warmup_prompts(), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -67,11 +73,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--vocab-size", type=int, default=49152, help="the model's (default: SmolLM2's)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="random bf16 weights of this shape (GPU runs)")
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     args = parser.parse_args()
 
-    prompts = make_prompts(WORKLOADS["W2"], args.rows, args.vocab_size)
+    vocab_size = SHAPES[args.shape]["vocab_size"] if args.shape else 49152  # 49152: the default model's
+    prompts = make_prompts(WORKLOADS["W2"], args.rows, vocab_size)
     results = [run(args, name, prompts) for name in args.configs]
     reference = results[0]["outputs"]
     print(f"W2 shared-prefix, {args.rows} rows, {args.max_tokens} output tokens")
