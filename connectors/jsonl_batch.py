@@ -102,8 +102,9 @@ class JsonlSource:
         self.total_rows = 0
         for number, raw in self._lines(digest):
             self.total_rows += 1
-            custom_id = parse_envelope(raw).custom_id
-            if custom_id is not None:
+            envelope = parse_envelope(raw)
+            custom_id = envelope.custom_id
+            if envelope.error is None:  # only valid requests claim their custom_id
                 if custom_id in first_line:
                     self.duplicates[number] = (custom_id, first_line[custom_id])
                 else:

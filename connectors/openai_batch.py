@@ -10,13 +10,15 @@ false `stream` are ignored; any other field is refused for that line rather than
 
 A response line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
 null}` with a `chat.completion` or `text_completion` body, or `"response": null` and `"error": {"code",
-"message"}` for a line that could not be answered. Ids derive from the line number, so reruns agree.
+"message"}` for a line that could not be answered (its custom_id is recovered from a line that is not
+valid JSON when possible). Ids derive from the line number, so reruns agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from batchllm.connectors.results import RowOutcome, token_logprobs
 from batchllm.outputs import CompletionOutput
 from batchllm.sampling_params import SamplingParams
 
+_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 _IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
@@ -50,7 +53,7 @@ def parse_envelope(raw: str) -> Envelope:
     try:
         request = json.loads(raw)
     except json.JSONDecodeError as exc:
-        return Envelope(None, None, None, f"invalid JSON: {exc}")
+        return Envelope(_salvage_custom_id(raw), None, None, f"invalid JSON: {exc}")
     if not isinstance(request, dict):
         return Envelope(None, None, None, f"a request line must be a JSON object, got {type(request).__name__}")
     custom_id, url, body = request.get("custom_id"), request.get("url"), request.get("body")
@@ -65,6 +68,18 @@ def parse_envelope(raw: str) -> Envelope:
     elif not isinstance(body, dict):
         error = "body must be a JSON object"
     return Envelope(custom_id, url if error is None else None, body if error is None else None, error)
+
+
+def _salvage_custom_id(raw: str) -> str | None:
+    """The custom_id of a line that is not valid JSON, when it can still be read: the error then maps back to
+    its request."""
+    match = _CUSTOM_ID.search(raw)
+    if match is None:
+        return None
+    try:
+        return json.loads(f'"{match.group(1)}"') or None
+    except json.JSONDecodeError:
+        return None
 
 
 def sampling_params(body: dict[str, Any], defaults: SamplingParams, chat: bool) -> SamplingParams:
