@@ -38,6 +38,9 @@ def profile_peak_memory(runner: ModelRunner, utilization: float) -> int:
         count = -(-int(length) // block_size)
         rows.append(np.arange(next_block, next_block + count, dtype=np.int32))
         next_block += count
+    # Memory an earlier engine of this process freed is still reserved by the caching allocator, in segments
+    # the one large KV allocation cannot reuse: hand it back first.
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     input_ids, positions, metadata, logits_indices = inputs.prepare(
