@@ -62,6 +62,8 @@ class Sink(Protocol):
 
 
 Planner = Callable[[pa.RecordBatch], list[RowRequest]]
+# What travels with a request through `LLM.stream`: its shard, its row in the shard and its sampling params.
+RowKey = tuple[int, int, SamplingParams]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Mani
     def skip(first: int, end: int) -> bool:
         return all(s in done_shards for s in range(first // rows_per_shard, (end - 1) // rows_per_shard + 1))
 
-    def feed(stop: StopOnSignal) -> Iterator[tuple[tuple[int, int, SamplingParams], list[int], SamplingParams] | None]:
+    def feed(stop: StopOnSignal) -> Iterator[tuple[RowKey, list[int], SamplingParams] | None]:
         for start, batch in source.batches(batch_size, skip):
             result.peak_buffered_rows = max(result.peak_buffered_rows, tracker.buffered_rows + batch.num_rows)
             for shard, piece in shard_pieces(start, batch, rows_per_shard):

@@ -18,8 +18,8 @@ import batchllm
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
 
-ROWS_PER_SHARD = 6
-JOB = {"prompt_column": "q", "rows_per_shard": ROWS_PER_SHARD, "max_in_flight": 6, **GREEDY}
+ROWS_PER_SHARD = 4
+JOB = {"prompt_column": "q", "rows_per_shard": ROWS_PER_SHARD, "max_in_flight": 4, **GREEDY}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -52,7 +52,7 @@ def _wait_until(process: subprocess.Popen, condition, timeout: float = 600) -> b
 @pytest.fixture(scope="module")
 def job_input(tmp_path_factory) -> tuple[Path, pa.Table]:
     directory = tmp_path_factory.mktemp("kill") / "in"
-    table = write_parquet_input(directory, [11, 9, 7], row_group_size=5)  # 27 rows: 5 shards, across files
+    table = write_parquet_input(directory, [11, 9, 7], row_group_size=5)  # 27 rows: 7 shards, across files
     return directory, table
 
 
@@ -73,24 +73,26 @@ def _check_exactly_once(output: Path, table: pa.Table, uninterrupted: pa.Table) 
 def test_sigkill_at_several_points_then_resume(job_input, uninterrupted, tmp_path):
     input, table = job_input
     output, log = tmp_path / "out", tmp_path / "job.log"
-    log.touch()
-
-    def generating(runs_before: int):  # the progress bar appears once the engine is loaded and the job starts
-        return lambda: log.read_text().count("generating:") > runs_before
-
     kills = []
-    for name in ("after the first shard", "after one more shard", "at a random moment of generation"):
+
+    def kill(process: subprocess.Popen, point: str) -> None:
+        assert process.poll() is None, f"the job ended before the kill {point}: {log.read_text()}"
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=600) == -signal.SIGKILL
+        kills.append((point, _records(output)))
+
+    # 1: at a random moment once generation has started (the progress bar appears after the engine loads).
+    process = _start(input, output, log)
+    assert _wait_until(process, lambda: "generating:" in log.read_text()), log.read_text()
+    time.sleep(random.uniform(0, 0.5))
+    kill(process, "at a random moment")
+    # 2 and 3: right after the resumed job records one more shard (often while it writes the next one).
+    for point in ("after one more shard", "after yet another shard"):
+        before = _records(output)
         process = _start(input, output, log)
-        if name == "at a random moment of generation":
-            assert _wait_until(process, generating(log.read_text().count("generating:"))), log.read_text()
-            time.sleep(random.uniform(0, 1.0))
-        else:
-            assert _wait_until(process, lambda: _records(output) >= len(kills) + 1), log.read_text()
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            kills.append((name, _records(output)))
-        process.wait(timeout=600)
-    assert len(kills) == 3, f"the job ended before a kill: {kills}"
+        assert _wait_until(process, lambda: _records(output) > before), log.read_text()
+        kill(process, point)
+    assert len({records for _, records in kills}) == 3, kills  # three different points of the job
 
     final = _start(input, output, log)
     assert final.wait(timeout=600) == 0, log.read_text()
