@@ -100,3 +100,26 @@ def test_memory_stays_bounded_on_an_input_larger_than_a_shard(tmp_path, monkeypa
     assert max(held) <= bound < 40
     assert result.peak_buffered_rows <= bound
     assert sorted(read_shards(tmp_path / "out").column("id").to_pylist()) == list(range(40))
+
+
+def test_engine_stays_full_across_shard_boundaries(tmp_path, monkeypatch, llm):
+    write_parquet_input(tmp_path / "in", [7, 9], row_group_size=3)
+    engine, added, occupancy = llm.engine, [], []
+    add_request, step = engine.add_request, engine.step
+
+    def counting_add(request_id, *args, **kwargs):
+        added.append(request_id)
+        return add_request(request_id, *args, **kwargs)
+
+    def recording_step():
+        occupancy.append((len(added), len(engine.scheduler.waiting) + len(engine.scheduler.running)))
+        return step()
+
+    monkeypatch.setattr(engine, "add_request", counting_add)
+    monkeypatch.setattr(engine, "step", recording_step)
+    batchllm.run_job(tmp_path / "in", tmp_path / "out", prompt_column="q", rows_per_shard=2, max_in_flight=4,
+                     max_tokens=2, temperature=0, use_tqdm=False)
+    # Until the last row is admitted, every step runs with all 4 slots taken: no drain at the 8 shard
+    # boundaries nor at the file boundary.
+    assert [held for admitted, held in occupancy if admitted < 16] == [4] * sum(a < 16 for a, _ in occupancy)
+    assert len(added) == 16
