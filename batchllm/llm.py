@@ -102,7 +102,7 @@ class LLM:
         Results come in completion order, not input order: the key says which request a result belongs to.
         Requests are pulled lazily: before every engine step the stream admits requests until
         `max_in_flight` prompts are in the engine (None: no limit, so everything is admitted before the
-        first step, exactly like `generate`). A caller can thus feed an unbounded source with bounded
+        first step, in the source's order). A caller can thus feed an unbounded source with bounded
         memory, and the engine never drains between the caller's batches.
 
         The source may yield None to pause admission until the next step (backpressure); it must not
