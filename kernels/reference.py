@@ -47,29 +47,19 @@ def paged_attention(
     positions `<=` its own. Heads are grouped (GQA): query head h reads KV head `h // (num_heads // num_kv_heads)`.
     Rows past `query_start_loc[-1]` (batch padding) come back as zeros.
     """
+    # One attention call per sequence over exactly its own keys: no padding to the longest sequence and no
+    # masking copies, which on the CPU cost far more than the per-sequence call overhead.
     output = torch.zeros_like(query)
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    decode_rows: list[int] = []
     for i, seq_len in enumerate(seq_lens):
-        query_len = starts[i + 1] - starts[i]
-        if query_len == 1:
-            decode_rows.append(i)
-        elif query_len > 1:
-            start = starts[i]
-            output[start : start + query_len] = _prefill_attention(
-                query[start : start + query_len], k_cache, v_cache, metadata.block_tables[i], seq_len, scale
-            )
-    if decode_rows:
-        token_index = torch.tensor([starts[i] for i in decode_rows], device=query.device)
-        rows_out = _decode_attention(
-            query[token_index], k_cache, v_cache, metadata.block_tables, decode_rows,
-            [seq_lens[i] for i in decode_rows], scale,
-        )
-        output.index_copy_(0, token_index, rows_out)
+        start, end = starts[i], starts[i + 1]
+        if end > start:
+            output[start:end] = _sequence_attention(query[start:end], k_cache, v_cache, metadata.block_tables[i],
+                                                    seq_len, scale)
     return output
 
 
-def _prefill_attention(
+def _sequence_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -77,12 +67,15 @@ def _prefill_attention(
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """One sequence's `query_len` newest tokens attending over its first `seq_len` cached tokens."""
+    """One sequence's `query_len` newest tokens attending over its first `seq_len` cached tokens. Only those
+    tokens are gathered, so whatever the rest of the cache holds (NaN included) is never read."""
     query_len = query.shape[0]
     keys = _gather_sequence(k_cache, block_table, seq_len)
     values = _gather_sequence(v_cache, block_table, seq_len)
     num_context = seq_len - query_len
-    if num_context == 0:
+    if query_len == 1:
+        mask, is_causal = None, False  # a decode row sees every key
+    elif num_context == 0:
         mask, is_causal = None, True
     else:
         # Query j sits at absolute position num_context + j: causal with an offset.
@@ -96,51 +89,11 @@ def _prefill_attention(
     return out.transpose(0, 1)
 
 
-def _decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    rows: list[int],
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Single-token queries `[B, num_heads, head_dim]` of several sequences, padded to the longest one."""
-    block_size = k_cache.shape[1]
-    device = query.device
-    max_len = max(seq_lens)
-    num_blocks = -(-max_len // block_size)
-    lens = torch.tensor(seq_lens, device=device)
-    tables = block_tables[torch.tensor(rows, device=device), :num_blocks].long()
-    # Table entries past a sequence's last block are padding of unknown value: point them at block 0 so the
-    # gather stays in bounds; the key-length mask below discards whatever they hold.
-    blocks_used = (lens + block_size - 1) // block_size
-    tables = torch.where(torch.arange(num_blocks, device=device) < blocks_used[:, None], tables, 0)
-    key_valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # [B, max_len]
-    keys = _gather_padded(k_cache, tables, max_len, key_valid)
-    values = _gather_padded(v_cache, tables, max_len, key_valid)
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys, values, attn_mask=key_valid[:, None, None, :], scale=scale, enable_gqa=True,
-    )
-    return out[:, :, 0, :]
-
-
 def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` tokens of one sequence: `[seq_len, num_kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
     return cache[blocks].flatten(0, 1)[:seq_len]
-
-
-def _gather_padded(cache: torch.Tensor, tables: torch.Tensor, max_len: int, valid: torch.Tensor) -> torch.Tensor:
-    """Keys or values of B sequences as `[B, num_kv_heads, max_len, head_dim]`, zero where `valid` is false.
-
-    Zeroing matters: slots past a sequence's end may hold anything, NaN included, and a masked-out NaN still
-    poisons the softmax-weighted sum (0 * NaN = NaN).
-    """
-    gathered = cache[tables].flatten(1, 2)[:, :max_len]  # [B, max_len, num_kv_heads, head_dim]
-    gathered = torch.where(valid[:, :, None, None], gathered, 0)
-    return gathered.transpose(1, 2)
 
 
 def rms_norm(
