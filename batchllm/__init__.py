@@ -1,9 +1,11 @@
 """batchllm: throughput-first offline LLM batch inference."""
 
 from batchllm.api import generate, run_job
+from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchllm.llm import LLM
 from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from batchllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "generate", "run_job"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job"]
 __version__ = "0.1.0"
