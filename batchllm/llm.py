@@ -14,7 +14,7 @@ from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
-from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 
@@ -232,8 +232,9 @@ class LLM:
             logprobs = [self._logprob_dict(token_id, s) for token_id, s in
                         zip(request.output_token_ids, request.output_logprobs)]
             cumulative = sum(s.logprob for s in request.output_logprobs if s.logprob is not None)
+        metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finished_time)
         return CompletionOutput(index, finished.text, request.output_token_ids, cumulative, logprobs,
-                                request.finish_reason, request.stop_reason, request.error)
+                                request.finish_reason, request.stop_reason, request.error, metrics)
 
     def _logprob_dict(self, token_id: int, sampled) -> dict[int, Logprob]:
         entries = {tid: Logprob(lp) for tid, lp in (sampled.top_logprobs or {}).items()}

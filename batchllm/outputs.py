@@ -17,6 +17,25 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps on the `time.perf_counter()` clock of the generating process."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_tokens: int) -> float | None:
+        """Mean decode time per token after the first (None with fewer than two tokens)."""
+        if self.first_token_time is None or self.finished_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -26,6 +45,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length" or "error"
     stop_reason: int | str | None = None  # the stop token id or string that ended generation
     error: str | None = None
+    metrics: RequestMetrics | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

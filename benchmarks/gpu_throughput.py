@@ -43,7 +43,12 @@ def run_batchllm(directory, prompts, max_tokens: int, args) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     times["generate_s"] = time.perf_counter() - start
     stats = llm.stats
-    result = {**times, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+    completions = [o.outputs[0] for o in outs]
+    tpot = sorted(c.metrics.time_per_output_token(len(c.token_ids)) for c in completions)
+    ttft = sorted(c.metrics.time_to_first_token for c in completions)
+    result = {**times, "output_tokens": sum(len(c.token_ids) for c in completions),
+              "tpot_mean_s": sum(tpot) / len(tpot), "tpot_p99_s": _percentile(tpot, 0.99),
+              "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _percentile(ttft, 0.99),
               "stats": _plain(stats), "num_kv_blocks": stats.num_kv_blocks,
               "peak_kv_blocks": stats.peak_used_blocks, "preemptions": stats.num_preemptions,
               "steps": stats.num_steps}
@@ -51,6 +56,10 @@ def run_batchllm(directory, prompts, max_tokens: int, args) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def run_hf(shape: str, prompts, max_tokens: int) -> dict:
@@ -117,7 +126,6 @@ def main() -> None:
         seconds = figures["generate_s"]
         figures["output_tok_s"] = round(figures["output_tokens"] / seconds, 1)
         figures["total_tok_s"] = round((prompt_tokens + figures["output_tokens"]) / seconds, 1)
-        figures["mean_s_per_output_token_per_row"] = round(seconds / max_tokens, 5)
     systems["batchllm"]["roofline"] = roofline(args.shape, args.workload, prompts, max_tokens,
                                                systems["batchllm"]["generate_s"])
     print(f"{args.workload} {args.shape}: {rows} rows, {prompt_tokens} prompt tokens, {max_tokens} output tokens")
@@ -126,6 +134,9 @@ def main() -> None:
         print(f"{name:20} {f['load_s']:>7.1f} {f['warmup_s']:>7.1f} {f['generate_s']:>7.2f} "
               f"{f['output_tok_s']:>10.1f} {f['total_tok_s']:>11.1f}")
     ours = systems["batchllm"]
+    print(f"batchllm: time per output token mean {ours['tpot_mean_s'] * 1e3:.1f} ms, p99 "
+          f"{ours['tpot_p99_s'] * 1e3:.1f} ms; time to first token mean {ours['ttft_mean_s']:.2f} s, p99 "
+          f"{ours['ttft_p99_s']:.2f} s")
     print(f"batchllm: KV blocks peak {ours['peak_kv_blocks']}/{ours['num_kv_blocks']}, preemptions "
           f"{ours['preemptions']}, steps {ours['steps']}, roofline {ours['roofline']}")
     if "hf_generate_batch" in systems:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,14 +28,13 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.detokenizer = detokenizer
-        self._arrivals = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_of: str | None = None) -> None:
         """Queue a request. `fork_of` names an earlier request with the same prompt whose prompt K/V this
         one may share (the samples of an n > 1 request)."""
-        request = Request(request_id, list(prompt_token_ids), params, arrival_index=self._arrivals, fork_of=fork_of)
-        self._arrivals += 1
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.perf_counter(),
+                          fork_of=fork_of)
         self.scheduler.add_request(request)
 
     def has_unfinished(self) -> bool:

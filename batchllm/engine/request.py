@@ -38,7 +38,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival_index: int = 0
+    arrival_time: float = 0.0  # time.perf_counter() clock, like the two below
+    first_token_time: float | None = None
+    finished_time: float | None = None
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0

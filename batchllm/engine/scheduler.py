@@ -11,6 +11,7 @@ oldest request progress: no deadlock, since a single request never exceeds `max_
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -68,6 +69,7 @@ class Scheduler:
         error = self._admission_error(request)
         if error is not None:
             request.status, request.error = RequestStatus.FINISHED_ERROR, error
+            request.finished_time = time.perf_counter()
             self.stats.num_errors += 1
             self._rejected.append(request)
             return
@@ -239,11 +241,14 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens, stop what must stop, and free the finished requests' blocks."""
         finished: list[Request] = []
+        now = time.perf_counter()
         for scheduled in output.requests:
             if not scheduled.sample:
                 continue
             request = self.requests[scheduled.request_id]
             request.append_token(runner_output.sampled[scheduled.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
             self.stats.num_generated_tokens += 1
             if request.num_tokens >= self.config.max_model_len:
                 request.status = RequestStatus.FINISHED_LENGTH
@@ -251,6 +256,7 @@ class Scheduler:
                 finished.append(request)
         if finished:
             for request in finished:
+                request.finished_time = now
                 self.kv_cache.free(request)
                 del self.requests[request.request_id]
                 self._finished_ids.append(request.request_id)

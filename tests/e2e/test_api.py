@@ -154,3 +154,13 @@ def test_repetition_penalty_matches_hf(llm, hf_model):
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                              repetition_penalty=1.3), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref[0, len(ids):].tolist()
+
+
+def test_request_metrics_are_ordered_timestamps(llm):
+    out = _one(llm, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.time_to_first_token > 0
+    expected = (m.finished_time - m.first_token_time) / 5
+    assert m.time_per_output_token(len(out.token_ids)) == pytest.approx(expected)
+    assert m.time_per_output_token(1) is None
