@@ -203,7 +203,7 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         if self.tokenizer is None and any(p.stop_strings for p in params_list):
             raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
-        order = self._admission_order(token_lists)
+        order = self.admission_order(token_lists)
         items = ((i, texts[i], token_lists[i], params_list[i]) for i in order)
         outputs: list[RequestOutput | None] = [None] * len(token_lists)
         progress = _progress_bar(len(token_lists), use_tqdm)
@@ -217,7 +217,7 @@ class LLM:
                 progress.close()
         return outputs  # type: ignore[return-value]  (every slot is filled once the stream ends)
 
-    def _admission_order(self, token_lists: list[list[int]]) -> list[int]:
+    def admission_order(self, token_lists: list[list[int]]) -> list[int]:
         """Prefix-aware ordering: with the whole batch known up front, admit prompts in lexicographic token
         order, so rows sharing a prefix run back to back and hit its blocks before they can be evicted.
         Results still come back in input order."""

@@ -18,14 +18,17 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
                 use_tqdm: bool) -> list[pa.Array]:
     """Generate for `num_rows` rows given by their needed columns; output columns come back in row order.
 
-    Every good row is admitted before the first engine step, as `LLM.generate` does, so results equal
-    the facade's on the same prompts. Rows with a prompt error never reach the engine.
+    Every good row is admitted before the first engine step, in the engine's prefix-aware order, as
+    `LLM.generate` does, so results equal the facade's on the same prompts. Rows with a prompt error never
+    reach the engine.
     """
     encoded = encode_rows(columns, num_rows, options, PromptEncoder.for_llm(llm, options))
     outcomes = [RowOutcome(None, e.error, e.num_tokens) for e in encoded]
     progress = RowProgress(num_rows, use_tqdm, done=sum(e.error is not None for e in encoded))
     params = options.sampling_params
-    requests = ((i, e.token_ids, params) for i, e in enumerate(encoded) if e.error is None)
+    good = [i for i, e in enumerate(encoded) if e.error is None]
+    order = llm.admission_order([encoded[i].token_ids for i in good])
+    requests = ((good[j], encoded[good[j]].token_ids, params) for j in order)
     try:
         for index, output in llm.stream(requests):
             outcomes[index] = RowOutcome.from_output(output, params)

@@ -164,3 +164,13 @@ def test_request_metrics_are_ordered_timestamps(llm):
     expected = (m.finished_time - m.first_token_time) / 5
     assert m.time_per_output_token(len(out.token_ids)) == pytest.approx(expected)
     assert m.time_per_output_token(1) is None
+
+
+def test_prefix_aware_admission_order(llm):
+    rows = [[5, 9, 1], [2, 7], [5, 9, 0], [2, 7, 7]]
+    assert llm.admission_order(rows) == [1, 3, 2, 0]  # shared prefixes [2, 7] and [5, 9] become adjacent
+    llm.reorder_by_prefix = False
+    try:
+        assert llm.admission_order(rows) == [0, 1, 2, 3]
+    finally:
+        llm.reorder_by_prefix = True
