@@ -47,7 +47,3 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
-    def generated_tokens_per_second(self) -> float:
-        return self.num_generated_tokens / self.elapsed_seconds if self.elapsed_seconds else 0.0

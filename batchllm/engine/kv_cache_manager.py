@@ -29,10 +29,6 @@ class PrefixCacheStats:
     shared_blocks: int = 0  # block references taken on blocks another request already held (forks)
     cow_copies: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 @dataclass(slots=True)
 class BlockAllocation:

@@ -21,10 +21,6 @@ class KVCache:
         dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
 
-    @property
-    def num_bytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
