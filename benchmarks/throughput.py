@@ -275,7 +275,8 @@ def main() -> None:
         "systems": systems,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    target = args.out / f"{today}-{args.workload}-r{rows}-o{max_tokens}-{shape}-{hw_name}.json"
+    name = f"{today}-{args.workload}-r{rows}-o{max_tokens}-{shape}-{hw_name}-vs-{args.peer}.json"
+    target = args.out / name
     target.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"wrote {target}")
 
