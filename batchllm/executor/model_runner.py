@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.distributed.parallel_state import all_reduce_min
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
@@ -42,30 +43,51 @@ class _RequestState:
         self.num_blocks = end
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Everything needed to build a `ModelRunner`; picklable, so a tensor-parallel worker can build its own."""
+
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    max_model_len: int | None
+    seed: int
+    eos_token_ids: frozenset[int]
+    load_format: str = "auto"
+    enforce_eager: bool = False
+
+
 class ModelRunner:
-    def __init__(self, model_path: Path, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, max_model_len: int | None, seed: int,
-                 eos_token_ids: frozenset[int], load_format: str = "auto", enforce_eager: bool = False) -> None:
-        torch.manual_seed(seed)
-        self.device, self.dtype = device, dtype
-        self.block_size = cache_config.block_size
-        self.scheduler_config = scheduler_config
-        self.model, self.model_config = load_model(model_path, device, dtype, load_format=load_format, seed=seed)
+    """Runs the model on one device. Under tensor parallelism every rank has one, fed the same
+    `SchedulerOutput`; each holds its shard of the weights and of the KV heads, and only rank 0 samples."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        torch.manual_seed(config.seed)
+        device, self.dtype = config.device, config.dtype
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.scheduler_config = config.scheduler
+        self.model, self.model_config = load_model(config.model_path, device, self.dtype,
+                                                   load_format=config.load_format, seed=config.seed)
         self.model.eval()
         self.sampler = Sampler()
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = config.eos_token_ids
 
-        num_blocks = cache_config.num_blocks or self._blocks_from_memory(cache_config)
+        # Ranks may see different free memory: the pool is as large as the smallest rank can hold.
+        num_blocks = all_reduce_min(config.cache.num_blocks or self._blocks_from_memory(config.cache))
         self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
-                                                   device, dtype)
+                                                   device, self.dtype)
         self.num_blocks = num_blocks
-        self.max_model_len = self._resolve_max_model_len(max_model_len, num_blocks)
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, num_blocks)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.inputs = InputBatch(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+        self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
                                  max_blocks_per_seq, self.block_size, device)
         self._states: dict[str, _RequestState] = {}
-        self.graphs = self._capture_graphs() if device.type == "cuda" and not enforce_eager else None
+        use_graphs = device.type == "cuda" and not config.enforce_eager
+        self.graphs = self._capture_graphs() if use_graphs else None
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -139,6 +161,8 @@ class ModelRunner:
         if not sampled_states:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[logits_indices])
+        if logits is None:
+            return ModelRunnerOutput({})  # a tensor-parallel rank other than 0: rank 0 samples
         return ModelRunnerOutput(self._sample(logits, sampled_states))
 
     def _state_for(self, request_id: str, new: NewRequestData | None) -> _RequestState:

@@ -8,14 +8,13 @@ are fused; `packed_modules_mapping` tells the loader how HF tensors map onto the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.activation import SiluAndMul
 from batchllm.model.layers.attention import Attention
-from batchllm.model.layers.embedding import VocabEmbedding
-from batchllm.model.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinear, RowLinear
+from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logits
+from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.layers.rotary import RotaryEmbedding
 
@@ -23,15 +22,17 @@ from batchllm.model.layers.rotary import RotaryEmbedding
 class LlamaSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_proj = QKVLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=config.attention_bias
         )
+        # This rank's heads: all of them without tensor parallelism.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
         self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, scale=config.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=config.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -120,16 +121,16 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied models read logits off the embedding table instead of holding a second copy.
         self.lm_head = (
-            None if config.tie_word_embeddings else ColumnLinear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[N, vocab_size]` for the hidden states of the tokens that need them."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits `[N, vocab_size]` for the hidden states of the tokens that need them; under tensor
+        parallelism on rank 0 only (None on the other ranks)."""
+        return compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     def attention_layers(self) -> list[Attention]:
         """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""

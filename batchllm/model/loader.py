@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,11 +95,16 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig) -> None
                     continue
                 weight_loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
+                    # Checked here, against the full shape: a tensor-parallel loader only sees its slice.
+                    shape = tuple(checkpoint.get_slice(name).get_shape())
+                    expected = tuple(getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
+                    if shape != expected:
+                        raise ValueError(f"checkpoint tensor has shape {shape}, expected {expected}")
                     weight_loader(param, checkpoint.get_tensor(name), shard_id)
                 except ValueError as exc:
                     raise ValueError(f"{file.name}: {name}: {exc}") from None
                 loaded.add((target, shard_id))
-    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "checkpoint_shapes", [None])}
     missing = sorted(_checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
     if missing or unexpected:
         raise ValueError(
@@ -144,15 +150,21 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
 
 
 def _fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """normal(0, 0.02) weights and unit norms, generated per checkpoint tensor from a seed derived from its
+    name, then sliced by the parameter's own loader: every tensor-parallel size (and every data-parallel
+    replica) gets the same model, and a rank only ever holds one full tensor at a time."""
     norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
-    generators: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, _DUMMY_STD, generator=generators[param.device])
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        for shard_id, shape in getattr(param, "checkpoint_shapes", {None: param.shape}).items():
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}:{shard_id}".encode()))
+            full = torch.empty(shape, dtype=param.dtype, device=param.device).normal_(0.0, _DUMMY_STD,
+                                                                                       generator=generator)
+            weight_loader(param, full, shard_id)
 
 
 @contextmanager

@@ -1,12 +1,14 @@
-"""Linear layers whose parameters know how to load themselves from HF checkpoint tensors.
+"""Tensor-parallel linear layers whose parameters know how to load themselves from HF checkpoint tensors.
 
-Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`. Fused layers (QKV, gate/up)
-are filled from several HF tensors, one `shard_id` each, and list the shards they expect in
-`param.shard_ids` so the loader can tell when one is missing.
+Megatron-style sharding over the group of `batchllm.distributed.parallel_state`: a column layer holds its
+rank's slice of the output features (no communication), a row layer its slice of the input features and
+sums the partial outputs with one all-reduce. A column layer followed by a row layer (q/k/v → o, gate/up →
+down) thus costs one all-reduce. With one rank every layer is a plain linear.
 
-The layers are tensor-parallel unaware, but split by how tensor parallelism would shard them: column
-layers own a slice of the output features, row layers a slice of the input features. A TP version only
-needs to narrow `loaded_weight` to its rank's slice inside these loaders.
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes the *full* HF
+tensor and copies this rank's slice of it, and `checkpoint_shapes` (shard id → full HF shape), which the
+random initialiser uses to build rank-independent weights. Fused layers (QKV, gate/up) are filled from
+several HF tensors, one `shard_id` each.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchllm.distributed.parallel_state import all_reduce, get_tp, kv_heads_per_rank
+
 
 class _Linear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        self.input_size, self.output_size = input_size, output_size
+        self.tp = get_tp()
+        self.input_size, self.output_size = input_size, output_size  # this rank's sizes
         # torch.empty: the checkpoint (or the dummy initialiser) fills the values, so random init is wasted work.
         self.weight = _loadable(torch.empty(output_size, input_size), self.weight_loader)
         self.bias = _loadable(torch.empty(output_size), self.weight_loader) if bias else None
@@ -29,47 +34,79 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
-        copy_checked(param.data, loaded_weight)
-
 
 class ColumnLinear(_Linear):
-    """`y = x W^T + b`, sharded (under TP) along the output features."""
+    """`y = x W^T + b`, sharded along the output features: rank r computes output slice r."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__(input_size, _divide(output_size, get_tp().size, "output features"), bias)
+        _set_checkpoint_shapes(self, {None: output_size}, input_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+        size = param.shape[0]
+        copy_checked(param.data, loaded_weight.narrow(0, self.tp.rank * size, size))
 
 
 class RowLinear(_Linear):
-    """`y = x W^T + b`, sharded (under TP) along the input features; its output would be all-reduced."""
+    """`y = x W^T + b`, sharded along the input features; the partial products are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__(_divide(input_size, get_tp().size, "input features"), output_size, bias)
+        self.weight.checkpoint_shapes = {None: (output_size, input_size)}
+        if self.bias is not None:
+            self.bias.checkpoint_shapes = {None: (output_size,)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+        if param.dim() == 2:
+            loaded_weight = loaded_weight.narrow(1, self.tp.rank * self.input_size, self.input_size)
+        copy_checked(param.data, loaded_weight)
 
 
-class MergedColumnLinear(ColumnLinear):
+class MergedColumnLinear(_Linear):
     """Several column layers on the same input, fused into one matmul; HF shard i fills output slice i."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self.output_sizes = list(output_sizes)
-        _expect_shards(self, list(range(len(output_sizes))))
+        tp_size = get_tp().size
+        self.output_sizes = [_divide(size, tp_size, "output features") for size in output_sizes]
+        super().__init__(input_size, sum(self.output_sizes), bias)
+        self.output_offsets = [sum(self.output_sizes[:i]) for i in range(len(output_sizes))]
+        _set_checkpoint_shapes(self, dict(enumerate(output_sizes)), input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
         offset, size = self.output_offsets[shard_id], self.output_sizes[shard_id]
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight)
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp.rank * size, size))
 
 
-class QKVLinear(ColumnLinear):
-    """The q, k and v projections fused into one matmul; output is `[q | k | v]` along the features."""
+class QKVLinear(_Linear):
+    """The q, k and v projections fused into one matmul; this rank's output is `[q | k | v]` of its heads.
+
+    Query heads are split evenly. KV heads are split too; with more ranks than KV heads, each KV head is
+    replicated on `tp_size / num_kv_heads` consecutive ranks, which are exactly the ranks whose query heads
+    read it.
+    """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        tp = get_tp()
+        self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # Which KV head slice this rank holds: rank r's query heads read KV head (r * heads_per_rank) // group.
+        self.kv_shard = tp.rank * self.num_heads // (num_heads // num_kv_heads) // self.num_kv_heads
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
-        _expect_shards(self, ["q", "k", "v"])
+        full_kv = num_kv_heads * head_dim
+        _set_checkpoint_shapes(self, {"q": num_heads * head_dim, "k": full_kv, "v": full_kv}, hidden_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
-        offset, size = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
-        }[shard_id]
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight)
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, self.kv_shard * self.kv_size
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
 
 
 def copy_checked(target: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -79,13 +116,20 @@ def copy_checked(target: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     target.copy_(loaded_weight)
 
 
+def _divide(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{size} {what} cannot be split over tensor_parallel_size={parts}")
+    return size // parts
+
+
 def _loadable(data: torch.Tensor, weight_loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(data, requires_grad=False)
     param.weight_loader = weight_loader
     return param
 
 
-def _expect_shards(layer: _Linear, shard_ids: list[Hashable]) -> None:
-    for param in (layer.weight, layer.bias):
-        if param is not None:
-            param.shard_ids = shard_ids
+def _set_checkpoint_shapes(layer: _Linear, output_sizes: dict[Hashable, int], input_size: int) -> None:
+    """Record the full HF tensor shapes behind a column layer's weight (and bias), one per shard id."""
+    layer.weight.checkpoint_shapes = {shard: (size, input_size) for shard, size in output_sizes.items()}
+    if layer.bias is not None:
+        layer.bias.checkpoint_shapes = {shard: (size,) for shard, size in output_sizes.items()}

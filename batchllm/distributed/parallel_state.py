@@ -1,0 +1,103 @@
+"""This process's place in the tensor-parallel group, and the group's collectives.
+
+A process holds one rank. With `tensor_parallel_size=1` (the default, and the engine's own process) the
+group is trivial and every collective is a no-op, so single-device code pays nothing and never imports
+`torch.distributed`. Tensor-parallel worker processes call `init_tensor_parallel` once, before building the
+model: the layers read their rank and the group size when they are constructed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 samples and answers the engine; the other ranks only compute their shards."""
+        return self.rank == 0
+
+
+_state = TensorParallel()
+
+
+def get_tp() -> TensorParallel:
+    return _state
+
+
+def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, timeout_s: float) -> None:
+    """Join the process group of `size` ranks (NCCL on GPUs, gloo on CPU) as `rank`."""
+    global _state
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+    _state = TensorParallel(rank, size)
+
+
+def destroy_tensor_parallel() -> None:
+    global _state
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = TensorParallel()
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` across the group, in place (row-parallel outputs, the vocab-parallel embedding)."""
+    if _state.size > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest `value` across the group: every rank must agree on, e.g., the KV pool size."""
+    if _state.size == 1:
+        return value
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def gather_last_dim(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate each rank's `tensor` along the last dimension on rank 0 (None on the other ranks).
+
+    Only rank 0 samples, so the vocab-parallel logits go to it alone rather than to every rank.
+    """
+    if _state.size == 1:
+        return tensor
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(_state.size)] if _state.is_driver else None
+    dist.gather(tensor, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads are split across ranks; with more ranks than KV heads each rank keeps one, replicated."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def check_tensor_parallel_shape(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> None:
+    """Refuse a `tensor_parallel_size` the model's shape cannot be split by, before any process starts."""
+    problems = []
+    if num_heads % tp_size:
+        problems.append(f"num_attention_heads={num_heads} is not divisible by it")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        problems.append(f"num_key_value_heads={num_kv_heads} neither divides it nor is divisible by it")
+    if intermediate_size % tp_size:
+        problems.append(f"intermediate_size={intermediate_size} is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not fit this model: " + "; ".join(problems))

@@ -1,0 +1,140 @@
+"""The tensor-parallel executor: `tensor_parallel_size` spawned worker processes, one per rank.
+
+The engine stays in the caller's process and never touches `torch.distributed`: each step it writes the
+`SchedulerOutput` once into a shared-memory broadcast queue that every rank reads, and reads rank 0's
+sampled tokens back from a second queue. Only rank 0 samples (from logits gathered across the ranks), so
+ranks cannot disagree about a token. Keeping the engine out of the process group means a waiting engine
+can always notice a dead worker and fail with a clear error, whatever the backend is doing; and the
+seam (one message in, one reply out) is where pipeline stages would also plug in.
+
+Lifecycle: workers are daemonic `spawn` processes. `shutdown()` (also run when the executor is garbage
+collected, at interpreter exit, after a failed or interrupted step) asks them to exit, then terminates and
+kills what is left. Workers exit by themselves when the engine process disappears. A worker that dies
+makes the next wait raise `WorkerDiedError` with its traceback when it left one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import weakref
+from typing import Any
+
+from batchllm.distributed.shm_queue import ShmReader, ShmWriter, create_queue, unlink_queue
+from batchllm.engine.interfaces import ModelRunnerOutput, SchedulerOutput
+from batchllm.executor.tp_worker import POLL_S, WorkerArgs, WorkerReady, worker_main
+
+_JOIN_S = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process ended while the engine needed it."""
+
+
+class MultiprocExecutor:
+    def __init__(self, runner_config: Any, tensor_parallel_size: int, num_threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._group = _WorkerGroup(context, runner_config, tensor_parallel_size, num_threads)
+        # At garbage collection and interpreter exit alike; holds the group, not self, so self can be collected.
+        self._finalizer = weakref.finalize(self, self._group.shutdown)
+        ready: WorkerReady = self._group.call(None, first=True)
+        self.num_blocks, self.max_model_len, self.block_size = ready.num_blocks, ready.max_model_len, ready.block_size
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [process.pid for process in self._group.processes]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._group.call(scheduler_output)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class _WorkerGroup:
+    def __init__(self, context: Any, runner_config: Any, tp_size: int, num_threads: int) -> None:
+        self.steps = create_queue(context, tp_size)
+        self.replies = create_queue(context, 1)
+        self.errors = context.Queue()
+        self.failure: str | None = None
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.processes = [
+            context.Process(target=worker_main, name=f"batchllm-tp-rank{rank}", daemon=True, args=(WorkerArgs(
+                runner_config, rank, tp_size, init_method, num_threads, os.getpid(), self.steps, self.replies,
+                self.errors),))
+            for rank in range(tp_size)
+        ]
+        try:
+            for process in self.processes:
+                process.start()
+            self.writer = ShmWriter(self.steps, self.check_workers, POLL_S / 10)
+            self.reader = ShmReader(self.replies, 0, self.check_workers, POLL_S / 10)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call(self, message: SchedulerOutput | None, first: bool = False) -> Any:
+        """Broadcast `message` (None: only wait) and return rank 0's reply; any failure shuts the group down."""
+        if self.failure is not None:
+            raise WorkerDiedError(f"the tensor-parallel workers are shut down: {self.failure}")
+        try:
+            if message is not None:
+                self.writer.put(message)
+            reply = self.reader.get()
+        except BaseException as exc:
+            if self.failure is None:
+                self.failure = f"a step was interrupted by {type(exc).__name__}"
+            self.shutdown()
+            raise
+        if first:  # every rank has mapped the queues by now: their files need not outlive the processes
+            unlink_queue(self.steps)
+            unlink_queue(self.replies)
+        return reply
+
+    def check_workers(self) -> None:
+        dead = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is not None]
+        if not dead:
+            return
+        reports = {}
+        try:
+            while True:
+                rank, text = self.errors.get(timeout=0.2 if not reports else 0.01)
+                reports[rank] = text
+        except queue.Empty:
+            pass
+        rank, process = dead[0]
+        detail = reports.get(rank) or next(iter(reports.values()), "")
+        self.failure = f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        raise WorkerDiedError(f"tensor-parallel worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
+
+    def shutdown(self) -> None:
+        if self.failure is None:
+            # No step in flight: ask for a clean exit, which lets NCCL/gloo tear down their connections.
+            self.failure = "the engine was shut down"
+            try:
+                self.writer.put(None)
+                for process in self.processes:
+                    process.join(timeout=_JOIN_S)
+            except Exception:
+                pass
+        # After a failure the survivors may be blocked in a collective that never completes: do not wait.
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            if process.pid is not None:
+                process.join(timeout=_JOIN_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for handle in (self.steps, self.replies):
+            unlink_queue(handle)
+        self.errors.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

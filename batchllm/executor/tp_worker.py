@@ -1,0 +1,90 @@
+"""The body of a tensor-parallel worker process: one rank, one `ModelRunner`, one step per message.
+
+Each rank joins the process group, builds its shard of the model and KV cache, then loops: read the step's
+`SchedulerOutput` from the shared-memory broadcast, run it, and (rank 0 only) write the sampled tokens
+back. `None` is the shutdown message. A failure is reported on the error queue with its traceback before
+the process exits, so the engine can raise it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from batchllm.distributed.shm_queue import ShmQueueHandle, ShmReader, ShmWriter
+
+POLL_S = 1.0  # how often a waiting process checks that the other side is still alive
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    runner: Any  # RunnerConfig (typed loosely: this module is imported before torch in the worker)
+    rank: int
+    tp_size: int
+    init_method: str
+    num_threads: int
+    parent_pid: int
+    steps: ShmQueueHandle  # engine → every rank
+    replies: ShmQueueHandle  # rank 0 → engine
+    errors: Any  # multiprocessing Queue of (rank, traceback text)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """Rank 0's first reply: the facts the engine sizes its scheduler by, agreed by every rank."""
+
+    num_blocks: int
+    max_model_len: int
+    block_size: int
+
+
+def worker_main(args: WorkerArgs) -> None:
+    # Ctrl-C reaches the whole process group; the engine process handles it and shuts the workers down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_if_orphaned() -> None:
+        if os.getppid() != args.parent_pid:
+            raise SystemExit(f"batchllm tensor-parallel rank {args.rank}: the engine process is gone")
+
+    try:
+        steps = ShmReader(args.steps, args.rank, exit_if_orphaned, POLL_S)
+        replies = ShmWriter(args.replies, exit_if_orphaned, POLL_S) if args.rank == 0 else None
+        runner = _build_runner(args)
+        if replies is not None:
+            replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size))
+        while (scheduler_output := steps.get()) is not None:
+            output = runner.execute_model(scheduler_output)
+            if replies is not None:
+                replies.put(output)
+    except SystemExit:
+        raise
+    except BaseException:
+        args.errors.put((args.rank, traceback.format_exc()))
+        sys.exit(1)
+    finally:
+        from batchllm.distributed.parallel_state import destroy_tensor_parallel
+
+        destroy_tensor_parallel()
+
+
+def _build_runner(args: WorkerArgs):
+    import torch
+
+    from batchllm.distributed.parallel_state import init_tensor_parallel
+    from batchllm.executor.model_runner import ModelRunner
+
+    config = args.runner
+    if config.device.type == "cuda":
+        device = torch.device("cuda", args.rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = config.device, "gloo"
+        torch.set_num_threads(args.num_threads)
+    init_tensor_parallel(args.rank, args.tp_size, backend, args.init_method, timeout_s=1800)
+    return ModelRunner(dataclasses.replace(config, device=device))
