@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from batchllm.connectors.data_parallel import check_data_parallel_size, replica_pool_for
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.job import JobResult
 from batchllm.connectors.mapper import map_columns
@@ -22,7 +23,8 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
              prompt_template: Template | None = None, chat: bool = False, model: str | Path | None = None,
              llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
              sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
-             truncate: str = "error", use_tqdm: bool = True, **sampling_fields: Any) -> Any:
+             truncate: str = "error", use_tqdm: bool = True, data_parallel_size: int = 1,
+             **sampling_fields: Any) -> Any:
     """Generate a completion per row and return the same kind of object with output columns added.
 
         df.pipe(batchllm.generate, prompt_column="question", max_tokens=64, temperature=0)
@@ -50,7 +52,12 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     prompt under truncate="error") gets an `error` and no text; every other row completes. A problem with
     the call itself (no or several prompt sources, an unknown column, a bad sampling value, an output
     column that already exists) raises before any generation.
+
+    `data_parallel_size=N` (N > 1) runs N engine processes for this call, one per GPU or per share of the
+    CPU cores, with the same results as one engine for greedy and seeded sampling (see
+    `batchllm.connectors.data_parallel`); it takes `model=` / `engine_kwargs=`, not `llm=`.
     """
+    check_data_parallel_size(data_parallel_size, llm)
     connector = _connector_for(data)
     if prompt_column is messages_column is prompt_template is None and _is_string_list(data):
         prompt_column = "prompt"
@@ -58,8 +65,9 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
-    engine = get_llm(model, llm, engine_kwargs)
-    arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
+    with replica_pool_for(data_parallel_size, model, engine_kwargs) as pool:
+        engine = pool or get_llm(model, llm, engine_kwargs)
+        arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
     return connector.attach_outputs(data, arrays, options)
 
 
@@ -69,7 +77,8 @@ def run_job(input: str | Path, output: str | Path, **options: Any) -> JobResult:
     `input` ending in `.jsonl` is an OpenAI Batch API request file (see `batchllm.connectors.jsonl_batch`);
     anything else is a Parquet file, directory or glob (see `batchllm.connectors.parquet_job`, which
     documents the options, the output layout, resumption and interruption). Re-running the same call
-    resumes where it stopped.
+    resumes where it stopped. `data_parallel_size=N` runs N engine processes (see `generate`); a replica
+    that dies has its rows re-run by the others and is listed in `JobResult.replica_failures`.
     """
     if str(input).endswith(".jsonl"):
         from batchllm.connectors.jsonl_batch import run_jsonl_job

@@ -3,7 +3,8 @@
     batchllm run INPUT OUTPUT --prompt-column question --max-tokens 128 --temperature 0
 
 Exit status: 0 done; 2 bad arguments or options (nothing generated); 128 + N after signal N (SIGINT:
-130, SIGTERM: 143) with every completed shard saved: run the same command again to resume.
+130, SIGTERM: 143) with every completed shard saved: run the same command again to resume; 1 when every
+data-parallel replica died (completed shards saved, resumable too).
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, kind in _ENGINE_FLAGS.items():
         run.add_argument(_flag(name), type=kind, help=f"engine: {name}")
     run.add_argument("--rows-per-shard", type=int, help="rows per output shard, the unit of resumption")
-    run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once")
+    run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once (in each engine with "
+                                                        "--data-parallel)")
+    run.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                     help="N engine processes, one per GPU (or per share of the CPU cores), fed from one queue")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -63,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from batchllm.api import run_job
     from batchllm.connectors.job import JobInterrupted
+    from batchllm.connectors.replica_pool import ReplicaPoolError
 
     options: dict[str, Any] = {name: getattr(args, name) for name in (*_SAMPLING_FLAGS, "stop", "ignore_eos")
                                if getattr(args, name) is not None}
@@ -79,15 +84,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
             options[name] = getattr(args, name)
     try:
         result = run_job(args.input, args.output, model=args.model, engine_kwargs=engine or None,
-                         use_tqdm=not args.no_progress, **options)
+                         use_tqdm=not args.no_progress, data_parallel_size=args.data_parallel, **options)
     except JobInterrupted as exc:
         print(f"batchllm: {exc}:\n  batchllm {shlex.join(argv)}", file=sys.stderr)
         return 128 + exc.signal_number
+    except ReplicaPoolError as exc:
+        print(f"batchllm: error: {exc}:\n  batchllm {shlex.join(argv)}", file=sys.stderr)
+        return 1
     except _USAGE_ERRORS as exc:
         return _fail(str(exc))
     print(f"batchllm: done: {result.written_rows} rows written ({result.error_rows} with errors), "
           f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s "
           f"→ {result.output}", file=sys.stderr)
+    for failure in result.replica_failures:
+        print(f"batchllm: warning: {failure.describe()}", file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,8 @@ to the `Sink` the moment its last row is done, and then recorded in the manifest
 Memory stays bounded whatever the input size: before reading the next batch, the loop waits (without
 starving the engine) while `max_buffered_rows` input rows are held, so at most
 `max_buffered_rows + batch_size` rows are ever held; `JobResult.peak_buffered_rows` reports the peak.
+With data parallelism the loop feeds a `ReplicaPool` the same way; its rows out at once (queued in this
+process or held by replicas) count as in flight, so the same bound holds.
 
 SIGINT / SIGTERM: the first one stops admitting rows; rows already in the engine finish, every shard they
 complete is written, and `JobInterrupted` is raised (the CLI exits with 128 + the signal number). The
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +34,7 @@ import pyarrow as pa
 from batchllm.connectors.manifest import Manifest, ShardRecord
 from batchllm.connectors.progress import RowProgress
 from batchllm.connectors.prompts import EncodedPrompt
+from batchllm.connectors.replica_pool import ReplicaFailure, ReplicaPool, ReplicaPoolError
 from batchllm.connectors.results import RowOutcome
 from batchllm.connectors.shards import ShardTracker, shard_pieces
 from batchllm.llm import LLM
@@ -91,6 +94,8 @@ class JobResult:
     output_tokens: int
     seconds: float
     peak_buffered_rows: int
+    # Data-parallel replicas that died during this run; their unfinished rows were re-run by the others.
+    replica_failures: list[ReplicaFailure] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -108,10 +113,15 @@ class JobInterrupted(RuntimeError):
         self.result = result
 
 
-def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Manifest, llm: LLM,
+def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Manifest, llm: LLM | ReplicaPool,
                     settings: JobSettings, output: Path) -> JobResult:
+    """Run the job on `llm`, or on a `ReplicaPool`: then `settings.max_in_flight` already applies to each of its
+    engines, and the rows out at once are the pool's default, enough to keep every replica full."""
     rows_per_shard = settings.rows_per_shard
-    max_in_flight = settings.max_in_flight or 2 * llm.engine.scheduler.config.max_num_seqs
+    if isinstance(llm, ReplicaPool):
+        max_in_flight = llm.default_max_in_flight
+    else:
+        max_in_flight = settings.max_in_flight or 2 * llm.engine.scheduler.config.max_num_seqs
     max_buffered = settings.max_buffered_rows or max_in_flight + 2 * rows_per_shard
     batch_size = min(rows_per_shard, MAX_BATCH_ROWS)
     total = source.total_rows
@@ -162,9 +172,14 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Mani
         with StopOnSignal() as stop:
             for (shard, row, params), output in llm.stream(feed(stop), max_in_flight=max_in_flight):
                 finish(shard, row, RowOutcome.from_output(output, params))
+    except ReplicaPoolError as exc:
+        done = result.resumed_rows + result.written_rows
+        raise ReplicaPoolError(f"{exc}\n{done} of {total} rows are saved in {result.output}; run the same job again "
+                               f"to resume", exc.failures) from exc
     finally:
         progress.close()
         result.seconds = time.perf_counter() - start_time
+        result.replica_failures = list(getattr(llm, "failures", []))
     if stop.signal_number is not None:
         raise JobInterrupted(stop.signal_number, result)
     return result

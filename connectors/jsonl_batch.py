@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from batchllm.connectors.data_parallel import check_data_parallel_size, replica_pool_for
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.job import (
     DEFAULT_ROWS_PER_SHARD,
@@ -43,6 +44,7 @@ from batchllm.connectors.openai_batch import (
 )
 from batchllm.connectors.options import TRUNCATE_MODES, params_dict, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
+from batchllm.connectors.replica_pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
@@ -54,12 +56,13 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
                   engine_kwargs: Mapping[str, Any] | None = None, sampling_params: SamplingParams | None = None,
                   truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                   max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
-                  **sampling_fields: Any) -> JobResult:
+                  data_parallel_size: int = 1, **sampling_fields: Any) -> JobResult:
     """Answer the OpenAI batch request file `input` into the JSONL file `output`.
 
     `sampling_params` / sampling keywords are the defaults for fields a request body does not set. The
     other options are those of `run_parquet_job`; prompts come from the requests themselves.
     """
+    check_data_parallel_size(data_parallel_size, llm)
     for name in ("prompt_column", "messages_column", "prompt_template", "chat", "output_column"):
         if name in sampling_fields:
             raise ValueError(f"{name}= does not apply to an OpenAI batch file: each request carries its prompt")
@@ -75,7 +78,13 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     if output.exists() and not manifest_path.exists():
         raise FileExistsError(f"output {output} exists and has no batchllm manifest beside it; refusing to overwrite")
     output.parent.mkdir(parents=True, exist_ok=True)
-    engine = get_llm(model, llm, engine_kwargs)
+    with replica_pool_for(data_parallel_size, model, engine_kwargs, max_in_flight) as pool:
+        engine = pool or get_llm(model, llm, engine_kwargs)
+        return _run(source, output, manifest_path, engine, defaults, truncate, settings)
+
+
+def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | ReplicaPool, defaults: SamplingParams,
+         truncate: str, settings: JobSettings) -> JobResult:
     fingerprint = {"job": "openai-batch", "input": source.fingerprint(), "model": model_identity(engine.model_path),
                    "max_model_len": engine.max_model_len, "defaults": params_dict(defaults), "truncate": truncate,
                    "rows_per_shard": settings.rows_per_shard}

@@ -10,17 +10,19 @@ import pyarrow as pa
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.progress import RowProgress
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
+from batchllm.connectors.replica_pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
 from batchllm.llm import LLM
 
 
-def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions, llm: LLM,
+def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions, llm: LLM | ReplicaPool,
                 use_tqdm: bool) -> list[pa.Array]:
     """Generate for `num_rows` rows given by their needed columns; output columns come back in row order.
 
     Every good row is admitted before the first engine step, in the engine's prefix-aware order, as
     `LLM.generate` does, so results equal the facade's on the same prompts. Rows with a prompt error never
-    reach the engine.
+    reach the engine. With a `ReplicaPool` the rows are handed out in that order, so neighbours in it (rows
+    sharing a prefix) mostly land on the same replica.
     """
     encoded = encode_rows(columns, num_rows, options, PromptEncoder.for_llm(llm, options))
     outcomes = [RowOutcome(None, e.error, e.num_tokens) for e in encoded]

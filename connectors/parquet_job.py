@@ -34,6 +34,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.connectors.atomic import remove_stale_temporaries, write_atomically
+from batchllm.connectors.data_parallel import check_data_parallel_size, replica_pool_for
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.job import (
     DEFAULT_ROWS_PER_SHARD,
@@ -46,6 +47,7 @@ from batchllm.connectors.job import (
 from batchllm.connectors.manifest import Manifest, ShardRecord
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
+from batchllm.connectors.replica_pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays, output_schema
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
@@ -60,14 +62,17 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                     max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
-                    **sampling_fields: Any) -> JobResult:
+                    data_parallel_size: int = 1, **sampling_fields: Any) -> JobResult:
     """Generate for every row of the Parquet `input` into shards under the directory `output`.
 
     Prompt, sampling, engine and output options are those of `batchllm.generate`. `rows_per_shard` sets
     the unit of output and of resumption; `max_in_flight` the prompts kept in the engine (default: twice
-    its max_num_seqs); `max_buffered_rows` the input rows held in memory (see `job.py`). Raises
-    `JobInterrupted` after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job.
+    its max_num_seqs; with data_parallel_size > 1, in each replica's engine); `max_buffered_rows` the
+    input rows held in memory (see `job.py`); `data_parallel_size` the engine processes
+    (`data_parallel.py`). Raises `JobInterrupted` after SIGINT / SIGTERM, `ManifestMismatch` when `output`
+    belongs to another job, `ReplicaPoolError` when every replica died (finished shards are saved).
     """
+    check_data_parallel_size(data_parallel_size, llm)
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
@@ -75,7 +80,13 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     source = ParquetSource(input)
     needed = options.check_input_columns(source.schema.names)
     directory = _prepare_output(Path(output), input)
-    engine = get_llm(model, llm, engine_kwargs)
+    with replica_pool_for(data_parallel_size, model, engine_kwargs, max_in_flight) as pool:
+        engine = pool or get_llm(model, llm, engine_kwargs)
+        return _run(source, directory, engine, options, settings, needed)
+
+
+def _run(source: ParquetSource, directory: Path, engine: LLM | ReplicaPool, options: MapOptions,
+         settings: JobSettings, needed: list[str]) -> JobResult:
     encoder = PromptEncoder.for_llm(engine, options)
     fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
                    "max_model_len": engine.max_model_len, "options": options.describe(),

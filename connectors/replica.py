@@ -1,0 +1,211 @@
+"""A data-parallel replica: a process that builds one engine and serves chunks of rows until told to stop.
+
+Started by `replica_pool.ReplicaPool` from the `spawn` context, not daemonic (a replica may start its own
+tensor-parallel workers). It keeps its engine full by asking for the next chunk as soon as its local
+buffer is empty, while the engine still works on the rows it has (`LLM.stream` pulls from `source()`
+before every step), and sends results back in batches, once per engine step.
+
+It ignores SIGINT: Ctrl-C reaches the whole process group, and the parent decides what happens (a job
+finishes the rows in flight, then stops the replicas). It exits by itself when the parent is gone: its
+task pipe reaches EOF without a `Stop`, or its parent process id changes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Iterator, NoReturn
+
+from batchllm.connectors.replica_messages import (
+    BuildFailed,
+    Chunk,
+    Crashed,
+    Ready,
+    Results,
+    Stop,
+    WantWork,
+    WorkItem,
+)
+
+# Test hook: replica 0 exits with status 1 right after its N-th finished row (and after sending it), so
+# a replica death mid-job can be tested deterministically.
+EXIT_AFTER_ROWS_ENV = "BATCHLLM_TEST_REPLICA_EXIT_AFTER_ROWS"
+_PARENT_CHECK_SECONDS = 1.0
+_EXIT_PARENT_GONE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    index: int
+    model: str
+    engine_kwargs: dict[str, Any]
+    num_threads: int | None  # torch threads for a CPU replica; None leaves torch's default (GPU replicas)
+    max_in_flight: int  # prompts admitted into this replica's engine at once
+    parent_pid: int
+
+
+def replica_main(spec: ReplicaSpec, tasks: Connection, results: Connection) -> None:
+    """The replica process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox = _Inbox(tasks)  # from now on, a parent that dies takes this process with it, even mid-build
+    outbox = _Outbox(results)
+    try:
+        llm = _build_engine(spec)
+    except Exception as exc:
+        outbox.send(BuildFailed(spec.index, _picklable(exc), traceback.format_exc()))
+        outbox.exit(1)
+    outbox.send(Ready(spec.index, os.getpid(), llm.max_model_len))
+    try:
+        _serve(llm, spec, inbox, outbox)
+    except Exception:
+        outbox.send(Crashed(spec.index, traceback.format_exc()))
+        outbox.exit(1)
+    outbox.close()
+
+
+def _build_engine(spec: ReplicaSpec) -> Any:
+    import torch
+
+    from batchllm.llm import LLM
+
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    return LLM(spec.model, **spec.engine_kwargs)
+
+
+@dataclass(slots=True)
+class _State:
+    buffered: deque[WorkItem] = field(default_factory=deque)
+    finished: list = field(default_factory=list)  # (seq, output) not yet sent
+    in_flight: int = 0
+    done: int = 0
+    want_sent: bool = False
+    stopping: bool = False
+
+
+def _serve(llm: Any, spec: ReplicaSpec, inbox: _Inbox, outbox: _Outbox) -> None:
+    exit_after = _exit_after_rows(spec.index)
+    state = _State()
+
+    def flush() -> None:
+        if state.finished:
+            outbox.send(Results(state.finished))
+            state.finished = []
+
+    def take(message: object) -> None:
+        if isinstance(message, Chunk):
+            state.buffered.extend(message.items)
+            state.want_sent = False
+        elif isinstance(message, Stop):
+            state.stopping = True
+
+    def source() -> Iterator[tuple[int, list[int], Any] | None]:
+        while True:
+            flush()
+            while (message := inbox.get(block=False)) is not None:
+                take(message)
+            if state.stopping:
+                if state.in_flight or state.buffered:
+                    os._exit(0)  # the parent gave these rows up (it is aborting): do not finish them
+                return
+            if not state.buffered and not state.want_sent:
+                outbox.send(WantWork(spec.index))  # ask now, while the engine still has work: no drain
+                state.want_sent = True
+            if state.buffered:
+                item = state.buffered.popleft()
+                state.in_flight += 1
+                yield item.seq, item.token_ids, item.params
+            elif state.in_flight:
+                yield None  # let the engine step; ask again before the next one
+            else:
+                message = inbox.get(block=True)
+                if message is None and os.getppid() != spec.parent_pid:
+                    os._exit(_EXIT_PARENT_GONE)
+                take(message)
+
+    for seq, output in llm.stream(source(), max_in_flight=spec.max_in_flight):
+        state.in_flight -= 1
+        state.done += 1
+        output.prompt_token_ids = []  # the parent holds them: do not send them back
+        state.finished.append((seq, output))
+        if exit_after is not None and state.done >= exit_after:
+            flush()
+            outbox.close()
+            os._exit(1)
+    flush()
+
+
+class _Inbox:
+    """Reads the task pipe on a thread, so the parent's sends never wait on a busy engine (and the parent and a
+    replica can never both block writing to each other). EOF before `Stop` means the parent is gone: exit."""
+
+    def __init__(self, tasks: Connection) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(tasks,), name="replica-inbox", daemon=True).start()
+
+    def _read(self, tasks: Connection) -> None:
+        while True:
+            try:
+                message = tasks.recv()
+            except (EOFError, OSError):
+                os._exit(_EXIT_PARENT_GONE)
+            self._queue.put(message)
+            if isinstance(message, Stop):
+                return
+
+    def get(self, block: bool) -> object | None:
+        try:
+            return self._queue.get(block=block, timeout=_PARENT_CHECK_SECONDS if block else None)
+        except queue.Empty:
+            return None
+
+
+class _Outbox:
+    """Sends on a thread, so the engine never waits for a parent that is busy writing a shard or tokenizing."""
+
+    _CLOSE = object()
+
+    def __init__(self, results: Connection) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, args=(results,), name="replica-outbox", daemon=True)
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Return once everything sent so far is written."""
+        self._queue.put(self._CLOSE)
+        self._thread.join()
+
+    def exit(self, status: int) -> NoReturn:
+        self.close()
+        sys.exit(status)
+
+    def _write(self, results: Connection) -> None:
+        while (message := self._queue.get()) is not self._CLOSE:
+            try:
+                results.send(message)
+            except OSError:  # the parent is gone
+                os._exit(_EXIT_PARENT_GONE)
+
+
+def _exit_after_rows(index: int) -> int | None:
+    value = os.environ.get(EXIT_AFTER_ROWS_ENV)
+    return int(value) if value and index == 0 else None
+
+
+def _picklable(exc: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+    return exc

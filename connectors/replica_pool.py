@@ -1,0 +1,332 @@
+"""`ReplicaPool`: N engine processes on one machine, fed from one work queue, results back by the caller's key.
+
+The pool quacks like the parts of `LLM` the connectors use (`tokenizer`, `max_model_len`, `model_path`,
+`admission_order`, `stream`), so the map operator and the jobs run on it unchanged: prompts are encoded,
+and bad rows answered, in this (the parent) process; only good rows travel, as token ids.
+
+Work queue: the parent holds the rows it has pulled from the caller's source in one queue and hands a
+chunk to a replica whenever that replica asks for more (it asks while its engine is still busy, so it
+never drains). A chunk is `chunk_rows` rows, or an equal share of what is queued when less is left, so
+every replica gets work on a small input and the last chunks are small: a slow replica holds little
+that the others could have done. Replicas are handed work by the parent rather than pulling from a shared
+`multiprocessing.Queue` so the parent always knows which rows each replica holds, and because a process
+killed while reading a shared queue can leave its lock held and stall every other reader.
+
+Death: when a replica exits unasked (crash, OOM kill, `kill -9`), the rows it held and had not returned go
+back to the front of the queue for the others, a `RuntimeWarning` names the replica and its exit status,
+and a `ReplicaFailure` is appended to `failures`. Each row's result is yielded exactly once. With every
+replica dead, `ReplicaPoolError` is raised. An engine that fails to build raises its own exception in the
+parent (with the replica's traceback attached as a note on Python >= 3.11).
+
+Shutdown: `close()` (or leaving the `with` block) sends `Stop`, joins, then terminates and kills what
+is left. A pool that is never closed is shut down when it is garbage-collected or at interpreter exit.
+Replicas ignore SIGINT and leave when the parent process is gone.
+
+Scripts that create a pool must guard their entry point with `if __name__ == "__main__":`, as for any
+`spawn` start method: each replica imports the main module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing.util import Finalize
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from batchllm.connectors.replica import ReplicaSpec
+from batchllm.connectors.replica_devices import Placement, plan_placements
+from batchllm.connectors.replica_messages import (
+    BuildFailed,
+    Chunk,
+    Crashed,
+    Ready,
+    Results,
+    WantWork,
+    WorkItem,
+)
+from batchllm.connectors.replica_process import (
+    ABORT_SECONDS,
+    ReplicaProcess,
+    replica_events,
+    shutdown_replicas,
+    start_replica,
+)
+from batchllm.outputs import RequestOutput
+from batchllm.sampling_params import SamplingParams
+
+K = TypeVar("K")
+_STOP_SECONDS = 30.0  # a replica told to stop with nothing in flight exits within a second or two
+_END = object()
+
+
+@dataclass(slots=True)
+class ReplicaFailure:
+    replica: int
+    pid: int | None
+    exitcode: int | None  # negative: killed by that signal
+    requeued_rows: int  # rows it held unfinished, re-run by the other replicas
+    error: str | None = None  # its traceback, when it could send one before exiting
+
+    def describe(self) -> str:
+        status = f"was killed by signal {-self.exitcode}" if self.exitcode and self.exitcode < 0 else \
+            f"exited with status {self.exitcode}"
+        text = (f"data-parallel replica {self.replica} (pid {self.pid}) {status}; its {self.requeued_rows} unfinished "
+                f"rows are re-run by the other replicas")
+        return text + (f"\n{self.error}" if self.error else "")
+
+
+class ReplicaPoolError(RuntimeError):
+    """Every replica died: nothing is left to run the remaining rows."""
+
+    def __init__(self, message: str, failures: list[ReplicaFailure]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+@dataclass(slots=True)
+class _Row(Generic[K]):
+    key: K
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class ReplicaPool:
+    """`size` replica processes, each with its own `LLM(model, **engine_kwargs)`, built in parallel.
+
+    `max_in_flight_per_replica`: prompts each engine admits at once (default: its max_num_seqs plus one
+    chunk, so a chunk waits while a batch runs). `chunk_rows`: rows handed out at a time (default: a
+    quarter of max_num_seqs, 8 to 256).
+    """
+
+    def __init__(self, size: int, model: str | Path | None = None, engine_kwargs: Mapping[str, Any] | None = None,
+                 *, max_in_flight_per_replica: int | None = None, chunk_rows: int | None = None) -> None:
+        from batchllm.model.loader import resolve_model_path
+
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"data_parallel_size must be an int >= 1, got {size!r}")
+        kwargs = dict(engine_kwargs or {})
+        max_num_seqs = kwargs.get("max_num_seqs", _llm_default("max_num_seqs"))
+        self.max_in_flight_per_replica = max_in_flight_per_replica or max_num_seqs + default_chunk_rows(max_num_seqs)
+        self.chunk_rows = min(chunk_rows or default_chunk_rows(max_num_seqs), self.max_in_flight_per_replica)
+        self.reorder_by_prefix = bool(kwargs.get("reorder_by_prefix", _llm_default("reorder_by_prefix"))
+                                      and kwargs.get("enable_prefix_caching", _llm_default("enable_prefix_caching")))
+        self.model_path = resolve_model_path(model)  # converts the default model once, here, not in every replica
+        self.failures: list[ReplicaFailure] = []
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self._rows: dict[int, _Row] = {}  # seq → row, for every row pulled and not yet yielded
+        self._queue: deque[int] = deque()  # seqs waiting for a replica
+        self._next_seq = 0
+        self._replicas: list[ReplicaProcess] = []
+        self._finalizer = Finalize(self, shutdown_replicas, args=(self._replicas, ABORT_SECONDS), exitpriority=10)
+        try:
+            placements = plan_placements(size, kwargs)
+            if any(p.env for p in placements):
+                from batchllm.connectors.engine_cache import clear_engine_cache
+
+                clear_engine_cache()  # a cached engine in this process would hold replica 0's GPU memory
+            for index, placement in enumerate(placements):
+                self._replicas.append(self._start(index, placement, kwargs))
+            if not kwargs.get("skip_tokenizer_init", False):
+                from batchllm.tokenizer import load_tokenizer
+
+                self.tokenizer = load_tokenizer(kwargs.get("tokenizer") or self.model_path,
+                                                trust_remote_code=kwargs.get("trust_remote_code", False))
+            self._wait_until_ready()
+        except BaseException:
+            self.close(ABORT_SECONDS)
+            raise
+
+    @property
+    def size(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def replica_pids(self) -> list[int | None]:
+        return [r.process.pid for r in self._replicas]
+
+    @property
+    def default_max_in_flight(self) -> int:
+        """Rows out at once that keep every engine full with a chunk in reserve."""
+        return self.size * (self.max_in_flight_per_replica + self.chunk_rows)
+
+    def admission_order(self, token_lists: list[list[int]]) -> list[int]:
+        """The order `LLM.admission_order` would use: rows sharing a prefix go out together, to one replica."""
+        if not self.reorder_by_prefix:
+            return list(range(len(token_lists)))
+        return sorted(range(len(token_lists)), key=token_lists.__getitem__)
+
+    def generate(self, prompts: list[list[int]] | list[str],
+                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Outputs for `prompts` (token-id lists or text) in input order, like `LLM.generate`."""
+        sampling_params = sampling_params or SamplingParams()
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        token_lists = [p if isinstance(p, list) else self._tokenize(p, i) for i, p in enumerate(prompts)]
+        order = self.admission_order(token_lists)
+        requests = ((i, prompts[i], sampling_params) for i in order)
+        for index, output in self.stream(requests):
+            outputs[index] = output
+        return outputs  # type: ignore[return-value]  (every slot is filled once the stream ends)
+
+    def stream(self, requests: Iterable[tuple[K, str | list[int], SamplingParams] | None], *,
+               max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
+        """`LLM.stream` across the replicas: `(key, output)` as rows finish, in completion order.
+
+        `max_in_flight` bounds the rows out at once (queued here or held by replicas); None: no bound. The
+        source may yield None to pause admission, never while nothing is in flight. Rows still out when the
+        caller stops early are dropped; their late results are ignored.
+        """
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
+        if not self._finalizer.still_active():
+            raise RuntimeError("the replica pool is closed")
+        return self._stream(iter(requests), max_in_flight)
+
+    def close(self, timeout: float = _STOP_SECONDS) -> None:
+        """Stop every replica: `Stop`, then terminate and kill what has not exited within `timeout` seconds."""
+        if self._finalizer.still_active():
+            self._finalizer.cancel()
+            shutdown_replicas(self._replicas, timeout)
+
+    def __enter__(self) -> ReplicaPool:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.close(_STOP_SECONDS if exc_type is None else ABORT_SECONDS)
+
+    # -- the parent's side of the work queue ------------------------------------------------------------
+
+    def _stream(self, requests: Iterator, max_in_flight: int | None) -> Iterator[tuple[Any, RequestOutput]]:
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and (max_in_flight is None or len(self._rows) < max_in_flight):
+                    item = next(requests, _END)
+                    if item is _END:
+                        exhausted = True
+                    elif item is None:
+                        break
+                    else:
+                        self._add(*item)
+                self._dispatch()
+                if not self._rows:
+                    if exhausted:
+                        return
+                    raise RuntimeError("the request source paused admission with nothing in flight")
+                yield from self._handle_events()
+        finally:
+            self._rows.clear()
+            self._queue.clear()
+
+    def _add(self, key: Any, prompt: str | list[int], params: SamplingParams) -> None:
+        index = self._next_seq
+        self._next_seq += 1
+        text, token_ids = (prompt, self._tokenize(prompt, index)) if isinstance(prompt, str) else (None, prompt)
+        self._rows[index] = _Row(key, text, token_ids, params)
+        self._queue.append(index)
+
+    def _tokenize(self, prompt: str, index: int) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {index} is text, but the engines were built with skip_tokenizer_init=True")
+        return self.tokenizer(prompt)["input_ids"]
+
+    def _dispatch(self) -> None:
+        live = [r for r in self._replicas if r.alive]
+        for replica in live:
+            if not self._queue:
+                return
+            if not replica.hungry:
+                continue
+            count = min(self.chunk_rows, -(-len(self._queue) // len(live)))
+            seqs = [self._queue.popleft() for _ in range(count)]
+            rows = [self._rows[s] for s in seqs]
+            try:
+                replica.tasks.send(Chunk([WorkItem(s, r.token_ids, r.params) for s, r in zip(seqs, rows)]))
+            except OSError:  # it died: its sentinel reports that, and these rows go to the others
+                self._queue.extendleft(reversed(seqs))
+                replica.hungry = False
+                continue
+            replica.assigned.update(seqs)
+            replica.hungry = False
+
+    def _handle_events(self) -> Iterator[tuple[Any, RequestOutput]]:
+        for replica, message in replica_events(self._replicas):
+            if isinstance(message, Results):
+                for seq, output in message.rows:
+                    replica.assigned.discard(seq)
+                    row = self._rows.pop(seq, None)
+                    if row is not None:  # None: a row the caller gave up (an earlier stream ended early)
+                        output.prompt, output.prompt_token_ids = row.text, row.token_ids
+                        yield row.key, output
+            elif isinstance(message, WantWork):
+                replica.hungry = True
+            elif isinstance(message, Crashed):
+                replica.error = message.traceback
+            elif message is None:
+                self._lost(replica)
+
+    def _lost(self, replica: ReplicaProcess) -> None:
+        """A replica exited without being asked to: its unfinished rows go first in line for the others."""
+        replica.alive = False
+        replica.process.join(ABORT_SECONDS)  # its sentinel fires as it exits, a moment before its status is known
+        lost = sorted(s for s in replica.assigned if s in self._rows)
+        replica.assigned.clear()
+        self._queue.extendleft(reversed(lost))
+        failure = ReplicaFailure(replica.index, replica.pid, replica.process.exitcode, len(lost), replica.error)
+        self.failures.append(failure)
+        warnings.warn(failure.describe(), RuntimeWarning, stacklevel=2)
+        if not any(r.alive for r in self._replicas):
+            raise ReplicaPoolError(f"all {self.size} data-parallel replicas died; {len(self._rows)} rows are "
+                                   f"unfinished:\n" + "\n".join(f.describe() for f in self.failures), self.failures)
+
+    # -- processes -----------------------------------------------------------------------------------------
+
+    def _start(self, index: int, placement: Placement, engine_kwargs: dict[str, Any]) -> ReplicaProcess:
+        spec = ReplicaSpec(index, str(self.model_path), engine_kwargs, placement.num_threads,
+                           self.max_in_flight_per_replica, os.getpid())
+        return start_replica(spec, placement)
+
+    def _wait_until_ready(self) -> None:
+        lengths = []
+        while not all(r.ready for r in self._replicas):
+            for replica, message in replica_events(self._replicas):
+                if isinstance(message, Ready):
+                    replica.ready = True
+                    lengths.append(message.max_model_len)
+                elif isinstance(message, BuildFailed):
+                    raise _build_error(message)
+                elif isinstance(message, WantWork):
+                    replica.hungry = True
+                elif message is None and not replica.ready:
+                    replica.process.join(ABORT_SECONDS)
+                    raise ReplicaPoolError(f"data-parallel replica {replica.index} (pid {replica.pid}) exited with "
+                                           f"status {replica.process.exitcode} while building its engine", [])
+                elif message is None:
+                    self._lost(replica)
+        self.max_model_len = min(lengths)  # prompts are fitted in the parent: they must fit every replica
+
+
+def default_chunk_rows(max_num_seqs: int) -> int:
+    return max(8, min(256, max_num_seqs // 4))
+
+
+def _build_error(message: BuildFailed) -> BaseException:
+    text = f"data-parallel replica {message.replica} could not build its engine:\n{message.traceback}"
+    error = message.error
+    if error is None:
+        return ReplicaPoolError(text, [])
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    return error
+
+
+def _llm_default(name: str) -> Any:
+    from batchllm.llm import LLM
+
+    return inspect.signature(LLM.__init__).parameters[name].default

@@ -1,0 +1,120 @@
+"""The parent's handle on replica processes: starting one, waiting for what they send, stopping them all."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from batchllm.connectors.replica import ReplicaSpec, replica_main
+from batchllm.connectors.replica_devices import Placement
+from batchllm.connectors.replica_messages import Stop
+
+ABORT_SECONDS = 5.0  # after `Stop`, a replica with rows in flight exits at its next engine step
+_START_LOCK = threading.Lock()  # replicas take their environment from os.environ, which is process-wide
+
+
+@dataclass(slots=True, eq=False)
+class ReplicaProcess:
+    index: int
+    process: BaseProcess
+    tasks: Connection  # parent → replica
+    results: Connection  # replica → parent
+    pid: int | None = None
+    ready: bool = False
+    alive: bool = True
+    hungry: bool = False  # it asked for work and got none yet
+    results_closed: bool = False
+    assigned: set[int] = field(default_factory=set)  # seqs handed to it, result not yet back
+    error: str | None = None
+
+
+def start_replica(spec: ReplicaSpec, placement: Placement) -> ReplicaProcess:
+    """Start a replica from the `spawn` context with `placement.env` in its environment from its first instruction
+    (so before it can import torch), and the pipes it talks through."""
+    context = multiprocessing.get_context("spawn")
+    task_reader, task_writer = context.Pipe(duplex=False)
+    result_reader, result_writer = context.Pipe(duplex=False)
+    # Not daemonic: a replica may start tensor-parallel workers of its own, which daemons cannot.
+    process = context.Process(target=replica_main, args=(spec, task_reader, result_writer),
+                              name=f"batchllm-replica-{spec.index}", daemon=False)
+    with _START_LOCK, _environment(placement.env):
+        process.start()
+    # Only the replica holds these ends now: its exit shows as EOF here, ours as EOF there.
+    task_reader.close()
+    result_writer.close()
+    return ReplicaProcess(spec.index, process, task_writer, result_reader, pid=process.pid)
+
+
+def replica_events(replicas: list[ReplicaProcess]) -> Iterator[tuple[ReplicaProcess, object | None]]:
+    """Wait for something to happen; yield (replica, message), and (replica, None) once a replica has
+    exited and every message it sent was read."""
+    waiting: dict[Any, ReplicaProcess] = {}
+    for replica in replicas:
+        if replica.alive:
+            waiting[replica.process.sentinel] = replica
+            if not replica.results_closed:
+                waiting[replica.results] = replica
+    exited = []
+    for ready in wait(list(waiting)):
+        replica = waiting[ready]
+        if ready is replica.results:
+            yield from ((replica, m) for m in _read_available(replica))
+        else:
+            exited.append(replica)
+    for replica in exited:
+        yield from ((replica, m) for m in _read_available(replica))
+        yield replica, None
+
+
+def _read_available(replica: ReplicaProcess) -> Iterator[object]:
+    while not replica.results_closed and replica.results.poll():
+        try:
+            yield replica.results.recv()
+        except (EOFError, OSError):
+            replica.results_closed = True  # it is exiting; its sentinel follows
+
+
+def shutdown_replicas(replicas: list[ReplicaProcess], timeout: float) -> None:
+    """`Stop` to each, then terminate and kill whatever has not exited within `timeout` seconds: no orphans."""
+    for replica in replicas:
+        if replica.process.is_alive():
+            try:
+                replica.tasks.send(Stop())
+            except OSError:
+                pass
+    deadline = time.monotonic() + timeout
+    for replica in replicas:
+        replica.process.join(max(0.0, deadline - time.monotonic()))
+    for replica in replicas:
+        if replica.process.is_alive():
+            replica.process.terminate()
+    for replica in replicas:
+        replica.process.join(ABORT_SECONDS)
+        if replica.process.is_alive():
+            replica.process.kill()
+            replica.process.join()
+        replica.tasks.close()
+        replica.results.close()
+
+
+@contextmanager
+def _environment(overrides: dict[str, str]) -> Iterator[None]:
+    """`overrides` in os.environ while a replica starts: a spawned process copies the environment at start."""
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,149 @@
+"""Data parallelism with two CPU replicas of the default model: results equal the in-process single-engine
+path (which shares no code with the replica pool), a replica that dies mid-job has its rows re-run by the
+other, and no replica process outlives its call."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import warnings
+
+import pandas as pd
+import psutil
+import pytest
+
+import batchllm
+from batchllm.cli import main
+from batchllm.connectors.replica import EXIT_AFTER_ROWS_ENV
+from batchllm.connectors.replica_devices import gpu_groups
+from batchllm.connectors.replica_pool import ReplicaPool
+from tests.connectors.helpers import GREEDY
+from tests.connectors.jobs import read_shards, write_parquet_input
+
+JOB = {"prompt_column": "q", "rows_per_shard": 8, "use_tqdm": False, **GREEDY}
+
+
+@pytest.fixture(autouse=True)
+def no_replica_outlives_its_call(monkeypatch):
+    pids = []
+    start = ReplicaPool._start
+
+    def recording_start(self, *args):
+        replica = start(self, *args)
+        pids.append(replica.pid)
+        return replica
+
+    monkeypatch.setattr(ReplicaPool, "_start", recording_start)
+    yield pids
+    assert multiprocessing.active_children() == []
+    assert [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dp") / "in"
+    return directory, write_parquet_input(directory, [14, 10], row_group_size=4)  # 24 rows: 3 shards, 2 files
+
+
+@pytest.fixture(scope="module")
+def single(job_input, tmp_path_factory, llm):
+    """The single-engine job's output directory: the reference."""
+    output = tmp_path_factory.mktemp("single") / "out"
+    batchllm.run_job(job_input[0], output, **JOB)
+    return output
+
+
+def _manifest(directory):
+    header, *records = [json.loads(line) for line in (directory / "_manifest.jsonl").read_text().splitlines()]
+    return header, sorted(records, key=lambda r: r["index"])  # shards finish, and are recorded, in any order
+
+
+def _shard_files(directory):
+    return {p.name: p for p in directory.glob("part-*.parquet")}
+
+
+def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(llm, no_replica_outlives_its_call):
+    prompts = [f"Item {i}: a word about {w}:" for i, w in enumerate(["tea", "rain", "maps"] * 6)]
+    prompts[5], prompts[11] = None, "   "  # bad rows are answered in the parent, never sent to a replica
+    frame = pd.DataFrame({"q": prompts}, index=pd.Index(range(100, 118), name="key")).iloc[::-1]
+    # Seeded sampling: every row draws from its own generator, so replicas must agree with one engine.
+    options = {"prompt_column": "q", "max_tokens": 6, "temperature": 0.9, "seed": 11, "use_tqdm": False}
+    expected = batchllm.generate(frame, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a replica failure would warn
+        got = batchllm.generate(frame, data_parallel_size=2, **options)
+    pd.testing.assert_frame_equal(got, expected)
+    assert got.error.notna().sum() == 2 and got.generated_text.notna().sum() == 16
+    assert len(no_replica_outlives_its_call) == 2
+
+
+def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, single, tmp_path, capsys):
+    output = tmp_path / "out"
+    result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
+    assert (result.written_rows, result.resumed_rows, result.num_shards, result.replica_failures) == (24, 0, 3, [])
+    assert read_shards(output).equals(read_shards(single))  # shards in input order, rows in input order
+    files, reference = _shard_files(output), _shard_files(single)
+    assert sorted(files) == sorted(reference)
+    for name, path in files.items():
+        assert path.read_bytes() == reference[name].read_bytes(), name
+    assert _manifest(output) == _manifest(single)  # same fingerprint, same shard records
+
+    manifest = (output / "_manifest.jsonl").read_bytes()
+    code = main(["run", str(job_input[0]), str(output), "--prompt-column", "q", "--rows-per-shard", "8",
+                 "--max-tokens", str(GREEDY["max_tokens"]), "--temperature", "0", "--no-progress",
+                 "--data-parallel", "2"])
+    assert code == 0
+    assert "0 rows written (0 with errors), 24 already done" in capsys.readouterr().err
+    assert (output / "_manifest.jsonl").read_bytes() == manifest
+
+
+def test_a_replica_dying_mid_job_has_its_rows_rerun_by_the_other(job_input, single, tmp_path, monkeypatch):
+    monkeypatch.setenv(EXIT_AFTER_ROWS_ENV, "3")  # replica 0 sends 3 results, then exits with status 1
+    output = tmp_path / "out"
+    with pytest.warns(RuntimeWarning, match=r"replica 0 \(pid \d+\) exited with status 1; its \d+ unfinished"):
+        result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
+    assert result.complete and result.written_rows == 24
+    [failure] = result.replica_failures
+    assert (failure.replica, failure.exitcode) == (0, 1) and failure.requeued_rows > 0
+    shards = read_shards(output)
+    assert sorted(shards.column("id").to_pylist()) == list(range(24))  # every row exactly once
+    assert shards.equals(read_shards(single))
+    assert _manifest(output) == _manifest(single)
+
+
+def test_an_engine_that_cannot_be_built_raises_its_error_in_the_caller():
+    with pytest.raises(ValueError, match="max_model_len must be an int >= 2") as error:
+        batchllm.generate(["hello"], engine_kwargs={"max_model_len": 1}, data_parallel_size=2, use_tqdm=False)
+    assert "data-parallel replica" in "".join(getattr(error.value, "__notes__", ["data-parallel replica"]))
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, "2", True, None])
+def test_a_bad_size_is_refused_before_any_work(size, tmp_path, monkeypatch):
+    monkeypatch.setattr(ReplicaPool, "__init__", pytest.fail)
+    with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
+        batchllm.generate(["hello"], data_parallel_size=size)
+    with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
+        batchllm.run_job(tmp_path / "in.parquet", tmp_path / "out", prompt_column="q", data_parallel_size=size)
+    with pytest.raises(ValueError, match="data_parallel_size must be an int >= 1"):
+        batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", data_parallel_size=size)
+
+
+def test_an_existing_engine_cannot_be_replicated(llm, tmp_path, capsys):
+    with pytest.raises(ValueError, match="an existing llm= cannot be replicated"):
+        batchllm.generate(["hello"], llm=llm, data_parallel_size=2)
+    with pytest.raises(ValueError, match="an existing llm= cannot be replicated"):
+        batchllm.run_job(tmp_path / "in.parquet", tmp_path / "out", llm=llm, prompt_column="q", data_parallel_size=2)
+    write_parquet_input(tmp_path / "in", [2])
+    assert main(["run", str(tmp_path / "in"), str(tmp_path / "out"), "--prompt-column", "q",
+                 "--data-parallel", "0"]) == 2
+    assert "data_parallel_size must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_gpu_groups_index_into_the_visible_devices():
+    assert gpu_groups(2, 1, 2, None) == ["0", "1"]
+    assert gpu_groups(2, 2, 4, "4,5,6,7") == ["4,5", "6,7"]
+    assert gpu_groups(3, 1, 4, "GPU-a, GPU-b,GPU-c,GPU-d") == ["GPU-a", "GPU-b", "GPU-c"]
+    with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=2 needs 4 GPUs, but 3"):
+        gpu_groups(2, 2, 3, None)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        gpu_groups(2, 0, 4, None)
