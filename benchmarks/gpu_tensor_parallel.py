@@ -21,8 +21,10 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` shows where a hang is
 
     workload = WORKLOADS["W1"]
     prompts = make_prompts(workload, args.rows, SHAPES[args.shape]["vocab_size"])
@@ -107,13 +110,13 @@ def main() -> None:
         print(f"{f['tp']:>3} {f['ready_s']:>8.1f} {f['generate_s']:>7.2f} {f['total_tok_s']:>12.1f} "
               f"{f['total_tok_s'] / results[0]['total_tok_s']:>8.2f}x {f['num_kv_blocks']:>10} "
               f"{f['compute_share']:>9.3f} {agree_text:>31}")
-    _, hw = hardware("cuda" if args.device == "cuda" else "cpu")
+    hw_name, hw = hardware("cuda" if args.device == "cuda" else "cpu")
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "workload": {"name": "W1", "rows": args.rows, "output_tokens": args.max_tokens,
                            "prompt_tokens": sum(map(len, prompts))},
               "hardware": hw, "gpus": torch.cuda.device_count(), "tensor_parallel": results}
     tps = "-".join(map(str, args.tp))
-    name = f"{record['date']}-W1-r{args.rows}-o{args.max_tokens}-{args.shape}-tp{tps}-{args.device}.json"
+    name = f"{record['date']}-W1-r{args.rows}-o{args.max_tokens}-{args.shape}-{hw_name}-tp{tps}.json"
     text = json.dumps(record, indent=2) + "\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / name).write_text(text)

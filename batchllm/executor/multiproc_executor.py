@@ -94,20 +94,33 @@ class _WorkerGroup:
         return reply
 
     def check_workers(self) -> None:
+        """Raise `WorkerDiedError` if a rank exited or reported an error (it may still be alive, stuck)."""
         dead = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is not None]
-        if not dead:
+        reports = self._drain_errors(wait_s=0.2 if dead else 0.0)
+        if not dead and not reports:
             return
-        reports = {}
+        # A rank that died without a report (killed, out of memory) is the cause; the others then fail in
+        # their collectives and report that, which is only a consequence.
+        silent = [(rank, p) for rank, p in dead if rank not in reports]
+        if silent:
+            rank, process = silent[0]
+            self.failure = f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        else:
+            rank = min(reports)
+            self.failure = f"rank {rank} (pid {self.processes[rank].pid}) failed"
+        detail = reports.get(rank, "")
+        raise WorkerDiedError(f"tensor-parallel worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
+
+    def _drain_errors(self, wait_s: float) -> dict[int, str]:
+        """The (rank → traceback) reports waiting on the error queue; waits up to `wait_s` for the first."""
+        reports: dict[int, str] = {}
         try:
             while True:
-                rank, text = self.errors.get(timeout=0.2 if not reports else 0.01)
+                rank, text = self.errors.get(timeout=wait_s) if wait_s and not reports else self.errors.get_nowait()
                 reports[rank] = text
         except queue.Empty:
             pass
-        rank, process = dead[0]
-        detail = reports.get(rank) or next(iter(reports.values()), "")
-        self.failure = f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
-        raise WorkerDiedError(f"tensor-parallel worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
+        return reports
 
     def shutdown(self) -> None:
         if self.failure is None:

@@ -47,8 +47,9 @@ def profile_peak_memory(runner: ModelRunner, utilization: float) -> int:
         [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), rows, np.arange(num_seqs))
     with set_forward_context(metadata):
         hidden = runner.model(input_ids, positions)
-    logits = runner.model.compute_logits(hidden[logits_indices])
-    torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
+    logits = runner.model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
+    if logits is not None:
+        torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del cache, inputs, hidden, logits

@@ -9,9 +9,9 @@ the process exits, so the engine can raise it instead of hanging.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import signal
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +51,7 @@ def worker_main(args: WorkerArgs) -> None:
         if os.getppid() != args.parent_pid:
             raise SystemExit(f"batchllm tensor-parallel rank {args.rank}: the engine process is gone")
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a rank is stuck
     try:
         steps = ShmReader(args.steps, args.rank, exit_if_orphaned, POLL_S)
         replies = ShmWriter(args.replies, exit_if_orphaned, POLL_S) if args.rank == 0 else None
@@ -64,12 +65,15 @@ def worker_main(args: WorkerArgs) -> None:
     except SystemExit:
         raise
     except BaseException:
+        # Report and leave at once: tearing the process group down could wait forever on ranks still
+        # inside a collective, and the engine kills every rank when one fails anyway.
         args.errors.put((args.rank, traceback.format_exc()))
-        sys.exit(1)
-    finally:
-        from batchllm.distributed.parallel_state import destroy_tensor_parallel
+        args.errors.close()
+        args.errors.join_thread()
+        os._exit(1)
+    from batchllm.distributed.parallel_state import destroy_tensor_parallel
 
-        destroy_tensor_parallel()
+    destroy_tensor_parallel()
 
 
 def _build_runner(args: WorkerArgs):
