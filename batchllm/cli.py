@@ -20,7 +20,7 @@ _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top
                    "seed": int, "n": int, "min_tokens": int, "presence_penalty": float,
                    "frequency_penalty": float, "repetition_penalty": float, "logprobs": int}
 _ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
-                 "max_num_batched_tokens": int, "gpu_memory_utilization": float}
+                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
 _USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 
 
