@@ -141,6 +141,33 @@ def test_workers_exit_when_the_engine_process_is_killed(tmp_path: Path) -> None:
     assert gone(pids, within_s=15)
 
 
+def test_ctrl_c_mid_generation_stops_the_workers(tmp_path: Path) -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while a step is running."""
+    model = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
+    script = textwrap.dedent(f"""
+        from batchllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM({str(model)!r}, device="cpu", tensor_parallel_size=2, num_kv_blocks=64,
+                      skip_tokenizer_init=True)
+            print(*llm.runner.worker_pids, flush=True)
+            while True:
+                llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    """)
+    (tmp_path / "engine.py").write_text(script)
+    engine_process = subprocess.Popen([sys.executable, str(tmp_path / "engine.py")], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = [int(pid) for pid in engine_process.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(1.0)  # generating
+        os.killpg(engine_process.pid, signal.SIGINT)
+        _, stderr = engine_process.communicate(timeout=60)
+    finally:
+        engine_process.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert gone(pids, within_s=15)
+
+
 def test_shapes_that_do_not_split_are_refused_before_any_process_starts(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
     children = set(psutil.Process().children(recursive=True))
