@@ -30,11 +30,10 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 from shapes import SHAPES, make_shape_dir  # noqa: E402
-from throughput import RESULTS, WORKLOADS, git_sha, hardware, make_prompts  # noqa: E402
+from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record  # noqa: E402
 
 from batchllm import LLM, SamplingParams  # noqa: E402
 from batchllm.connectors.replica_pool import ReplicaPool  # noqa: E402
@@ -138,12 +137,7 @@ def main() -> None:
               "hardware": hw, "data_parallel_size": args.data_parallel, "systems": systems,
               "dp_speedup_total_tok_s": speedup}
     name = f"{record['date']}-W1-r{rows}-o{max_tokens}-{args.shape}-{hw_name}-dp{args.data_parallel}.json"
-    text = json.dumps(record, indent=2, default=str) + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(text)
-    if args.out:
-        with open(os.path.join(args.out, name), "w") as file:
-            file.write(text)
+    save_record(name, record, args.out)
 
     print(f"W1 {args.shape} on {hw_name}: {rows} rows, {prompt_tokens} prompt tokens, {max_tokens} output tokens each")
     print(f"{'system':18} {'build s':>8} {'warm s':>7} {'gen s':>8} {'total tok/s':>12} {'incl. build':>12} "
@@ -153,7 +147,7 @@ def main() -> None:
         print(f"{system:18} {f['build_s']:>8.1f} {f['warmup_s']:>7.1f} {f['generate_s']:>8.2f} "
               f"{f['total_tok_s']:>12.1f} {f['total_tok_s_with_build']:>12.1f} {same:>6}/{rows}")
     print(f"data_parallel_size={args.data_parallel} / one engine, total tok/s: {speedup:.2f}x")
-    print(f"record: {RESULTS / name}")
+    print(f"record: results/{name}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 from shapes import SHAPES, make_shape_dir, num_params  # noqa: E402
-from throughput import RESULTS, WORKLOADS, git_sha, hardware, make_prompts  # noqa: E402
+from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record  # noqa: E402
 
 from batchllm import LLM, SamplingParams  # noqa: E402
 
@@ -117,12 +117,7 @@ def main() -> None:
               "hardware": hw, "gpus": torch.cuda.device_count(), "tensor_parallel": results}
     tps = "-".join(map(str, args.tp))
     name = f"{record['date']}-W1-r{args.rows}-o{args.max_tokens}-{args.shape}-{hw_name}-tp{tps}.json"
-    text = json.dumps(record, indent=2) + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(text)
-    if args.out:
-        with open(f"{args.out}/{name}", "w") as f:
-            f.write(text)
+    save_record(name, record, args.out)
 
 
 if __name__ == "__main__":

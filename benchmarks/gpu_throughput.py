@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import time
 
 import torch
 from shapes import SHAPES, make_shape_dir, num_params, shape_config
-from throughput import RESULTS, WORKLOADS, _plain, continuous_batching_attn, git_sha, hardware, make_prompts
+from throughput import WORKLOADS, _plain, continuous_batching_attn, git_sha, hardware, make_prompts, save_record
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 from batchllm import LLM, SamplingParams
@@ -147,12 +146,7 @@ def main() -> None:
               "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
     name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-h200.json"
-    text = json.dumps(record, indent=2, default=str) + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(text)
-    if args.out:
-        with open(f"{args.out}/{name}", "w") as f:
-            f.write(text)
+    save_record(name, record, args.out)
 
 
 if __name__ == "__main__":

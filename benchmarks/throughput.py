@@ -202,6 +202,16 @@ def hardware(device: str) -> tuple[str, dict]:
     return f"cpu{os.cpu_count()}", info
 
 
+def save_record(name: str, record: dict, copy_to: str | None = None) -> Path:
+    """Write a run's JSON record into results/ (and a copy into `copy_to`, e.g. the device tool's $OUT)."""
+    text = json.dumps(record, indent=2, default=str) + "\n"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(text)
+    if copy_to:
+        Path(copy_to, name).write_text(text)
+    return RESULTS / name
+
+
 def git_sha() -> str:
     repo = Path(__file__).resolve().parents[1]
     try:

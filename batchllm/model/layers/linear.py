@@ -35,18 +35,6 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ColumnLinear(_Linear):
-    """`y = x W^T + b`, sharded along the output features: rank r computes output slice r."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
-        super().__init__(input_size, _divide(output_size, get_tp().size, "output features"), bias)
-        _set_checkpoint_shapes(self, {None: output_size}, input_size)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
-        size = param.shape[0]
-        copy_checked(param.data, loaded_weight.narrow(0, self.tp.rank * size, size))
-
-
 class RowLinear(_Linear):
     """`y = x W^T + b`, sharded along the input features; the partial products are summed across ranks."""
 
