@@ -77,6 +77,19 @@ def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(llm, no_re
     assert len(no_replica_outlives_its_call) == 2
 
 
+def test_replicas_may_each_be_tensor_parallel(llm, no_replica_outlives_its_call):
+    """tp × dp on the CPU: two replicas, each running the default model over three gloo ranks."""
+    frame = pd.DataFrame({"q": ["Name a colour.", "Name a fruit.", "Name a city.", "Name a tree."]})
+    options = {"prompt_column": "q", "max_tokens": 4, "temperature": 0, "use_tqdm": False}
+    expected = batchllm.generate(frame, **options)
+    got = batchllm.generate(frame, data_parallel_size=2, engine_kwargs={"tensor_parallel_size": 3, "device": "cpu"},
+                            **options)
+    pd.testing.assert_frame_equal(got, expected)
+    assert len(no_replica_outlives_its_call) == 2
+    # The replicas' own tensor-parallel workers are gone too, not just the replicas.
+    assert [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"] == []
+
+
 def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, single, tmp_path, capsys):
     output = tmp_path / "out"
     result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
