@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
-from batchllm.model.layers.linear import copy_checked
 from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.registry import get_model_class
 
@@ -96,11 +96,11 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig) -> None
                 weight_loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     # Checked here, against the full shape: a tensor-parallel loader only sees its slice.
-                    shape = tuple(checkpoint.get_slice(name).get_shape())
+                    tensor = CheckpointSlice(checkpoint.get_slice(name))
                     expected = tuple(getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
-                    if shape != expected:
-                        raise ValueError(f"checkpoint tensor has shape {shape}, expected {expected}")
-                    weight_loader(param, checkpoint.get_tensor(name), shard_id)
+                    if tuple(tensor.shape) != expected:
+                        raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {expected}")
+                    weight_loader(param, tensor, shard_id)
                 except ValueError as exc:
                     raise ValueError(f"{file.name}: {name}: {exc}") from None
                 loaded.add((target, shard_id))

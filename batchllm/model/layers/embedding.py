@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchllm.distributed.parallel_state import all_reduce, gather_last_dim, get_tp
+from batchllm.model.checkpoint_tensor import copy_checked
 
 
 class VocabEmbedding(nn.Module):
@@ -37,8 +38,6 @@ class VocabEmbedding(nn.Module):
         return all_reduce(embedded * held.unsqueeze(-1).to(embedded.dtype))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None) -> None:
-        from batchllm.model.layers.linear import copy_checked
-
         if loaded_weight.shape[0] != self.vocab_size:
             raise ValueError(f"checkpoint tensor has {loaded_weight.shape[0]} rows, expected {self.vocab_size}")
         rows = max(0, min(self.shard_size, self.vocab_size - self.start))

@@ -6,9 +6,10 @@ sums the partial outputs with one all-reduce. A column layer followed by a row l
 down) thus costs one all-reduce. With one rank every layer is a plain linear.
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes the *full* HF
-tensor and copies this rank's slice of it, and `checkpoint_shapes` (shard id → full HF shape), which the
-random initialiser uses to build rank-independent weights. Fused layers (QKV, gate/up) are filled from
-several HF tensors, one `shard_id` each.
+tensor (or a lazily read `CheckpointSlice` of it) and copies this rank's slice of it, and
+`checkpoint_shapes` (shard id → full HF shape), which the random initialiser uses to build
+rank-independent weights. Fused layers (QKV, gate/up) are filled from several HF tensors, one `shard_id`
+each.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchllm.distributed.parallel_state import all_reduce, get_tp, kv_heads_per_rank
+from batchllm.model.checkpoint_tensor import copy_checked
 
 
 class _Linear(nn.Module):
@@ -95,13 +97,6 @@ class QKVLinear(_Linear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, start = self.kv_size, self.kv_shard * self.kv_size
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
-
-
-def copy_checked(target: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into a parameter (slice), refusing silent broadcasting of a wrong shape."""
-    if target.shape != loaded_weight.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
-    target.copy_(loaded_weight)
 
 
 def _divide(size: int, parts: int, what: str) -> int:
