@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.config import CacheConfig, SchedulerConfig
@@ -17,6 +17,9 @@ from batchllm.engine.scheduler import Scheduler
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
+
+if TYPE_CHECKING:  # the runner imports torch; the facade imports it only when an LLM is built
+    from batchllm.executor.model_runner import RunnerConfig
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -311,7 +314,7 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
 
 
-def _build_executor(config, tensor_parallel_size: int, torch) -> Any:
+def _build_executor(config: RunnerConfig, tensor_parallel_size: int, torch) -> Any:
     """The model runner in this process, or with tensor parallelism a group of worker processes."""
     from batchllm.executor.model_runner import ModelRunner
 
@@ -325,6 +328,10 @@ def _build_executor(config, tensor_parallel_size: int, torch) -> Any:
 
     model = ModelConfig.from_hf_dict(read_hf_config(config.model_path))
     check_tensor_parallel_shape(model.num_heads, model.num_kv_heads, model.intermediate_size, tensor_parallel_size)
+    if config.device.type == "cuda" and config.device.index is not None:
+        raise ValueError(f"device={str(config.device)!r} names one GPU, but tensor_parallel_size="
+                         f"{tensor_parallel_size} uses GPUs 0..{tensor_parallel_size - 1}: pass device='cuda' and "
+                         f"choose the GPUs with CUDA_VISIBLE_DEVICES")
     if config.device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
                          f"{torch.cuda.device_count()} are visible")

@@ -65,8 +65,8 @@ class ModelRunner:
 
     def __init__(self, config: RunnerConfig) -> None:
         torch.manual_seed(config.seed)
-        device, self.dtype = config.device, config.dtype
-        self.device = device
+        device = self.device = config.device
+        self.dtype = config.dtype
         self.block_size = config.cache.block_size
         self.scheduler_config = config.scheduler
         self.model, self.model_config = load_model(config.model_path, device, self.dtype,
