@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from batchllm.connectors.data_parallel import check_data_parallel_size, replica_pool_for
-from batchllm.connectors.engine_cache import get_llm
+from batchllm.connectors.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.job import JobResult
 from batchllm.connectors.mapper import map_columns
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, Template, resolve_options
@@ -65,8 +64,7 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
-    with replica_pool_for(data_parallel_size, model, engine_kwargs) as pool:
-        engine = pool or get_llm(model, llm, engine_kwargs)
+    with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
         arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
     return connector.attach_outputs(data, arrays, options)
 

@@ -23,7 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.replica_pool import ReplicaPool
+from batchllm.llm import LLM
 
 
 def check_data_parallel_size(data_parallel_size: Any, llm: Any = None) -> int:
@@ -38,12 +40,14 @@ def check_data_parallel_size(data_parallel_size: Any, llm: Any = None) -> int:
 
 
 @contextmanager
-def replica_pool_for(data_parallel_size: int, model: str | Path | None, engine_kwargs: Mapping[str, Any] | None,
-                     max_in_flight_per_replica: int | None = None) -> Iterator[ReplicaPool | None]:
-    """A started pool for data_parallel_size > 1, stopped on leaving the block; None for 1, where the caller uses
-    its in-process engine exactly as without data parallelism."""
+def engine_for(data_parallel_size: int, model: str | Path | None, llm: LLM | None,
+               engine_kwargs: Mapping[str, Any] | None, max_in_flight_per_replica: int | None = None
+               ) -> Iterator[LLM | ReplicaPool]:
+    """The engine a connector call runs on: with data_parallel_size > 1 a started pool, stopped on leaving the
+    block; with 1 the in-process engine (`llm`, or the process's cached one), exactly as without data
+    parallelism."""
     if data_parallel_size == 1:
-        yield None
+        yield get_llm(model, llm, engine_kwargs)
         return
     with ReplicaPool(data_parallel_size, model, engine_kwargs,
                      max_in_flight_per_replica=max_in_flight_per_replica) as pool:

@@ -23,8 +23,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from batchllm.connectors.data_parallel import check_data_parallel_size, replica_pool_for
-from batchllm.connectors.engine_cache import get_llm
+from batchllm.connectors.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.job import (
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
@@ -78,8 +77,7 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     if output.exists() and not manifest_path.exists():
         raise FileExistsError(f"output {output} exists and has no batchllm manifest beside it; refusing to overwrite")
     output.parent.mkdir(parents=True, exist_ok=True)
-    with replica_pool_for(data_parallel_size, model, engine_kwargs, max_in_flight) as pool:
-        engine = pool or get_llm(model, llm, engine_kwargs)
+    with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
         return _run(source, output, manifest_path, engine, defaults, truncate, settings)
 
 

@@ -34,8 +34,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.connectors.atomic import remove_stale_temporaries, write_atomically
-from batchllm.connectors.data_parallel import check_data_parallel_size, replica_pool_for
-from batchllm.connectors.engine_cache import get_llm
+from batchllm.connectors.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.job import (
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
@@ -80,8 +79,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     source = ParquetSource(input)
     needed = options.check_input_columns(source.schema.names)
     directory = _prepare_output(Path(output), input)
-    with replica_pool_for(data_parallel_size, model, engine_kwargs, max_in_flight) as pool:
-        engine = pool or get_llm(model, llm, engine_kwargs)
+    with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
         return _run(source, directory, engine, options, settings, needed)
 
 
