@@ -15,6 +15,7 @@ from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 
@@ -145,28 +146,21 @@ class LLM:
         engine.scheduler.reset_stats()
         start = time.perf_counter()
         in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
-        exhausted = stepping = False
+        source = RequestSource(requests)
+        stepping = False
         try:
             while True:
-                while not exhausted and (max_in_flight is None or len(in_flight) < max_in_flight):
-                    item = next(requests, _END)
-                    if item is _END:
-                        exhausted = True
-                    elif item is None:
-                        break
-                    else:
-                        key, text, token_ids, params = item
-                        prompt_id = str(next(self._request_counter))
-                        output = RequestOutput(prompt_id, text, token_ids, finished=False)
-                        in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
-                        for sample in range(params.n):
-                            fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
-                            engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
-                                               fork_of=fork_of)
-                if not in_flight:
-                    if exhausted:
-                        return
-                    raise RuntimeError("the request source paused admission with nothing in flight")
+                room = None if max_in_flight is None else max_in_flight - len(in_flight)
+                for key, text, token_ids, params in source.take(room):
+                    prompt_id = str(next(self._request_counter))
+                    output = RequestOutput(prompt_id, text, token_ids, finished=False)
+                    in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
+                    for sample in range(params.n):
+                        fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
+                        engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
+                                           fork_of=fork_of)
+                if source.finished(len(in_flight)):
+                    return
                 stepping = True
                 finished_requests = engine.step()
                 stepping = False
@@ -269,7 +263,6 @@ class _InFlight(Generic[K]):
     completions: list[CompletionOutput | None]
 
 
-_END = object()
 
 
 def _complete(output: RequestOutput, completions: list[CompletionOutput | None]) -> None:

@@ -57,11 +57,11 @@ from batchllm.connectors.replica_process import (
     start_replica,
 )
 from batchllm.outputs import RequestOutput
+from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 
 K = TypeVar("K")
 _STOP_SECONDS = 30.0  # a replica told to stop with nothing in flight exits within a second or two
-_END = object()
 
 
 @dataclass(slots=True)
@@ -203,22 +203,14 @@ class ReplicaPool:
     # -- the parent's side of the work queue ------------------------------------------------------------
 
     def _stream(self, requests: Iterator, max_in_flight: int | None) -> Iterator[tuple[Any, RequestOutput]]:
-        exhausted = False
+        source = RequestSource(requests)
         try:
             while True:
-                while not exhausted and (max_in_flight is None or len(self._rows) < max_in_flight):
-                    item = next(requests, _END)
-                    if item is _END:
-                        exhausted = True
-                    elif item is None:
-                        break
-                    else:
-                        self._add(*item)
+                for item in source.take(None if max_in_flight is None else max_in_flight - len(self._rows)):
+                    self._add(*item)
                 self._dispatch()
-                if not self._rows:
-                    if exhausted:
-                        return
-                    raise RuntimeError("the request source paused admission with nothing in flight")
+                if source.finished(len(self._rows)):
+                    return
                 yield from self._handle_events()
         finally:
             self._rows.clear()
