@@ -145,19 +145,24 @@ def test_killed_worker_fails_fast_and_leaves_no_process(tmp_path: Path) -> None:
         tokens(llm, prompts(1001))
 
 
-def test_workers_exit_when_the_engine_process_is_killed(tmp_path: Path) -> None:
-    model = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
-    script = textwrap.dedent(f"""
+def engine_script(directory: Path, then: str) -> Path:
+    """A script that builds a TP=2 engine on a random checkpoint, prints its worker pids, then runs `then`."""
+    model = write_checkpoint(directory, **SHAPES["gqa-biases"])
+    script = directory / "engine.py"
+    script.write_text(textwrap.dedent(f"""
         import os, signal
-        from batchllm import LLM
+        from batchllm import LLM, SamplingParams
         if __name__ == "__main__":
-            llm = LLM({str(model)!r}, device="cpu", tensor_parallel_size=2, num_kv_blocks=16,
+            llm = LLM({str(model)!r}, device="cpu", tensor_parallel_size=2, num_kv_blocks=64,
                       skip_tokenizer_init=True)
             print(*llm.runner.worker_pids, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-    """)
-    (tmp_path / "engine.py").write_text(script)
-    done = subprocess.run([sys.executable, str(tmp_path / "engine.py")], capture_output=True, text=True, timeout=300)
+    """) + textwrap.indent(textwrap.dedent(then), " " * 4))
+    return script
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tmp_path: Path) -> None:
+    script = engine_script(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
@@ -166,18 +171,11 @@ def test_workers_exit_when_the_engine_process_is_killed(tmp_path: Path) -> None:
 
 def test_ctrl_c_mid_generation_stops_the_workers(tmp_path: Path) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while a step is running."""
-    model = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
-    script = textwrap.dedent(f"""
-        from batchllm import LLM, SamplingParams
-        if __name__ == "__main__":
-            llm = LLM({str(model)!r}, device="cpu", tensor_parallel_size=2, num_kv_blocks=64,
-                      skip_tokenizer_init=True)
-            print(*llm.runner.worker_pids, flush=True)
-            while True:
-                llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    script = engine_script(tmp_path, """
+        while True:
+            llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
     """)
-    (tmp_path / "engine.py").write_text(script)
-    engine_process = subprocess.Popen([sys.executable, str(tmp_path / "engine.py")], stdout=subprocess.PIPE,
+    engine_process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         pids = [int(pid) for pid in engine_process.stdout.readline().split()]
