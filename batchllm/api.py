@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from batchllm.connectors.data_parallel import check_data_parallel_size, engine_for
-from batchllm.connectors.job import JobResult
-from batchllm.connectors.mapper import map_columns
+from batchllm.connectors.jobs.job import JobResult
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, Template, resolve_options
+from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
+from batchllm.connectors.tables.mapper import map_columns
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
 
     `data_parallel_size=N` (N > 1) runs N engine processes for this call, one per GPU or per share of the
     CPU cores, with the same results as one engine for greedy and seeded sampling (see
-    `batchllm.connectors.data_parallel`); it takes `model=` / `engine_kwargs=`, not `llm=`.
+    `batchllm.connectors.replicas.data_parallel`); it takes `model=` / `engine_kwargs=`, not `llm=`.
     """
     check_data_parallel_size(data_parallel_size, llm)
     connector = _connector_for(data)
@@ -72,17 +72,17 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
 def run_job(input: str | Path, output: str | Path, **options: Any) -> JobResult:
     """Run a resumable batch job: Parquet in → Parquet shards out, or OpenAI batch JSONL in → JSONL out.
 
-    `input` ending in `.jsonl` is an OpenAI Batch API request file (see `batchllm.connectors.jsonl_batch`);
-    anything else is a Parquet file, directory or glob (see `batchllm.connectors.parquet_job`, which
+    `input` ending in `.jsonl` is an OpenAI Batch API request file (see `batchllm.connectors.jobs.jsonl_batch`);
+    anything else is a Parquet file, directory or glob (see `batchllm.connectors.jobs.parquet_job`, which
     documents the options, the output layout, resumption and interruption). Re-running the same call
     resumes where it stopped. `data_parallel_size=N` runs N engine processes (see `generate`); a replica
     that dies has its rows re-run by the others and is listed in `JobResult.replica_failures`.
     """
     if str(input).endswith(".jsonl"):
-        from batchllm.connectors.jsonl_batch import run_jsonl_job
+        from batchllm.connectors.jobs.jsonl_batch import run_jsonl_job
 
         return run_jsonl_job(input, output, **options)
-    from batchllm.connectors.parquet_job import run_parquet_job
+    from batchllm.connectors.jobs.parquet_job import run_parquet_job
 
     return run_parquet_job(input, output, **options)
 
@@ -93,7 +93,7 @@ def _connector_for(data: Any):
         if required is not None and required not in sys.modules:
             continue
         try:
-            module = importlib.import_module(f"batchllm.connectors.{name}")
+            module = importlib.import_module(f"batchllm.connectors.tables.{name}")
         except ImportError:
             continue
         if module.accepts(data):

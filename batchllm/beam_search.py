@@ -17,12 +17,14 @@ Selection follows `transformers` `generate(num_beams=k, do_sample=False)` with `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Sequence
 
+from batchllm.outputs import RequestOutput
 from batchllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from batchllm.llm import LLM
+# `LLM.generate` for token-id prompts, without a progress bar. Beam search takes the engine's pieces, not
+# the `LLM` itself, so that the facade can import this module without an import cycle.
+GenerateFn = Callable[[list[list[int]], SamplingParams], list[RequestOutput]]
 
 _MAX_BEAM_WIDTH = 10  # 2 * beam_width logprobs are requested per beam; SamplingParams caps logprobs at 20
 
@@ -72,18 +74,18 @@ class _PromptSearch:
     done: bool = False
 
 
-def beam_search(llm: LLM, prompts: Sequence[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    token_lists = [llm.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+def beam_search(generate: GenerateFn, tokenizer: Any, eos_token_ids: frozenset[int],
+                prompts: Sequence[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    token_lists = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
     searches = [_PromptSearch(ids, [_Beam([], 0.0)]) for ids in token_lists]
-    eos = frozenset() if params.ignore_eos else llm.engine.detokenizer.eos_token_ids
+    eos = frozenset() if params.ignore_eos else eos_token_ids
     step_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2 * params.beam_width)
     for _ in range(params.max_tokens):
         live = [s for s in searches if not s.done]
         if not live:
             break
         beams = [(search, beam) for search in live for beam in search.running]
-        outputs = llm.generate([search.prompt_token_ids + beam.token_ids for search, beam in beams], step_params,
-                               use_tqdm=False)
+        outputs = generate([search.prompt_token_ids + beam.token_ids for search, beam in beams], step_params)
         candidates: dict[int, list[tuple[float, _Beam, int]]] = {id(s): [] for s in live}
         for (search, beam), output in zip(beams, outputs):
             if output.error:
@@ -92,7 +94,7 @@ def beam_search(llm: LLM, prompts: Sequence[str | list[int]], params: BeamSearch
                 candidates[id(search)].append((beam.cum_logprob + logprob.logprob, beam, token_id))
         for search in live:
             _advance(search, candidates[id(search)], params, eos)
-    return [_finish(llm, text, search) for text, search in zip(prompts, searches)]
+    return [_finish(tokenizer, text, search) for text, search in zip(prompts, searches)]
 
 
 def _advance(search: _PromptSearch, candidates: list[tuple[float, _Beam, int]], params: BeamSearchParams,
@@ -115,7 +117,7 @@ def _advance(search: _PromptSearch, candidates: list[tuple[float, _Beam, int]], 
     search.done = not search.running or not search.can_improve
 
 
-def _finish(llm: LLM, prompt: str | list[int], search: _PromptSearch) -> BeamSearchOutput:
+def _finish(tokenizer: Any, prompt: str | list[int], search: _PromptSearch) -> BeamSearchOutput:
     for sequence in search.finished:
-        sequence.text = llm.tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
+        sequence.text = "" if tokenizer is None else tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
     return BeamSearchOutput(prompt if isinstance(prompt, str) else None, search.prompt_token_ids, search.finished)

@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from batchllm.api import run_job
-    from batchllm.connectors.job import JobInterrupted
-    from batchllm.connectors.replica_pool import ReplicaPoolError
+    from batchllm.connectors.jobs.job import JobInterrupted
+    from batchllm.connectors.replicas.errors import ReplicaPoolError
 
     options: dict[str, Any] = {name: getattr(args, name) for name in (*_SAMPLING_FLAGS, "stop", "ignore_eos")
                                if getattr(args, name) is not None}

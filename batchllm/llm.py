@@ -20,7 +20,7 @@ from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 
 if TYPE_CHECKING:  # the runner imports torch; the facade imports it only when an LLM is built
-    from batchllm.executor.model_runner import RunnerConfig
+    pass
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -47,8 +47,8 @@ class LLM:
                  load_format: str = "auto", enforce_eager: bool = False,
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  trust_remote_code: bool = False, tensor_parallel_size: int = 1) -> None:
-        import torch  # the facade needs torch only to pick the device; the engine never imports it
-
+        # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
+        from batchllm.executor.build import build_executor, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.loader import resolve_model_path
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
@@ -60,8 +60,8 @@ class LLM:
         scheduler_config.validate()
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
-        torch_device = _resolve_device(device, torch)
-        torch_dtype = _resolve_dtype(dtype, torch_device, torch)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
@@ -71,7 +71,7 @@ class LLM:
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
         runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
                                      max_model_len, seed, eos_token_ids, load_format, enforce_eager)
-        runner = _build_executor(runner_config, tensor_parallel_size, torch)
+        runner = build_executor(runner_config, tensor_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
@@ -206,7 +206,11 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (strings or token ids), with HF transformers' selection and stopping rules;
         see `batchllm.beam_search`. Beams share their history's K/V through the prefix cache."""
-        return beam_search(self, _as_prompt_list(prompts), params)
+        def generate(token_lists: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
+            return self.generate(token_lists, step_params, use_tqdm=False)
+
+        return beam_search(generate, self.tokenizer, self.engine.detokenizer.eos_token_ids, _as_prompt_list(prompts),
+                           params)
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
@@ -263,8 +267,6 @@ class _InFlight(Generic[K]):
     completions: list[CompletionOutput | None]
 
 
-
-
 def _complete(output: RequestOutput, completions: list[CompletionOutput | None]) -> None:
     output.outputs = [c for c in completions if c is not None]
     output.finished = True
@@ -305,55 +307,3 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
-
-
-def _build_executor(config: RunnerConfig, tensor_parallel_size: int, torch) -> Any:
-    """The model runner in this process, or with tensor parallelism a group of worker processes."""
-    from batchllm.executor.model_runner import ModelRunner
-
-    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-        raise ValueError(f"LLM argument tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-    if tensor_parallel_size == 1:
-        return ModelRunner(config)
-    from batchllm.distributed.parallel_state import check_tensor_parallel_shape
-    from batchllm.executor.multiproc_executor import MultiprocExecutor
-    from batchllm.model.config import ModelConfig, read_hf_config
-
-    model = ModelConfig.from_hf_dict(read_hf_config(config.model_path))
-    check_tensor_parallel_shape(model.num_heads, model.num_kv_heads, model.intermediate_size, tensor_parallel_size)
-    if config.device.type == "cuda" and config.device.index is not None:
-        raise ValueError(f"device={str(config.device)!r} names one GPU, but tensor_parallel_size="
-                         f"{tensor_parallel_size} uses GPUs 0..{tensor_parallel_size - 1}: pass device='cuda' and "
-                         f"choose the GPUs with CUDA_VISIBLE_DEVICES")
-    if config.device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
-                         f"{torch.cuda.device_count()} are visible")
-    # Each CPU rank gets its share of this process's threads, so ranks do not oversubscribe the cores.
-    num_threads = max(1, torch.get_num_threads() // tensor_parallel_size)
-    return MultiprocExecutor(config, tensor_parallel_size, num_threads)
-
-
-def _resolve_device(device: str, torch) -> Any:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"LLM argument device={device!r} is not a torch device") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("LLM argument device='cuda' but no CUDA device is available")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLM argument device={device!r}: only 'cpu' and 'cuda' are supported")
-    return resolved
-
-
-def _resolve_dtype(dtype: Any, device, torch) -> Any:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if isinstance(dtype, torch.dtype) and dtype in names.values():
-        return dtype
-    if dtype not in names:
-        raise ValueError(f"LLM argument dtype={dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
-    return names[dtype]

@@ -36,7 +36,7 @@ from shapes import SHAPES, make_shape_dir  # noqa: E402
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record  # noqa: E402
 
 from batchllm import LLM, SamplingParams  # noqa: E402
-from batchllm.connectors.replica_pool import ReplicaPool  # noqa: E402
+from batchllm.connectors.replicas.pool import ReplicaPool  # noqa: E402
 
 WARMUP = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -19,9 +19,11 @@ from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, Sample
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
+from batchllm.executor.profiling import profile_peak_memory
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
-from batchllm.model.layers.sampler import Sampler, SamplingRow, SamplingTensors, make_generator
+from batchllm.model.layers.sampler import Sampler
+from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, make_generator
 from batchllm.model.loader import load_model
 from batchllm.sampling_params import SamplingParams
 
@@ -115,9 +117,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_free_gpu_memory(self, utilization: float) -> int:
         """Run one forward pass at the full token budget and return the bytes the KV pool may take."""
-        from batchllm.executor.profiling import profile_peak_memory
-
-        return profile_peak_memory(self, utilization)
+        return profile_peak_memory(self.model, self.model_config, self.scheduler_config, self.block_size, self.device,
+                                   self.dtype, utilization)
 
     # ----------------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -7,27 +7,23 @@ already resident (weights, the CUDA context, other processes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
+from batchllm.config import SchedulerConfig
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import allocate_kv_cache
 from batchllm.forward_context import set_forward_context
-
-if TYPE_CHECKING:
-    from batchllm.executor.model_runner import ModelRunner
+from batchllm.model.config import ModelConfig
 
 
-def profile_peak_memory(runner: ModelRunner, utilization: float) -> int:
-    config = runner.scheduler_config
-    block_size = runner.block_size
-    num_tokens = min(config.max_num_batched_tokens, runner.model_config.max_model_len)
+def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, config: SchedulerConfig, block_size: int,
+                        device: torch.device, dtype: torch.dtype, utilization: float) -> int:
+    num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
     num_seqs = min(config.max_num_seqs, num_tokens)
     num_blocks = -(-num_tokens // block_size) + num_seqs
-    cache = allocate_kv_cache(runner.model, runner.model_config, num_blocks, block_size, runner.device, runner.dtype)
-    inputs = InputBatch(num_tokens, num_seqs, num_blocks, block_size, runner.device)
+    cache = allocate_kv_cache(model, model_config, num_blocks, block_size, device, dtype)
+    inputs = InputBatch(num_tokens, num_seqs, num_blocks, block_size, device)
 
     # One long sequence carries the token budget; the other sequences are single tokens asking for logits,
     # so the profile sees both the largest activation and the largest logits tensor.
@@ -46,8 +42,8 @@ def profile_peak_memory(runner: ModelRunner, utilization: float) -> int:
     input_ids, positions, metadata, logits_indices = inputs.prepare(
         [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), rows, np.arange(num_seqs))
     with set_forward_context(metadata):
-        hidden = runner.model(input_ids, positions)
-    logits = runner.model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
+        hidden = model(input_ids, positions)
+    logits = model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
     if logits is not None:
         torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
     torch.cuda.synchronize()

@@ -26,7 +26,7 @@ def test_help_lists_the_options():
     ([], "pass exactly one of prompt_column="),
 ])
 def test_bad_options_exit_2_before_any_work(tmp_path, capsys, monkeypatch, args, message):
-    monkeypatch.setattr("batchllm.connectors.data_parallel.get_llm", pytest.fail)
+    monkeypatch.setattr("batchllm.connectors.replicas.data_parallel.get_llm", pytest.fail)
     write_parquet_input(tmp_path / "in", [2])
     assert main(["run", str(tmp_path / "in"), str(tmp_path / "out"), *args]) == 2
     assert message in capsys.readouterr().err

@@ -14,9 +14,9 @@ import pytest
 
 import batchllm
 from batchllm.cli import main
-from batchllm.connectors.replica import EXIT_AFTER_ROWS_ENV
-from batchllm.connectors.replica_devices import gpu_groups
-from batchllm.connectors.replica_pool import ReplicaPool
+from batchllm.connectors.replicas.devices import gpu_groups
+from batchllm.connectors.replicas.pool import ReplicaPool
+from batchllm.connectors.replicas.replica import EXIT_AFTER_ROWS_ENV
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
 

@@ -8,7 +8,7 @@ import pytest
 
 import batchllm
 from batchllm import SamplingParams
-from batchllm.connectors.manifest import ManifestMismatch
+from batchllm.connectors.jobs.manifest import ManifestMismatch
 from tests.connectors.helpers import GREEDY
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchllm.connectors.manifest import Manifest, ManifestMismatch, ShardRecord
+from batchllm.connectors.jobs.manifest import Manifest, ManifestMismatch, ShardRecord
 
 FINGERPRINT = {"job": "parquet", "options": {"temperature": 0.0, "stop": ("a",)}, "rows_per_shard": 8}
 

@@ -15,7 +15,7 @@ def no_engine(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the engine was requested although the call is invalid")
 
-    monkeypatch.setattr("batchllm.connectors.data_parallel.get_llm", fail)
+    monkeypatch.setattr("batchllm.connectors.replicas.data_parallel.get_llm", fail)
 
 
 FRAME = pd.DataFrame({"q": ["a", "b"], "generated_text": ["x", "y"], "finish": [1, 2]})

@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchllm
-from batchllm.connectors.manifest import ManifestMismatch
-from batchllm.connectors.parquet_job import ParquetSink, ParquetSource
+from batchllm.connectors.jobs.manifest import ManifestMismatch
+from batchllm.connectors.jobs.parquet_job import ParquetSink, ParquetSource
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
 

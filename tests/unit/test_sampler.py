@@ -8,13 +8,8 @@ import math
 import pytest
 import torch
 
-from batchllm.model.layers.sampler import (
-    Sampler,
-    SamplingRow,
-    SamplingTensors,
-    apply_penalties,
-    make_generator,
-)
+from batchllm.model.layers.sampler import Sampler, apply_penalties
+from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, make_generator
 from batchllm.sampling_params import SamplingParams
 
 DEVICES = [

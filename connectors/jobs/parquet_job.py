@@ -33,9 +33,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from batchllm.connectors.atomic import remove_stale_temporaries, write_atomically
-from batchllm.connectors.data_parallel import check_data_parallel_size, engine_for
-from batchllm.connectors.job import (
+from batchllm.connectors.jobs.atomic import remove_stale_temporaries, write_atomically
+from batchllm.connectors.jobs.job import (
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
     JobSettings,
@@ -43,10 +42,11 @@ from batchllm.connectors.job import (
     model_identity,
     run_sharded_job,
 )
-from batchllm.connectors.manifest import Manifest, ShardRecord
+from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
-from batchllm.connectors.replica_pool import ReplicaPool
+from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
+from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays, output_schema
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams

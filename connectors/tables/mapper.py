@@ -10,7 +10,7 @@ import pyarrow as pa
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.progress import RowProgress
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
-from batchllm.connectors.replica_pool import ReplicaPool
+from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
 from batchllm.llm import LLM
 

@@ -9,7 +9,7 @@ Rows are encoded in the calling process, exactly as with one engine (bad rows ge
 never reach a replica); results come back into the same machinery, so `generate` keeps input order and
 jobs write the same shards and manifest (and resume the same way, with any data_parallel_size). Greedy
 and seeded rows give the same output as one engine; unseeded sampling draws from each replica's own
-generator. `replica_pool.py` has the mechanics: the queue, replica death, shutdown. A replica that dies
+generator. `pool.py` has the mechanics: the queue, replica death, shutdown. A replica that dies
 has its unfinished rows re-run by the others (`JobResult.replica_failures`, and a `RuntimeWarning`).
 
 `data_parallel_size=1` is the in-process path, untouched. With GPUs, replica i uses GPUs
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.connectors.engine_cache import get_llm
-from batchllm.connectors.replica_pool import ReplicaPool
+from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.llm import LLM
 
 

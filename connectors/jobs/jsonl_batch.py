@@ -23,8 +23,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from batchllm.connectors.data_parallel import check_data_parallel_size, engine_for
-from batchllm.connectors.job import (
+from batchllm.connectors.jobs.job import (
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
     JobSettings,
@@ -32,8 +31,8 @@ from batchllm.connectors.job import (
     model_identity,
     run_sharded_job,
 )
-from batchllm.connectors.manifest import Manifest, ShardRecord
-from batchllm.connectors.openai_batch import (
+from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
+from batchllm.connectors.jobs.openai_batch import (
     CHAT_URL,
     Envelope,
     parse_envelope,
@@ -43,7 +42,8 @@ from batchllm.connectors.openai_batch import (
 )
 from batchllm.connectors.options import TRUNCATE_MODES, params_dict, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
-from batchllm.connectors.replica_pool import ReplicaPool
+from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
+from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams

@@ -31,12 +31,13 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from batchllm.connectors.manifest import Manifest, ShardRecord
+from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
+from batchllm.connectors.jobs.shards import ShardTracker, shard_pieces
 from batchllm.connectors.progress import RowProgress
 from batchllm.connectors.prompts import EncodedPrompt
-from batchllm.connectors.replica_pool import ReplicaFailure, ReplicaPool, ReplicaPoolError
+from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError
+from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome
-from batchllm.connectors.shards import ShardTracker, shard_pieces
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 

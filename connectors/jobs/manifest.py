@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchllm.connectors.atomic import write_atomically
+from batchllm.connectors.jobs.atomic import write_atomically
 
 _VERSION = 1
 

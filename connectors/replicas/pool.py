@@ -38,9 +38,9 @@ from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from batchllm.connectors.replica import ReplicaSpec
-from batchllm.connectors.replica_devices import Placement, plan_placements
-from batchllm.connectors.replica_messages import (
+from batchllm.connectors.replicas.devices import Placement, plan_placements
+from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError, build_error
+from batchllm.connectors.replicas.messages import (
     BuildFailed,
     Chunk,
     Crashed,
@@ -49,43 +49,20 @@ from batchllm.connectors.replica_messages import (
     WantWork,
     WorkItem,
 )
-from batchllm.connectors.replica_process import (
+from batchllm.connectors.replicas.process import (
     ABORT_SECONDS,
     ReplicaProcess,
     replica_events,
     shutdown_replicas,
     start_replica,
 )
+from batchllm.connectors.replicas.replica import ReplicaSpec
 from batchllm.outputs import RequestOutput
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 
 K = TypeVar("K")
 _STOP_SECONDS = 30.0  # a replica told to stop with nothing in flight exits within a second or two
-
-
-@dataclass(slots=True)
-class ReplicaFailure:
-    replica: int
-    pid: int | None
-    exitcode: int | None  # negative: killed by that signal
-    requeued_rows: int  # rows it held unfinished, re-run by the other replicas
-    error: str | None = None  # its traceback, when it could send one before exiting
-
-    def describe(self) -> str:
-        status = f"was killed by signal {-self.exitcode}" if self.exitcode and self.exitcode < 0 else \
-            f"exited with status {self.exitcode}"
-        text = (f"data-parallel replica {self.replica} (pid {self.pid}) {status}; its {self.requeued_rows} unfinished "
-                f"rows are re-run by the other replicas")
-        return text + (f"\n{self.error}" if self.error else "")
-
-
-class ReplicaPoolError(RuntimeError):
-    """Every replica died: nothing is left to run the remaining rows."""
-
-    def __init__(self, message: str, failures: list[ReplicaFailure]) -> None:
-        super().__init__(message)
-        self.failures = failures
 
 
 @dataclass(slots=True)
@@ -292,7 +269,7 @@ class ReplicaPool:
                     replica.ready = True
                     lengths.append(message.max_model_len)
                 elif isinstance(message, BuildFailed):
-                    raise _build_error(message)
+                    raise build_error(message)
                 elif isinstance(message, WantWork):
                     replica.hungry = True
                 elif message is None and not replica.ready:
@@ -306,16 +283,6 @@ class ReplicaPool:
 
 def default_chunk_rows(max_num_seqs: int) -> int:
     return max(8, min(256, max_num_seqs // 4))
-
-
-def _build_error(message: BuildFailed) -> BaseException:
-    text = f"data-parallel replica {message.replica} could not build its engine:\n{message.traceback}"
-    error = message.error
-    if error is None:
-        return ReplicaPoolError(text, [])
-    if hasattr(error, "add_note"):
-        error.add_note(text)
-    return error
 
 
 def _llm_default(name: str) -> Any:

@@ -13,9 +13,9 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from batchllm.connectors.replica import ReplicaSpec, replica_main
-from batchllm.connectors.replica_devices import Placement
-from batchllm.connectors.replica_messages import Stop
+from batchllm.connectors.replicas.devices import Placement
+from batchllm.connectors.replicas.messages import Stop
+from batchllm.connectors.replicas.replica import ReplicaSpec, replica_main
 
 ABORT_SECONDS = 5.0  # after `Stop`, a replica with rows in flight exits at its next engine step
 _START_LOCK = threading.Lock()  # replicas take their environment from os.environ, which is process-wide

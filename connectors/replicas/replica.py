@@ -1,6 +1,6 @@
 """A data-parallel replica: a process that builds one engine and serves chunks of rows until told to stop.
 
-Started by `replica_pool.ReplicaPool` from the `spawn` context, not daemonic (a replica may start its own
+Started by `pool.ReplicaPool` from the `spawn` context, not daemonic (a replica may start its own
 tensor-parallel workers). It keeps its engine full by asking for the next chunk as soon as its local
 buffer is empty, while the engine still works on the rows it has (`LLM.stream` pulls from `source()`
 before every step), and sends results back in batches, once per engine step.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, NoReturn
 
-from batchllm.connectors.replica_messages import (
+from batchllm.connectors.replicas.messages import (
     BuildFailed,
     Chunk,
     Crashed,

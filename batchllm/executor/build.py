@@ -1,0 +1,58 @@
+"""Building the executor of an `LLM`: the device, the dtype, and one model runner or a tensor-parallel group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchllm.distributed.parallel_state import check_tensor_parallel_shape
+from batchllm.executor.model_runner import ModelRunner, RunnerConfig
+from batchllm.executor.multiproc_executor import MultiprocExecutor
+from batchllm.model.config import ModelConfig, read_hf_config
+
+
+def build_executor(config: RunnerConfig, tensor_parallel_size: int) -> Any:
+    """The model runner in this process, or with tensor parallelism a group of worker processes."""
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"LLM argument tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+    if tensor_parallel_size == 1:
+        return ModelRunner(config)
+    model = ModelConfig.from_hf_dict(read_hf_config(config.model_path))
+    check_tensor_parallel_shape(model.num_heads, model.num_kv_heads, model.intermediate_size, tensor_parallel_size)
+    if config.device.type == "cuda" and config.device.index is not None:
+        raise ValueError(f"device={str(config.device)!r} names one GPU, but tensor_parallel_size="
+                         f"{tensor_parallel_size} uses GPUs 0..{tensor_parallel_size - 1}: pass device='cuda' and "
+                         f"choose the GPUs with CUDA_VISIBLE_DEVICES")
+    if config.device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
+                         f"{torch.cuda.device_count()} are visible")
+    # Each CPU rank gets its share of this process's threads, so ranks do not oversubscribe the cores.
+    num_threads = max(1, torch.get_num_threads() // tensor_parallel_size)
+    return MultiprocExecutor(config, tensor_parallel_size, num_threads)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"LLM argument device={device!r} is not a torch device") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("LLM argument device='cuda' but no CUDA device is available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLM argument device={device!r}: only 'cpu' and 'cuda' are supported")
+    return resolved
+
+
+def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if isinstance(dtype, torch.dtype) and dtype in names.values():
+        return dtype
+    if dtype not in names:
+        raise ValueError(f"LLM argument dtype={dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
+    return names[dtype]
