@@ -22,15 +22,11 @@ refused. Engine-only options (device, dtype, batch limits, `max_in_flight`) may 
 from __future__ import annotations
 
 import fnmatch
-import glob
-import hashlib
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Mapping
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.connectors.jobs.atomic import remove_stale_temporaries, write_atomically
@@ -43,6 +39,7 @@ from batchllm.connectors.jobs.job import (
     run_sharded_job,
 )
 from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
+from batchllm.connectors.jobs.sources import ParquetSource
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
@@ -103,40 +100,6 @@ def _run(source: ParquetSource, directory: Path, engine: LLM | ReplicaPool, opti
     return run_sharded_job(source, plan, sink, manifest, engine, settings, directory)
 
 
-class ParquetSource:
-    """The input files in a fixed order, their total row count and identity, read as a batch stream."""
-
-    def __init__(self, input: str | Path) -> None:
-        self.files = _resolve_files(input)
-        metadata = [pq.read_metadata(f) for f in self.files]
-        self.schema = metadata[0].schema.to_arrow_schema()
-        for file, meta in zip(self.files, metadata):
-            if not meta.schema.to_arrow_schema().equals(self.schema, check_metadata=False):
-                raise ValueError(f"{file} has another schema than {self.files[0]}; all input files must share one:\n"
-                                 f"{meta.schema.to_arrow_schema()}\nvs\n{self.schema}")
-        self.file_rows = [meta.num_rows for meta in metadata]
-        self.total_rows = sum(self.file_rows)
-        self._dataset = ds.dataset([str(f) for f in self.files], schema=self.schema, format="parquet")
-
-    def fingerprint(self) -> dict[str, Any]:
-        root = _common_parent(self.files)
-        return {"files": [{"path": str(f.relative_to(root)), "bytes": f.stat().st_size, "rows": rows,
-                           "footer_sha256": _footer_hash(f)} for f, rows in zip(self.files, self.file_rows)]}
-
-    def batches(self, batch_size: int, skip: Callable[[int, int], bool]) -> Iterator[tuple[int, pa.RecordBatch]]:
-        start = 0
-        for fragment in self._dataset.get_fragments():  # in the order of self.files
-            for group in fragment.split_by_row_group():
-                rows = group.row_groups[0].num_rows
-                if rows and not skip(start, start + rows):
-                    position = start
-                    # Little readahead: memory is bounded by what the job holds, not by the scanner.
-                    for batch in group.to_batches(batch_size=batch_size, batch_readahead=1, fragment_readahead=1):
-                        yield position, batch
-                        position += batch.num_rows
-                start += rows
-
-
 class ParquetSink:
     def __init__(self, directory: Path, options: MapOptions, width: int) -> None:
         self.directory = directory
@@ -151,20 +114,6 @@ class ParquetSink:
         write_atomically(self.directory / name, lambda file: pq.write_table(table, file))
         return ShardRecord(shard, len(outcomes), sum(o.error is not None for o in outcomes),
                            sum(o.completion_tokens for o in outcomes), file=name)
-
-
-def _resolve_files(input: str | Path) -> list[Path]:
-    path = Path(input).expanduser()
-    if path.is_file():
-        return [path.resolve()]
-    if path.is_dir():
-        files = [f for f in path.rglob("*.parquet")
-                 if f.is_file() and not any(part.startswith((".", "_")) for part in f.relative_to(path).parts)]
-    else:
-        files = [Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file()]
-    if not files:
-        raise FileNotFoundError(f"no Parquet files at {str(input)!r} (a file, a directory or a glob)")
-    return sorted(f.resolve() for f in files)
 
 
 def _prepare_output(directory: Path, input: str | Path) -> Path:
@@ -190,18 +139,3 @@ def _input_would_include(input: str | Path, file: Path) -> bool:
         root = path.resolve()
         return file.is_relative_to(root) and not any(p.startswith((".", "_")) for p in file.relative_to(root).parts)
     return fnmatch.fnmatch(str(file), os.path.abspath(path))  # "*" matches "/" here too: errs on the safe side
-
-
-def _common_parent(files: list[Path]) -> Path:
-    return Path(os.path.commonpath([str(f.parent) for f in files]))
-
-
-def _footer_hash(path: Path) -> str:
-    """Hash of the Parquet footer (schema, row groups, offsets, statistics): changes with any rewrite of the
-    file, and costs one small read instead of hashing the whole file."""
-    with open(path, "rb") as file:
-        file.seek(-8, 2)
-        tail = file.read(8)
-        length = int.from_bytes(tail[:4], "little")
-        file.seek(-8 - length, 2)
-        return hashlib.sha256(file.read(length)).hexdigest()
