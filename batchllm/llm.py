@@ -37,6 +37,10 @@ class LLM:
     run by worker processes that this LLM starts (`spawn`) and stops (`shutdown()`, garbage collection or
     interpreter exit). As with any `spawn`, a script building such an LLM needs the
     `if __name__ == "__main__":` guard.
+
+    `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
+    waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
+    where the host and the "device" are the same cores and nothing overlaps.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -46,7 +50,8 @@ class LLM:
                  enable_prefix_caching: bool = True, reorder_by_prefix: bool = True, seed: int = 0,
                  load_format: str = "auto", enforce_eager: bool = False,
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
-                 trust_remote_code: bool = False, tensor_parallel_size: int = 1) -> None:
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 async_scheduling: bool | None = None) -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import build_executor, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
@@ -62,6 +67,10 @@ class LLM:
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        if async_scheduling not in (None, True, False):
+            raise ValueError(f"LLM argument async_scheduling must be None, True or False, got {async_scheduling!r}")
+        if async_scheduling is None:
+            async_scheduling = torch_device.type == "cuda"
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
@@ -70,13 +79,14 @@ class LLM:
                                                                          trust_remote_code=trust_remote_code)
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
         runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
-                                     max_model_len, seed, eos_token_ids, load_format, enforce_eager)
+                                     max_model_len, seed, eos_token_ids, load_format, enforce_eager,
+                                     async_scheduling)
         runner = build_executor(runner_config, tensor_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop)
-        self.engine = EngineCore(scheduler, runner, detokenizer)
+        self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling)
         self.runner = runner
         self.load_seconds = time.perf_counter() - start
         self._request_counter = itertools.count()

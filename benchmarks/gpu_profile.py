@@ -34,9 +34,12 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--sync", action="store_true", help="async_scheduling=False (the default is on for CUDA)")
     args = parser.parse_args()
     prompts = make_prompts(WORKLOADS[args.workload], args.rows, SHAPES[args.shape]["vocab_size"])
-    llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True)
+    llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
+              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:32], params, use_tqdm=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -52,8 +55,9 @@ def main() -> None:
             totals[kind_of(event.key)] += device_us / 1e6
             top[event.key] += device_us / 1e6
     busy = sum(totals.values())
-    print(f"{args.workload} {args.shape} {args.rows} rows x {args.max_tokens}: wall {wall:.2f} s, "
-          f"GPU kernels {busy:.2f} s ({busy / wall:.0%}), steps {llm.stats.num_steps}")
+    mode = "async" if llm.engine.async_scheduling else "sync"
+    print(f"{args.workload} {args.shape} {args.rows} rows x {args.max_tokens} ({mode}): wall {wall:.2f} s, "
+          f"GPU kernels {busy:.2f} s ({busy / wall:.0%}, idle {1 - busy / wall:.0%}), steps {llm.stats.num_steps}")
     for kind, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:16} {seconds:7.2f} s  {seconds / wall:6.1%} of wall")
     for name, seconds in sorted(top.items(), key=lambda kv: -kv[1])[:8]:

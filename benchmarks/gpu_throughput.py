@@ -27,11 +27,12 @@ MATMUL_FLOPS = 793e12
 COPY_BYTES_PER_S = 4.24e12
 
 
-def run_batchllm(directory, prompts, max_tokens: int, args) -> dict:
+def run_batchllm(directory, prompts, max_tokens: int, args, async_scheduling: bool | None = None) -> dict:
     times = {}
     start = time.perf_counter()
     llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              async_scheduling=async_scheduling)
     times["load_s"] = time.perf_counter() - start  # engine ready: weights, profiling, KV pool, graphs
     start = time.perf_counter()
     llm.generate([list(range(100, 164))] * 8, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
@@ -50,7 +51,8 @@ def run_batchllm(directory, prompts, max_tokens: int, args) -> dict:
               "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _percentile(ttft, 0.99),
               "stats": _plain(stats), "num_kv_blocks": stats.num_kv_blocks,
               "peak_kv_blocks": stats.peak_used_blocks, "preemptions": stats.num_preemptions,
-              "steps": stats.num_steps}
+              "steps": stats.num_steps, "async_scheduling": llm.engine.async_scheduling,
+              "token_ids": [c.token_ids for c in completions] if args.also_sync else None}
     del llm, outs
     gc.collect()
     torch.cuda.empty_cache()
@@ -109,6 +111,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--also-sync", action="store_true",
+                        help="also run batchllm with async_scheduling=False (the default is on for CUDA)")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     args = parser.parse_args()
 
@@ -118,6 +122,13 @@ def main() -> None:
     prompts = make_prompts(workload, rows, SHAPES[args.shape]["vocab_size"])
     directory = make_shape_dir(args.shape)
     systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args)}
+    if args.also_sync:
+        systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False)
+        # bf16 on random weights: a batch of another size may flip a near-tie, so this is a share, not a bound.
+        pairs = zip(systems["batchllm"].pop("token_ids"), systems["batchllm_sync"].pop("token_ids"))
+        systems["batchllm"]["rows_equal_to_sync"] = sum(a == b for a, b in pairs)
+    else:
+        systems["batchllm"].pop("token_ids")
     if args.peer == "generate_batch":
         systems["hf_generate_batch"] = run_hf(args.shape, prompts, max_tokens)
     prompt_tokens = sum(map(len, prompts))
@@ -138,6 +149,10 @@ def main() -> None:
           f"{ours['ttft_p99_s']:.2f} s")
     print(f"batchllm: KV blocks peak {ours['peak_kv_blocks']}/{ours['num_kv_blocks']}, preemptions "
           f"{ours['preemptions']}, steps {ours['steps']}, roofline {ours['roofline']}")
+    if args.also_sync:
+        ratio = ours["total_tok_s"] / systems["batchllm_sync"]["total_tok_s"]
+        equal = ours["rows_equal_to_sync"]
+        print(f"batchllm async / sync total tok/s: {ratio:.2f}x; greedy rows equal: {equal}/{rows}")
     if "hf_generate_batch" in systems:
         ratio = ours["total_tok_s"] / systems["hf_generate_batch"]["total_tok_s"]
         print(f"batchllm / HF generate_batch total tok/s: {ratio:.1f}x")
@@ -145,7 +160,7 @@ def main() -> None:
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
-    name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-h200.json"
+    name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-seqs{args.max_num_seqs}-h200.json"
     save_record(name, record, args.out)
 
 

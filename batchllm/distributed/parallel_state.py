@@ -85,6 +85,17 @@ def gather_last_dim(tensor: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank, in place (the sampled ids that the next step's inputs read)."""
+    if _state.size > 1:
+        torch.distributed.broadcast(tensor, src=0)
+    return tensor
+
+
+def tensor_parallel_size() -> int:
+    return _state.size
+
+
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads are split across ranks; with more ranks than KV heads each rank keeps one, replicated."""
     return max(1, num_kv_heads // tp_size)

@@ -8,6 +8,7 @@ the runner can live in another process (tensor parallelism) and the engine stays
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from batchllm.sampling_params import SamplingParams
 
@@ -34,7 +35,10 @@ class ScheduledRequest:
     `[num_computed_tokens, num_computed_tokens + len(token_ids))`; `block_ids` is the full block table
     when `full_block_table` is set (a new request, or a block replaced by its copy-on-write copy), else
     only the blocks appended since the runner last saw the request.
-    `sample` is true when this step computes the last known token, so its logits yield a new token.
+    `sample` is true when this step computes the request's last token, so its logits yield a new token.
+    `placeholder` (asynchronous scheduling): one more token follows `token_ids`, the one the runner
+    sampled for this request in the previous step, which the engine does not know yet; the runner reads
+    it from its own copy on the device. It is always the request's last scheduled token.
     """
 
     request_id: str
@@ -44,6 +48,11 @@ class ScheduledRequest:
     sample: bool
     new: NewRequestData | None = None
     full_block_table: bool = False
+    placeholder: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.placeholder
 
 
 @dataclass(slots=True)
@@ -73,3 +82,19 @@ class SampledToken:
 class ModelRunnerOutput:
     # One entry per scheduled request with `sample=True`, keyed by request id.
     sampled: dict[str, SampledToken]
+
+
+class PendingOutput(Protocol):
+    """A step launched on the executor; `result()` waits for it (once; later calls return the same)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class ReadyOutput:
+    """A step that already finished (a synchronous executor)."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output

@@ -106,7 +106,8 @@ class KVCacheManager:
         """
         if not self.pool.enable_caching:
             return
-        num_full = num_tokens // self.block_size
+        # A block whose last token is still pending (asynchronous scheduling) is indexed in a later step.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -55,6 +55,8 @@ class Request:
     fork_of: str | None = None
     # Chained hashes of the full blocks of token_ids computed so far (prefix caching), extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Tokens sampled by steps still in flight (asynchronous scheduling), not yet in token_ids.
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -63,6 +65,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def surely_finishes(self) -> bool:
+        """Its pending tokens reach max_tokens or max_model_len: it ends whatever they turn out to be, so
+        scheduling it again would only compute a token to throw away."""
+        if not self.num_pending_tokens:
+            return False
+        max_tokens = self.sampling_params.max_tokens
+        return max_tokens is not None and self.num_output_tokens + self.num_pending_tokens >= max_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,6 +7,12 @@ requests in FIFO order. When the KV pool runs dry the newest running request is 
 freed and it is re-queued at the front of the waiting queue to be recomputed), which always lets the
 oldest request progress: no deadlock, since a single request never exceeds `max_model_len` and
 `max_model_len` never exceeds the pool.
+
+Asynchronous scheduling: step N+1 is scheduled while step N runs, before its sampled tokens are known.
+A request that step N samples counts that token as pending (`num_pending_tokens`); the next step
+schedules it as a placeholder, which the runner fills in on the device. Step N's results are applied
+afterwards: a request that step N finished has its step-N+1 token discarded, and a request preempted
+while its token was in flight still receives it (it is recomputed with it when it runs again).
 """
 
 from __future__ import annotations
@@ -107,7 +113,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.surely_finishes or request.num_tokens_with_pending >= self.config.max_model_len:
+                i += 1
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             allocation = self._allocate_or_preempt(request, num_new)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
@@ -204,6 +213,7 @@ class Scheduler:
     def _schedule_request(self, request: Request, num_new: int, allocation: BlockAllocation) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        placeholder = end > request.num_tokens  # only the newest, still pending, token can be unknown
         new_data = None
         if not request.known_to_runner:
             new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
@@ -215,18 +225,21 @@ class Scheduler:
             self.stats.num_decode_tokens += 1
         else:
             self.stats.num_prefill_tokens += num_new
-        if end < request.num_tokens:
+        if end < request.num_tokens_with_pending:
             self.stats.num_chunked_prefills += 1
+        sample = end == request.num_tokens_with_pending
         request.num_computed_tokens = end
+        request.num_pending_tokens += sample
         self._scheduled_now[request.request_id] = num_new
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids[start:end],
             num_computed_tokens=start,
             block_ids=block_ids,
-            sample=end == request.num_tokens,
+            sample=sample,
             new=new_data,
             full_block_table=full_table,
+            placeholder=placeholder,
         )
 
     def _record_step(self, num_tokens: int) -> None:
@@ -245,7 +258,10 @@ class Scheduler:
         for scheduled in output.requests:
             if not scheduled.sample:
                 continue
-            request = self.requests[scheduled.request_id]
+            request = self.requests.get(scheduled.request_id)
+            if request is None:
+                continue  # finished by the step before this one: this token was computed in vain
+            request.num_pending_tokens -= 1
             request.append_token(runner_output.sampled[scheduled.request_id])
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -261,4 +277,6 @@ class Scheduler:
                 del self.requests[request.request_id]
                 self._finished_ids.append(request.request_id)
             self.running = [r for r in self.running if not r.status.finished]
+            if any(r in self.waiting for r in finished):  # preempted while its last token was in flight
+                self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished

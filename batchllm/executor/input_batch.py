@@ -3,7 +3,9 @@
 Every buffer is allocated once at its maximum size: host staging arrays (numpy views of pinned memory on
 CUDA) and device tensors of the same shape. A step fills a prefix of each on the host with vectorized
 numpy, then issues one asynchronous copy per buffer. Nothing is allocated on the hot path, which is what
-CUDA graphs (fixed addresses) need.
+CUDA graphs (fixed addresses) need. With asynchronous scheduling the next step is prepared while this one
+may still be queued: an event after each step's copies guards the host buffers against being refilled
+before the copies have read them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ class InputBatch:
         self.seq_lens = _Buffer.create((max_num_seqs,), torch.int32, device)
         self.block_tables = _Buffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
         self.logits_indices = _Buffer.create((max_num_seqs,), torch.int64, device)
+        self.placeholder_slots = _Buffer.create((max_num_seqs,), torch.int64, device)
+        self.placeholder_rows = _Buffer.create((max_num_seqs,), torch.int64, device)
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
+        self._copied = None if device.type == "cpu" else torch.cuda.Event()
 
     def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
                 block_rows: list[np.ndarray], sample_rows: np.ndarray, pad_to: int | None = None
@@ -61,6 +66,8 @@ class InputBatch:
         to that many one-token sequences. Returns (input_ids, positions, attention metadata, logits indices)
         on device.
         """
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
         num_seqs = len(num_scheduled)
         num_tokens = len(token_ids)
         cu = self.query_start_loc.np
@@ -98,8 +105,24 @@ class InputBatch:
             query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return (self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata,
-                self.logits_indices.upload(num_samples))
+        uploaded = (self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata,
+                    self.logits_indices.upload(num_samples))
+        self._record_copies()
+        return uploaded
+
+    def fill_placeholders(self, slots: list[int], rows: list[int], sampled: torch.Tensor) -> None:
+        """Write `sampled[rows[i]]` (the last step's samples, on the device) as input token `slots[i]`: the
+        placeholder tokens that the engine schedules before it knows them."""
+        n = len(slots)
+        self.placeholder_slots.np[:n] = slots
+        self.placeholder_rows.np[:n] = rows
+        index = self.placeholder_slots.upload(n)
+        self.input_ids.device.index_copy_(0, index, sampled.index_select(0, self.placeholder_rows.upload(n)))
+        self._record_copies()
+
+    def _record_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
 
     def fill_padding(self, start: int, end: int) -> None:
         """Make one-token sequences `start..end` inert padding: their K/V write is skipped (slot -1) and they

@@ -1,7 +1,9 @@
 """Runs the model for a SchedulerOutput: flat batch in, sampled tokens out.
 
 The runner owns the weights, the paged KV cache and per-request device-side state (block table, token
-history for penalties, seeded generator). One host sync per step: reading the sampled token ids.
+history for penalties, seeded generator). `execute_model_async` launches a step and returns at once; the
+sampled ids stay on the device, where the next step's placeholder tokens are read from, and reach the host
+through `StepOutput` (the step's one sync, which the engine takes after launching the next step).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
-from batchllm.distributed.parallel_state import all_reduce_min
+from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, tensor_parallel_size
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.executor.profiling import profile_peak_memory
+from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
 from batchllm.model.layers.sampler import Sampler
@@ -59,6 +62,8 @@ class RunnerConfig:
     eos_token_ids: frozenset[int]
     load_format: str = "auto"
     enforce_eager: bool = False
+    # Steps may carry placeholder tokens (the previous step's samples): every rank needs rank 0's samples.
+    async_scheduling: bool = False
 
 
 class ModelRunner:
@@ -88,6 +93,12 @@ class ModelRunner:
         self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
                                  max_blocks_per_seq, self.block_size, device)
         self._states: dict[str, _RequestState] = {}
+        self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
+        self._share_samples = config.async_scheduling and tensor_parallel_size() > 1
+        # The last step's sampled ids on the device, and the row of each request in it.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        self._unread: StepOutput | None = None  # the newest step whose tokens the host has not read yet
         use_graphs = device.type == "cuda" and not config.enforce_eager
         self.graphs = self._capture_graphs() if use_graphs else None
 
@@ -121,14 +132,17 @@ class ModelRunner:
                                    self.dtype, utilization)
 
     # ----------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> StepOutput:
         for request_id in so.finished_request_ids:
             self._states.pop(request_id, None)
         if so.block_copies:
             self.kv_cache.copy_blocks(so.block_copies)
         if so.is_empty:
-            return ModelRunnerOutput({})
+            return StepOutput([], None, self._host_tokens.take(), _ignore)
 
         num_seqs = len(so.requests)
         num_scheduled = np.empty(num_seqs, dtype=np.int64)
@@ -137,12 +151,18 @@ class ModelRunner:
         block_rows: list[np.ndarray] = []
         sample_rows: list[int] = []
         sampled_states: list[tuple[str, _RequestState]] = []
+        placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
+        placeholder_rows: list[int] = []
         for i, scheduled in enumerate(so.requests):
             state = self._state_for(scheduled.request_id, scheduled.new)
             state.set_blocks(scheduled.block_ids, reset=scheduled.full_block_table)
-            num_scheduled[i] = len(scheduled.token_ids)
+            num_scheduled[i] = scheduled.num_tokens
             num_computed[i] = scheduled.num_computed_tokens
             token_ids.extend(scheduled.token_ids)
+            if scheduled.placeholder:
+                placeholder_slots.append(len(token_ids))
+                placeholder_rows.append(self._last_rows[scheduled.request_id])
+                token_ids.append(0)
             block_rows.append(state.block_ids[: state.num_blocks])
             if scheduled.sample:
                 sample_rows.append(i)
@@ -154,17 +174,31 @@ class ModelRunner:
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
             token_ids, num_scheduled, num_computed, block_rows, np.asarray(sample_rows, dtype=np.int64),
             pad_to=graph_size)
+        if placeholder_slots:
+            self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
         else:
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions)
+        request_ids = [request_id for request_id, _ in sampled_states]
         if not sampled_states:
-            return ModelRunnerOutput({})
+            return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
-        if logits is None:
-            return ModelRunnerOutput({})  # a tensor-parallel rank other than 0: rank 0 samples
-        return ModelRunnerOutput(self._sample(logits, sampled_states))
+        sampled = None if logits is None else self._sample(logits, sampled_states)  # None: not rank 0
+        if self._share_samples:
+            ids = sampled.token_ids if sampled is not None else torch.empty(len(request_ids), dtype=torch.int64,
+                                                                             device=self.device)
+            self._last_sampled = broadcast_from_driver(ids)
+        elif sampled is not None:
+            self._last_sampled = sampled.token_ids
+        self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
+        states = dict(sampled_states)
+        output = StepOutput(request_ids, sampled, self._host_tokens.take(),
+                            lambda ids, tokens: _record_tokens(states, ids, tokens))
+        if sampled is not None:
+            self._unread = output
+        return output
 
     def _state_for(self, request_id: str, new: NewRequestData | None) -> _RequestState:
         state = self._states.get(request_id)
@@ -180,15 +214,24 @@ class ModelRunner:
         self._states[request_id] = state
         return state
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]]) -> dict[str, SampledToken]:
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]]):
+        params = [state.params for _, state in rows]
+        if self._unread is not None and any(p.uses_penalties or p.min_tokens for p in params):
+            # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
+            self._unread.result()
+        self._unread = None
         sampling_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for _, s in rows]
         tensors = SamplingTensors.build(sampling_rows, logits.shape[-1], self.device, self.eos_token_ids)
-        sampled = self.sampler(logits, tensors).to_sampled_tokens()  # the step's one host sync
-        results: dict[str, SampledToken] = {}
-        for (request_id, state), token in zip(rows, sampled):
-            state.output_token_ids.append(token.token_id)
-            results[request_id] = token
-        return results
+        return self.sampler(logits, tensors)
+
+
+def _record_tokens(states: dict[str, _RequestState], request_ids: list[str], tokens: list[SampledToken]) -> None:
+    for request_id, token in zip(request_ids, tokens):
+        states[request_id].output_token_ids.append(token.token_id)
+
+
+def _ignore(request_ids: list[str], tokens: list[SampledToken]) -> None:
+    pass
 
 
 def _default_cpu_kv_bytes() -> int:

@@ -49,6 +49,12 @@ class MultiprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._group.call(scheduler_output)
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> _Reply:
+        """Broadcast the step and return; the workers run it while the engine schedules the next one.
+        Replies come back in step order, so the engine must read them in the order it launched them."""
+        self._group.call(scheduler_output, wait=False)
+        return _Reply(self._group)
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -75,13 +81,16 @@ class _WorkerGroup:
             self.shutdown()
             raise
 
-    def call(self, message: SchedulerOutput | None, first: bool = False) -> Any:
-        """Broadcast `message` (None: only wait) and return rank 0's reply; any failure shuts the group down."""
+    def call(self, message: SchedulerOutput | None, first: bool = False, wait: bool = True) -> Any:
+        """Broadcast `message` (None: only wait) and return rank 0's reply (`wait=False`: only broadcast);
+        any failure shuts the group down."""
         if self.failure is not None:
             raise WorkerDiedError(f"the tensor-parallel workers are shut down: {self.failure}")
         try:
             if message is not None:
                 self.writer.put(message)
+            if not wait:
+                return None
             reply = self.reader.get()
         except BaseException as exc:
             if self.failure is None:
@@ -145,6 +154,19 @@ class _WorkerGroup:
         for handle in (self.steps, self.replies):
             unlink_queue(handle)
         self.errors.close()
+
+
+class _Reply:
+    """Rank 0's reply to a launched step, read when the engine asks for it."""
+
+    def __init__(self, group: _WorkerGroup) -> None:
+        self._group = group
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._group.call(None)
+        return self._output
 
 
 def _free_port() -> int:

@@ -110,11 +110,13 @@ def test_tp2_on_gpus_with_cuda_graphs_equals_one_gpu(tmp_path: Path, shape: str)
     assert run(2) == run(1)
 
 
-def test_tp_seeded_sampling_and_logprobs_match(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp_seeded_sampling_and_logprobs_match(tmp_path: Path, async_scheduling: bool) -> None:
+    """Asynchronous: rank 0 broadcasts each step's samples, which every rank's next inputs read."""
     model = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
     params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7, logprobs=2)
     single = engine(model, 1).generate(prompts(1001), params, use_tqdm=False)
-    llm = engine(model, 2)
+    llm = engine(model, 2, async_scheduling=async_scheduling)
     parallel = llm.generate(prompts(1001), params, use_tqdm=False)
     llm.shutdown()
     for a, b in zip(single, parallel):

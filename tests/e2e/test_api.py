@@ -17,8 +17,8 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_model_len=512)
+def llm(async_scheduling):
+    return LLM(max_model_len=512, async_scheduling=async_scheduling)
 
 
 @pytest.fixture(scope="module")

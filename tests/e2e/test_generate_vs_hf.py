@@ -41,8 +41,8 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm_default():
-    return LLM()
+def llm_default(async_scheduling):
+    return LLM(async_scheduling=async_scheduling)
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +76,19 @@ def test_greedy_equals_hf(llm_default, prompts, hf_greedy):
     assert llm_default.stats.max_running == len(prompts), "the prompts were meant to run as one batch"
 
 
-def test_greedy_equals_hf_under_preemption(llm_default, prompts, hf_greedy):
+def test_greedy_equals_hf_under_preemption(llm_default, prompts, hf_greedy, async_scheduling):
     # Room for the longest request plus two blocks; a 256-token budget admits the medium prompts in chunks
     # beside it, so their growth keeps preempting (29 times in a fake-model simulation of these lengths).
     # Prefix caching is off so that the chat prompts' shared system prompt does not relieve the pool.
     num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW) // 16) + 2
-    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=256, enable_prefix_caching=False)
+    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=256, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
     assert _greedy_ids(llm, prompts) == hf_greedy
     assert llm.stats.num_preemptions >= 5, llm.stats
 
 
-def test_greedy_equals_hf_with_every_prompt_chunked(llm_default, prompts, hf_greedy):
-    llm = LLM(max_num_batched_tokens=16)
+def test_greedy_equals_hf_with_every_prompt_chunked(llm_default, prompts, hf_greedy, async_scheduling):
+    llm = LLM(max_num_batched_tokens=16, async_scheduling=async_scheduling)
     assert _greedy_ids(llm, prompts) == hf_greedy
     chunkable = sum(len(p) > 16 for p in prompts)
     assert llm.stats.num_chunked_prefills >= chunkable, llm.stats

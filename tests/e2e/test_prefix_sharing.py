@@ -19,8 +19,8 @@ SYSTEM = ("You are a meticulous assistant for a data pipeline. Answer every ques
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_model_len=1024)
+def llm(async_scheduling):
+    return LLM(max_model_len=1024, async_scheduling=async_scheduling)
 
 
 def _rows(llm, count: int, system_tokens: int) -> list[list[int]]:
@@ -36,9 +36,9 @@ def _greedy(llm, prompts, max_tokens=8):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_caching_on_off_identical_with_eviction():
+def test_caching_on_off_identical_with_eviction(async_scheduling):
     # Two system prompts alternate in a pool too small to keep both: blocks are evicted and recomputed.
-    cached = LLM(num_kv_blocks=40, max_num_batched_tokens=256)
+    cached = LLM(num_kv_blocks=40, max_num_batched_tokens=256, async_scheduling=async_scheduling)
     rows = _rows(cached, 12, 150)
     other = [cached.tokenizer(f"A different preamble number {i} " * 20)["input_ids"][:170] + [300 + i]
              for i in range(12)]

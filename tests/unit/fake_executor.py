@@ -4,11 +4,15 @@ It keeps a fake paged KV cache: each slot stores the token id written there. Whe
 fake "model" reads the request's whole context back through its block table and derives the next token
 from it, so any scheduler bug (wrong tokens, wrong positions, a block shared by two live requests, stale
 blocks after preemption) changes the output and fails the test against `expected_continuation`.
+
+`execute_model_async` plays the asynchronous runner: a placeholder token is the token this executor
+sampled for the request in the step launched just before (as a real runner reads it on the device), and
+results must be read in launch order.
 """
 
 from __future__ import annotations
 
-from batchllm.engine.interfaces import ModelRunnerOutput, SampledToken, SchedulerOutput
+from batchllm.engine.interfaces import ModelRunnerOutput, ReadyOutput, SampledToken, SchedulerOutput
 
 
 def next_token(context: list[int]) -> int:
@@ -30,10 +34,20 @@ class FakeExecutor:
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.block_tables: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
+        self._last_sampled: dict[str, int] = {}  # of the step launched last
+        self._num_read = 0
+
+    def execute_model_async(self, so: SchedulerOutput) -> _InOrder:
+        return _InOrder(self, len(self.steps), self._execute(so))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert not any(r.placeholder for r in so.requests), "a synchronous step has no unknown tokens"
+        self._num_read += 1
+        return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(so)
-        assert so.num_scheduled_tokens == sum(len(r.token_ids) for r in so.requests)
+        assert so.num_scheduled_tokens == sum(r.num_tokens for r in so.requests)
         assert so.num_scheduled_tokens <= self.max_num_batched_tokens, "token budget exceeded"
         for request_id in so.finished_request_ids:
             self.block_tables.pop(request_id, None)
@@ -49,16 +63,21 @@ class FakeExecutor:
         self._written_this_step: set[int] = set()
         for r in so.requests:
             table = self.block_tables[r.request_id]
-            end = r.num_computed_tokens + len(r.token_ids)
+            end = r.num_computed_tokens + r.num_tokens
             self._check_writes_are_private(so, r, table)
             assert len(table) * self.block_size >= end, "block table too short for the scheduled tokens"
-            for offset, token in enumerate(r.token_ids):
+            tokens = list(r.token_ids)
+            if r.placeholder:
+                assert r.request_id in self._last_sampled, f"{r.request_id}: placeholder without a sample before it"
+                tokens.append(self._last_sampled[r.request_id])
+            for offset, token in enumerate(tokens):
                 pos = r.num_computed_tokens + offset
                 self.slots[table[pos // self.block_size] * self.block_size + pos % self.block_size] = token
             if r.sample:
                 context = [self.slots[table[p // self.block_size] * self.block_size + p % self.block_size]
                            for p in range(end)]
                 sampled[r.request_id] = SampledToken(next_token(context))
+        self._last_sampled = {request_id: token.token_id for request_id, token in sampled.items()}
         return ModelRunnerOutput(sampled)
 
     def _check_writes_are_private(self, so: SchedulerOutput, r, table: list[int]) -> None:
@@ -67,7 +86,22 @@ class FakeExecutor:
         writes the step's K/V before attention reads it. Overwrites of shared contents show up as wrong
         tokens, since the fake model reads its context back from the slots.)"""
         written = {table[p // self.block_size] for p in range(r.num_computed_tokens,
-                                                               r.num_computed_tokens + len(r.token_ids))}
+                                                               r.num_computed_tokens + r.num_tokens)}
         overlap = written & self._written_this_step
         assert not overlap, f"{r.request_id} writes blocks {overlap} that another request writes this step"
         self._written_this_step |= written
+
+
+class _InOrder(ReadyOutput):
+    """A launched step's result; reading results out of launch order fails the test."""
+
+    def __init__(self, executor: FakeExecutor, index: int, output: ModelRunnerOutput) -> None:
+        super().__init__(output)
+        self.executor, self.index, self.read = executor, index, False
+
+    def result(self) -> ModelRunnerOutput:
+        if not self.read:
+            assert self.index == self.executor._num_read, "step results read out of launch order"
+            self.executor._num_read += 1
+            self.read = True
+        return self.output

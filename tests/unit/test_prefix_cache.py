@@ -35,11 +35,11 @@ def test_hash_chain_depends_on_history_and_content():
 
 
 @pytest.mark.parametrize("num_blocks", [400, 24])
-def test_caching_on_and_off_give_identical_outputs(num_blocks):
+def test_caching_on_and_off_give_identical_outputs(num_blocks, async_scheduling):
     rows = _shared_prefix_rows(30, prefix_len=70, suffix_len=20, num_prefixes=3, seed=1)
     results = {}
     for caching in (False, True):
-        engine, _ = _engine(num_blocks, budget=128, enable_caching=caching)
+        engine, _ = _engine(num_blocks, budget=128, enable_caching=caching, async_scheduling=async_scheduling)
         for i, row in enumerate(rows):
             engine.add_request(str(i), row, SamplingParams(max_tokens=10))
         done = _run(engine)
@@ -96,10 +96,10 @@ def test_freed_cached_blocks_are_evicted_lru_suffix_first():
 
 
 @pytest.mark.parametrize("prompt_len", [40, 48])  # partial last block, and an exactly full last block
-def test_n_samples_share_prompt_blocks_with_copy_on_write(prompt_len):
+def test_n_samples_share_prompt_blocks_with_copy_on_write(prompt_len, async_scheduling):
     prompt = list(range(7, 7 + prompt_len))
     n = 4
-    engine, executor = _engine(100, budget=4096, enable_caching=False)
+    engine, executor = _engine(100, budget=4096, enable_caching=False, async_scheduling=async_scheduling)
     engine.add_request("p.0", prompt, SamplingParams(max_tokens=5))
     for j in range(1, n):
         engine.add_request(f"p.{j}", prompt, SamplingParams(max_tokens=5), fork_of="p.0")
@@ -117,9 +117,10 @@ def test_n_samples_share_prompt_blocks_with_copy_on_write(prompt_len):
     assert sum(len(s.block_copies) for s in executor.steps) == n - 1
 
 
-def test_forked_samples_survive_preemption():
+def test_forked_samples_survive_preemption(async_scheduling):
     prompt = list(range(7, 7 + 40))
-    engine, _ = _engine(9, budget=64, enable_caching=True)  # 144 tokens: the samples cannot all grow
+    # 144 tokens: the samples cannot all grow.
+    engine, _ = _engine(9, budget=64, enable_caching=True, async_scheduling=async_scheduling)
     engine.add_request("p.0", prompt, SamplingParams(max_tokens=30))
     for j in range(1, 4):
         engine.add_request(f"p.{j}", prompt, SamplingParams(max_tokens=30), fork_of="p.0")

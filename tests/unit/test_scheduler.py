@@ -32,12 +32,12 @@ class _NoDetokenizer:
 
 
 def _engine(num_blocks: int, budget: int, max_num_seqs: int = 64, max_model_len: int | None = None,
-            enable_caching: bool = False):
+            enable_caching: bool = False, async_scheduling: bool = False):
     kv = KVCacheManager(num_blocks, BLOCK, enable_caching)
     config = SchedulerConfig(max_num_seqs, budget, max_model_len or num_blocks * BLOCK)
     scheduler = Scheduler(config, kv, _max_tokens_stop)
     executor = FakeExecutor(num_blocks, BLOCK, budget)
-    return EngineCore(scheduler, executor, _NoDetokenizer()), executor
+    return EngineCore(scheduler, executor, _NoDetokenizer(), async_scheduling), executor
 
 
 def _run(engine: EngineCore) -> dict[str, Request]:
@@ -57,8 +57,8 @@ def _prompts(count: int, seed: int, low: int = 1, high: int = 200) -> list[list[
 
 @pytest.mark.parametrize("num_blocks,budget,tight_pool", [(400, 8192, False), (40, 64, True), (12, 16, True),
                                                            (30, 7, False)])
-def test_outputs_correct_under_pressure_and_pool_fully_freed(num_blocks, budget, tight_pool):
-    engine, executor = _engine(num_blocks, budget)
+def test_outputs_correct_under_pressure_and_pool_fully_freed(num_blocks, budget, tight_pool, async_scheduling):
+    engine, executor = _engine(num_blocks, budget, async_scheduling=async_scheduling)
     prompts = _prompts(25, seed=num_blocks, high=min(150, num_blocks * BLOCK - 40))
     max_tokens = [random.Random(i).randint(1, 30) for i in range(len(prompts))]
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
@@ -77,6 +77,38 @@ def test_outputs_correct_under_pressure_and_pool_fully_freed(num_blocks, budget,
     if budget < 150:
         assert stats.num_chunked_prefills > 0
     assert stats.peak_used_blocks <= num_blocks
+    if async_scheduling:
+        assert any(r.placeholder for step in executor.steps for r in step.requests), "nothing was overlapped"
+
+
+def test_async_drops_the_token_after_an_unforeseen_stop():
+    """A request that stops on a token value (as on EOS or a stop token) is scheduled once more before its
+    stop is known; that token is discarded, its blocks are freed and the outputs equal the synchronous ones."""
+    prompts = _prompts(12, seed=5, low=5, high=40)
+    results = {}
+    for async_scheduling in (False, True):
+        engine, executor = _engine(num_blocks=30, budget=48, async_scheduling=async_scheduling)
+        max_tokens_stop = engine.scheduler.check_stop
+
+        def check_stop(request: Request) -> bool:
+            if request.token_ids[-1] % 7 == 0:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            return max_tokens_stop(request)
+
+        engine.scheduler.check_stop = check_stop
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=25))
+        done = _run(engine)
+        results[async_scheduling] = [done[str(i)].output_token_ids for i in range(len(prompts))]
+        pool = engine.scheduler.kv_cache.pool
+        assert pool.num_free_blocks == pool.num_blocks
+        if async_scheduling:
+            wasted = sum(1 for step in executor.steps for r in step.requests if r.sample) - sum(
+                len(tokens) for tokens in results[True])
+            assert wasted > 0, "no request was scheduled past its stop: the test exercises nothing"
+    assert any(len(tokens) < 25 for tokens in results[False])
+    assert results[True] == results[False]
 
 
 def test_fifo_admission_order():
@@ -105,8 +137,8 @@ def test_running_requests_are_served_before_new_ones():
     assert [(r.request_id, len(r.token_ids)) for r in third.requests] == [("long", 31), ("next", 1)]
 
 
-def test_request_larger_than_pool_fails_alone():
-    engine, _ = _engine(num_blocks=8, budget=64)  # 128 tokens of KV in all
+def test_request_larger_than_pool_fails_alone(async_scheduling):
+    engine, _ = _engine(num_blocks=8, budget=64, async_scheduling=async_scheduling)  # 128 tokens of KV in all
     engine.add_request("ok1", list(range(5, 40)), SamplingParams(max_tokens=4))
     engine.add_request("huge", list(range(5, 205)), SamplingParams(max_tokens=4))
     engine.add_request("empty", [], SamplingParams(max_tokens=4))
@@ -118,8 +150,8 @@ def test_request_larger_than_pool_fails_alone():
         assert done[rid].output_token_ids == expected_continuation(prompt, 4)
 
 
-def test_generation_stops_at_max_model_len():
-    engine, _ = _engine(num_blocks=10, budget=64, max_model_len=50)
+def test_generation_stops_at_max_model_len(async_scheduling):
+    engine, _ = _engine(num_blocks=10, budget=64, max_model_len=50, async_scheduling=async_scheduling)
     engine.add_request("a", list(range(5, 45)), SamplingParams(max_tokens=100))
     done = _run(engine)
     assert done["a"].num_tokens == 50 and done["a"].finish_reason == "length"

@@ -1,0 +1,74 @@
+"""A launched step's sampled tokens on their way to the host.
+
+The sampler's results stay on the device, where the next step's inputs read them; a copy to pinned host
+memory is queued behind the step with an event, so the host can schedule and prepare the next step before
+waiting for this one. Two host buffers alternate: step N+1's copy is queued before step N's tokens are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from batchllm.engine.interfaces import ModelRunnerOutput, SampledToken
+from batchllm.model.layers.sampler import SamplerOutput
+
+
+class HostTokenBuffers:
+    def __init__(self, max_num_seqs: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._buffers = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._next = 0
+
+    def take(self) -> torch.Tensor:
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        return buffer
+
+
+class StepOutput:
+    """`result()` waits for the step's copy and returns the `ModelRunnerOutput` (once; then cached).
+    `on_result(request_ids, tokens)` runs once, when the tokens are first read."""
+
+    def __init__(self, request_ids: list[str], sampled: SamplerOutput | None, host_ids: torch.Tensor,
+                 on_result: Callable[[list[str], list[SampledToken]], None]) -> None:
+        self._request_ids = request_ids
+        self._on_result = on_result
+        self._output: ModelRunnerOutput | None = None
+        self._event = None
+        self._host: SamplerOutput | None = None
+        if sampled is None:  # nothing sampled: a prefill chunk, or a tensor-parallel rank other than 0
+            self._output = ModelRunnerOutput({})
+            return
+        n = len(request_ids)
+        ids = host_ids[:n]
+        ids.copy_(sampled.token_ids, non_blocking=True)
+        lp = None
+        if sampled.logprobs is not None:  # rare: fresh pinned tensors are fine here
+            lp = [_to_host(t) for t in (sampled.logprobs, sampled.ranks, sampled.top_ids, sampled.top_logprobs)]
+        self._host = SamplerOutput(ids, *(lp or (None,) * 4), sampled.num_logprobs)
+        if sampled.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def ready(self) -> bool:
+        return self._output is not None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._host.to_sampled_tokens()
+            self._on_result(self._request_ids, tokens)
+            self._output = ModelRunnerOutput(dict(zip(self._request_ids, tokens)))
+            self._host = None
+        return self._output
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
