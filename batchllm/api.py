@@ -19,8 +19,8 @@ _CONNECTORS = (("pandas", "pandas"), ("pyarrow", "arrow"), ("datasets", "hf_data
 
 
 def generate(data: Any, *, prompt_column: str | None = None, messages_column: str | None = None,
-             prompt_template: Template | None = None, chat: bool = False, model: str | Path | None = None,
-             llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
+             prompt_template: Template | None = None, chat: bool = False, system_prompt: str | None = None,
+             model: str | Path | None = None, llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
              sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
              truncate: str = "error", use_tqdm: bool = True, data_parallel_size: int = 1,
              **sampling_fields: Any) -> Any:
@@ -35,7 +35,8 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     with the model's chat template) or `prompt_template` (a `str.format` template over the row's columns,
     or a callable taking the row as a dict and returning text or a list of messages). `chat=True` sends
     the text of a prompt column or template as one user message through the chat template. A list of
-    strings needs none of them.
+    strings needs none of them. `system_prompt` puts a system message first in every chat prompt (with
+    `chat=True` or `messages_column`), except in conversations that already start with their own.
 
     Sampling: `sampling_params=SamplingParams(...)` or its fields as keywords (`max_tokens=64`,
     `temperature=0`, `n=2`, `logprobs=3`, ...). The engine: `llm=` an existing `LLM`, or `model=` (a
@@ -61,8 +62,9 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     if prompt_column is messages_column is prompt_template is None and _is_string_list(data):
         prompt_column = "prompt"
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
-                              prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
-                              output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
+                              prompt_template=prompt_template, chat=chat, system_prompt=system_prompt,
+                              sampling_params=sampling_params, output_column=output_column, truncate=truncate,
+                              sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
     with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
         arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
@@ -98,8 +100,11 @@ def _connector_for(data: Any):
             continue
         if module.accepts(data):
             return module
+    hint = ""
+    if "pandas" in sys.modules and isinstance(data, sys.modules["pandas"].Series):
+        hint = "; for a Series of prompts pass series.to_frame('prompt') with prompt_column='prompt'"
     raise TypeError(f"batchllm.generate takes a pandas DataFrame, a pyarrow Table or RecordBatch, a datasets.Dataset "
-                    f"or a list of strings / dicts, got {type(data).__name__}")
+                    f"or a list of strings / dicts, got {type(data).__name__}{hint}")
 
 
 def _is_string_list(data: Any) -> bool:

@@ -1,27 +1,55 @@
 """The `batchllm` command (also `python -m batchllm`).
 
-    batchllm run INPUT OUTPUT --prompt-column question --max-tokens 128 --temperature 0
+    batchllm run INPUT OUTPUT --prompt-column question --max-tokens 128
+    batchllm --version
 
-Exit status: 0 done; 2 bad arguments or options (nothing generated); 128 + N after signal N (SIGINT:
-130, SIGTERM: 143) with every completed shard saved: run the same command again to resume; 1 when every
-data-parallel replica died (completed shards saved, resumable too).
+`batchllm run --help` shows every flag with its default. The CLI's sampling defaults suit batch jobs, unlike
+vLLM's SamplingParams defaults that the Python API keeps (temperature 1.0, 16 tokens): greedy decoding
+(`--temperature 0`, reproducible: a shard redone after a kill equals the first attempt) and up to
+`--max-tokens 256`. For an OpenAI batch file they are the defaults for fields a request does not set.
+Errors name the flags (`--rows-per-shard`), not the Python arguments behind them.
+
+Exit status: 0 done; 2 bad arguments or options, e.g. a model directory without a tokenizer (nothing
+generated); 128 + N after signal N (SIGINT: 130, SIGTERM: 143) with every completed shard saved: run the
+same command again to resume; 1 when every data-parallel replica died (completed shards saved, resumable
+too).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.metadata
+import inspect
+import re
 import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-# Sampling flags → SamplingParams fields; only flags given on the command line are passed on.
+from batchllm.connectors.jobs.job import DEFAULT_ROWS_PER_SHARD
+from batchllm.llm import LLM
+from batchllm.sampling_params import SamplingParams
+
+# Sampling flags → SamplingParams fields. Each defaults to SamplingParams' own, except _CLI_SAMPLING_DEFAULTS.
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "seed": int, "n": int, "min_tokens": int, "presence_penalty": float,
                    "frequency_penalty": float, "repetition_penalty": float, "logprobs": int}
 _ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                  "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
 _USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
+# Batch jobs want complete, reproducible answers; see the module docstring.
+_CLI_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
+_SAMPLING_DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init},
+                      **_CLI_SAMPLING_DEFAULTS}
+_ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
+_SAMPLING_HELP = {"max_tokens": "most tokens per completion", "temperature": "temperature (0: greedy)",
+                  "n": "completions per row (list columns when > 1; with --temperature 0 they are equal)",
+                  "seed": "seed (None: unseeded)", "top_k": "top_k (0: off)",
+                  "logprobs": "top logprobs returned per generated token (None: none)"}
+_ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)"}
+# Python argument names that differ from their flag's (the rest are the flag's dest).
+_PYTHON_NAMES = {"prompt_template": "template", "data_parallel_size": "data_parallel"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,11 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchllm", description="Offline LLM batch inference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('batchllm')}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run", help="generate for every row of a Parquet input or an OpenAI batch JSONL file (resumable)",
         description="Parquet file / directory / glob → a directory of Parquet shards; OpenAI batch *.jsonl → a "
-                    "response *.jsonl. Re-running the same command resumes an interrupted job.")
+                    "response *.jsonl. Re-running the same command resumes an interrupted job.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run.add_argument("input", help="Parquet file, directory or glob; or an OpenAI batch request file (*.jsonl)")
     run.add_argument("output", help="output directory (Parquet input) or output .jsonl file (JSONL input)")
     prompt = run.add_mutually_exclusive_group()
@@ -45,22 +75,39 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--template", help="str.format template over the row's columns, e.g. 'Q: {question}'")
     run.add_argument("--chat", action="store_true", help="send the prompt text as a user message through the "
                                                          "model's chat template")
+    run.add_argument("--system-prompt", metavar="TEXT",
+                     help="a system message put first in every chat prompt (--chat or --messages-column; rows whose "
+                          "messages start with their own keep it); not for OpenAI batch files, whose requests carry "
+                          "their own messages")
     run.add_argument("--output-column", default="generated_text", help="name of the generated-text column")
     run.add_argument("--truncate", choices=("error", "left", "right"), default="error",
-                     help="what to do with a prompt that leaves no room for --max-tokens (default: error the row)")
-    run.add_argument("--model", help="local HF model directory (default: the bundled SmolLM2-135M-Instruct)")
+                     help="what to do with a prompt that leaves no room for --max-tokens: error the row, or cut its "
+                          "left or right end")
+    run.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
     for name, kind in _SAMPLING_FLAGS.items():
-        run.add_argument(_flag(name), type=kind, help=f"sampling: {name}")
+        run.add_argument(_flag(name), type=kind, default=_SAMPLING_DEFAULTS[name],
+                         help=f"sampling: {_SAMPLING_HELP.get(name, name)}")
     run.add_argument("--stop", action="append", help="sampling: a stop string (repeatable)")
-    run.add_argument("--ignore-eos", action="store_true", default=None, help="sampling: do not stop at EOS")
+    run.add_argument("--stop-token-ids", type=_token_ids, metavar="ID,ID,...",
+                     help="sampling: token ids that end a completion, comma-separated")
+    run.add_argument("--ignore-eos", action="store_true", help="sampling: do not stop at EOS")
+    run.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
+                     default=_SAMPLING_DEFAULTS["skip_special_tokens"],
+                     help="sampling: leave special tokens out of the text")
     for name, kind in _ENGINE_FLAGS.items():
-        run.add_argument(_flag(name), type=kind, help=f"engine: {name}")
-    run.add_argument("--rows-per-shard", type=int, help="rows per output shard, the unit of resumption")
+        run.add_argument(_flag(name), type=kind, default=_ENGINE_DEFAULTS[name],
+                         help=f"engine: {_ENGINE_HELP.get(name, name)}")
+    run.add_argument("--load-format", choices=("auto", "dummy"), default=_ENGINE_DEFAULTS["load_format"],
+                     help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
+    run.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD,
+                     help="rows per output shard, the unit of resumption")
     run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once (in each engine with "
-                                                        "--data-parallel)")
+                                                        "--data-parallel; None: twice --max-num-seqs)")
     run.add_argument("--data-parallel", type=int, default=1, metavar="N",
                      help="N engine processes, one per GPU (or per share of the CPU cores), fed from one queue")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # Last, so it sees every flag: how run_job's argument names read as flags in error messages.
+    run.set_defaults(flags_by_python_name=_flags_by_python_name(run))
     return parser
 
 
@@ -69,19 +116,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from batchllm.connectors.jobs.job import JobInterrupted
     from batchllm.connectors.replicas.errors import ReplicaPoolError
 
-    options: dict[str, Any] = {name: getattr(args, name) for name in (*_SAMPLING_FLAGS, "stop", "ignore_eos")
+    sampling = (*_SAMPLING_FLAGS, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+    options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, "rows_per_shard", "max_in_flight")
                                if getattr(args, name) is not None}
-    engine = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
+    engine = {name: getattr(args, name) for name in (*_ENGINE_FLAGS, "load_format")
+              if getattr(args, name) != _ENGINE_DEFAULTS[name]}
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
-              "prompt_template": args.template, "chat": args.chat, "output_column": args.output_column}
+              "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
+              "output_column": args.output_column}
     if not args.input.endswith(".jsonl"):
         options.update(prompt)
     elif any(value for key, value in prompt.items() if key != "output_column"):
-        return _fail("--prompt-column / --messages-column / --template / --chat do not apply to an OpenAI batch "
-                     "file: each request carries its prompt")
-    for name in ("rows_per_shard", "max_in_flight"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+        return _fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
+                     "an OpenAI batch file: each request carries its prompt")
     try:
         result = run_job(args.input, args.output, model=args.model, engine_kwargs=engine or None,
                          use_tqdm=not args.no_progress, data_parallel_size=args.data_parallel, **options)
@@ -92,7 +140,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"batchllm: error: {exc}:\n  batchllm {shlex.join(argv)}", file=sys.stderr)
         return 1
     except _USAGE_ERRORS as exc:
-        return _fail(str(exc))
+        return _fail(_with_flag_names(str(exc), args.flags_by_python_name))
     print(f"batchllm: done: {result.written_rows} rows written ({result.error_rows} with errors), "
           f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s "
           f"→ {result.output}", file=sys.stderr)
@@ -108,3 +156,36 @@ def _fail(message: str) -> int:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, e.g. 1,2; got {text!r}") from None
+
+
+def _flags_by_python_name(parser: argparse.ArgumentParser) -> dict[str, str]:
+    flags = {action.dest: action.option_strings[0] for action in parser._actions
+             if action.option_strings and action.dest != "help"}
+    return {**flags, **{python: flags[dest] for python, dest in _PYTHON_NAMES.items()}}
+
+
+def _with_flag_names(message: str, flags: dict[str, str]) -> str:
+    """`message` with the Python names of options replaced by their flags: `rows_per_shard` → `--rows-per-shard`,
+    `SamplingParams.top_p` → `--top-p`, `chat=True` → `--chat`, `max_tokens=300` → `--max-tokens 300`.
+
+    A name without an underscore ("model", "seed") counts only where it is plainly an argument (after
+    `SamplingParams.` / `LLM argument`, or before `=`): elsewhere it is an ordinary word. Quoted names are
+    values (column names), and dotted ones manifest keys; both stay as they are.
+    """
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.'-])(?P<owner>SamplingParams\.|LLM argument )?(?P<name>{names})(?![\w'])"
+                         rf"(?P<assign>=True\b|=(?P<value>(?=[^\s,;)]))?)?")
+
+    def flag(match: re.Match) -> str:
+        if not (match["owner"] or match["assign"] or "_" in match["name"]):
+            return match[0]
+        return flags[match["name"]] + (" " if match["value"] is not None else "")
+
+    return pattern.sub(flag, message)

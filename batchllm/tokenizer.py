@@ -6,11 +6,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Any one of these lets transformers build a tokenizer; without them it fails with a message naming no path.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """The fast tokenizer in the directory `path`; FileNotFoundError / ValueError naming `path` when it has none."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); copy the "
+                                f"checkpoint's tokenizer files into it")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer in {path}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise ValueError(f"the tokenizer in {path} has no fast (tokenizers-backed) version; batchllm needs one")
     return tokenizer

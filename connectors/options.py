@@ -27,13 +27,16 @@ class PromptSpec:
     """Where a row's prompt comes from: exactly one of the three sources.
 
     `chat=True` sends the text of `prompt_column` / `prompt_template` as one user message through the
-    model's chat template instead of as raw completion text.
+    model's chat template instead of as raw completion text. `system_prompt` puts a system message first
+    in every chat prompt (so it needs `chat=True` or `messages_column`); a conversation that already
+    starts with a system message keeps its own.
     """
 
     prompt_column: str | None = None
     messages_column: str | None = None
     template: Template | None = None
     chat: bool = False
+    system_prompt: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name, value in (("prompt_column", self.prompt_column),
@@ -50,6 +53,11 @@ class PromptSpec:
                              f"{type(self.template).__name__}")
         if isinstance(self.template, str):
             template_fields(self.template)  # raises on malformed braces or positional fields
+        if self.system_prompt is not None:
+            if not isinstance(self.system_prompt, str) or not self.system_prompt.strip():
+                raise ValueError(f"system_prompt must be a non-empty string, got {self.system_prompt!r}")
+            if not self.chat and self.messages_column is None:
+                raise ValueError("system_prompt= applies to chat prompts: pass chat=True or messages_column=")
 
     def required_columns(self, available: Sequence[str]) -> list[str]:
         """The input columns a row's prompt needs; raises ValueError naming any that do not exist."""
@@ -72,8 +80,11 @@ class PromptSpec:
         template = self.template
         if callable(template):
             template = f"<callable {getattr(template, '__module__', '?')}.{getattr(template, '__qualname__', '?')}>"
-        return {"prompt_column": self.prompt_column, "messages_column": self.messages_column,
-                "prompt_template": template, "chat": self.chat}
+        identity = {"prompt_column": self.prompt_column, "messages_column": self.messages_column,
+                    "prompt_template": template, "chat": self.chat}
+        if self.system_prompt is not None:  # only when set: manifests of jobs without one stay resumable
+            identity["system_prompt"] = self.system_prompt
+        return identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,14 +147,18 @@ class MapOptions:
 
 
 def resolve_options(*, prompt_column: str | None = None, messages_column: str | None = None,
-                    prompt_template: Template | None = None, chat: bool = False,
+                    prompt_template: Template | None = None, chat: bool = False, system_prompt: str | None = None,
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", sampling_fields: Mapping[str, Any] | None = None) -> MapOptions:
-    """Validate the per-call options; `sampling_fields` are SamplingParams fields given as keywords."""
+    """Validate the per-call options; `sampling_fields` are the caller's other keywords: SamplingParams fields,
+    and `system_prompt` when the caller does not name it itself (the Parquet job and batchllm.ray pass their
+    remaining keywords on as they come)."""
     if truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
-    return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat),
-                      resolve_sampling_params(sampling_params, sampling_fields or {}),
+    fields = dict(sampling_fields or {})
+    system_prompt = fields.pop("system_prompt", system_prompt)
+    return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt),
+                      resolve_sampling_params(sampling_params, fields),
                       OutputNames.for_column(output_column), truncate)
 
 
@@ -159,6 +174,13 @@ def resolve_sampling_params(sampling_params: SamplingParams | None, fields: Mapp
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         return sampling_params
     return SamplingParams(**fields)
+
+
+def with_system_prompt(conversation: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    """`conversation` with `system_prompt` first, unless there is none or it starts with its own system message."""
+    if system_prompt is None or conversation[0]["role"] == "system":
+        return conversation
+    return [{"role": "system", "content": system_prompt}, *conversation]
 
 
 def template_fields(template: str) -> list[str]:

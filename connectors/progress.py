@@ -1,4 +1,5 @@
-"""A rows progress bar that also shows output tokens/s; tqdm supplies rows/s and the ETA."""
+"""A rows progress bar that also shows output tokens/s (this run's tokens over this run's time, final at
+close); tqdm supplies rows/s and the ETA."""
 
 from __future__ import annotations
 
@@ -28,8 +29,16 @@ class RowProgress:
         now = time.perf_counter()
         if now - self._last_refresh >= self._REFRESH_SECONDS:
             self._last_refresh = now
-            self._bar.set_postfix_str(f"{self.output_tokens / (now - self._start):.1f} tok/s", refresh=False)
+            self._show_rate(now)
 
     def close(self) -> None:
         if self._bar is not None:
+            # Updates refresh the rate at most every _REFRESH_SECONDS, so the last one shown may be stale:
+            # the bar left on screen shows the whole run's rate.
+            self._show_rate(time.perf_counter())
             self._bar.close()
+
+    def _show_rate(self, now: float) -> None:
+        elapsed = now - self._start
+        rate = self.output_tokens / elapsed if elapsed > 0 else 0.0
+        self._bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)

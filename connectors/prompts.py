@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.connectors.options import MapOptions, PromptSpec
+from batchllm.connectors.options import MapOptions, PromptSpec, with_system_prompt
 
 
 class RowError(ValueError):
@@ -49,10 +49,11 @@ class Rendered:
 class PromptEncoder:
     """Renders chat messages and tokenizes prompts in batches, applying the truncation policy."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, truncate: str) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, truncate: str, system_prompt: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.truncate = truncate
+        self.system_prompt = system_prompt
 
     @classmethod
     def for_llm(cls, llm: Any, options: MapOptions) -> PromptEncoder:
@@ -61,10 +62,10 @@ class PromptEncoder:
         if max_tokens is not None and max_tokens >= llm.max_model_len:
             raise ValueError(f"max_tokens={max_tokens} leaves no room for a prompt: the model's max_model_len "
                              f"is {llm.max_model_len}")
-        return cls(llm.tokenizer, llm.max_model_len, options.truncate)
+        return cls(llm.tokenizer, llm.max_model_len, options.truncate, options.prompt.system_prompt)
 
     def render_chat(self, messages: Any) -> Rendered:
-        conversation = check_messages(messages)
+        conversation = with_system_prompt(check_messages(messages), self.system_prompt)
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja raises whatever the template author chose, e.g. roles not alternating

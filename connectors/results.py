@@ -9,8 +9,8 @@ all-error batch and every shard of a job share one schema:
 - `logprobs` (only when logprobs are asked for): per generated token a struct of the token, its id, its
   logprob and the top alternatives; a list of those per sample when n > 1.
 
-A failed row has null text, `finish_reason="error"`, null `completion_tokens` and its `prompt_tokens`
-when the prompt could be tokenized.
+A failed row has null text, `finish_reason="error"` (`["error"] * n` when n > 1, so the column keeps one
+entry per sample), null `completion_tokens` and its `prompt_tokens` when the prompt could be tokenized.
 """
 
 from __future__ import annotations
@@ -63,13 +63,15 @@ def output_schema(options: MapOptions) -> pa.Schema:
 
 def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Array]:
     """The output columns for `outcomes`, in `output_schema(options)` order."""
-    many = options.sampling_params.n > 1
+    n = options.sampling_params.n
+    many = n > 1
+    failed_reason = ["error"] * n if many else "error"
     columns: list[list[Any]] = [[] for _ in output_schema(options)]
     for outcome in outcomes:
         completions = None if outcome.error is not None or outcome.output is None else outcome.output.outputs
         values = [
             _per_sample(completions, many, lambda c: c.text),
-            "error" if completions is None else _per_sample(completions, many, lambda c: c.finish_reason),
+            failed_reason if completions is None else _per_sample(completions, many, lambda c: c.finish_reason),
             outcome.prompt_tokens,
             _per_sample(completions, many, lambda c: len(c.token_ids)),
             outcome.error,

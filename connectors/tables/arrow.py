@@ -1,4 +1,5 @@
-"""pyarrow `Table` / `RecordBatch` ↔ columns: the same type comes back with typed output columns appended."""
+"""pyarrow `Table` / `RecordBatch` ↔ columns: the same type comes back with typed output columns appended.
+Duplicate column names are refused, as for pandas."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ def accepts(data: Any) -> bool:
 
 
 def read_columns(data: pa.Table | pa.RecordBatch, options: MapOptions) -> tuple[dict[str, list], int]:
-    needed = options.check_input_columns(data.schema.names)
+    names = data.schema.names
+    duplicated = list(dict.fromkeys(name for name in names if names.count(name) > 1))
+    if duplicated:  # data.column(name) is ambiguous for them
+        raise ValueError(f"the {type(data).__name__} has duplicate column names {duplicated}; rename them first")
+    needed = options.check_input_columns(names)
     return {name: data.column(name).to_pylist() for name in needed}, data.num_rows
 
 

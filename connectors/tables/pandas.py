@@ -1,4 +1,6 @@
 """pandas `DataFrame` ↔ columns: the frame comes back with the output columns added, index untouched.
+A frame with duplicate column names is refused (which of the two would the prompt read?); a `Series` is
+not taken at all (`batchllm.generate` says how to pass one).
 
 Output dtypes: text columns use pandas' default string dtype (missing = NA/NaN), token counts the
 nullable `Int32`, list and logprob columns hold Python lists (object dtype).
@@ -20,6 +22,9 @@ def accepts(data: Any) -> bool:
 
 
 def read_columns(frame: pd.DataFrame, options: MapOptions) -> tuple[dict[Any, list], int]:
+    duplicated = list(dict.fromkeys(frame.columns[frame.columns.duplicated()]))
+    if duplicated:  # frame[name] would be a frame, and a row dict would keep only one of the values
+        raise ValueError(f"the DataFrame has duplicate column names {duplicated}; rename them first")
     needed = options.check_input_columns(list(frame.columns))
     return {name: frame[name].tolist() for name in needed}, len(frame)
 
