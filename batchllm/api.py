@@ -71,22 +71,37 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     return connector.attach_outputs(data, arrays, options)
 
 
-def run_job(input: str | Path, output: str | Path, **options: Any) -> JobResult:
-    """Run a resumable batch job: Parquet in → Parquet shards out, or OpenAI batch JSONL in → JSONL out.
+def run_job(input: str | Path, output: str | Path, *, input_format: str = "auto", **options: Any) -> JobResult:
+    """Run a resumable batch job: a table in → Parquet shards out, or OpenAI batch JSONL in → JSONL out.
 
-    `input` ending in `.jsonl` is an OpenAI Batch API request file (see `batchllm.connectors.jobs.jsonl_batch`);
-    anything else is a Parquet file, directory or glob (see `batchllm.connectors.jobs.parquet_job`, which
-    documents the options, the output layout, resumption and interruption). Re-running the same call
-    resumes where it stopped. `data_parallel_size=N` runs N engine processes (see `generate`); a replica
-    that dies has its rows re-run by the others and is listed in `JobResult.replica_failures`.
+    `input_format` ("auto", "parquet", "csv", "jsonl-table", "openai-batch"; see
+    `batchllm.connectors.jobs.sources`): "auto" reads a `.csv` file as CSV, a `.jsonl` / `.json` file as an
+    OpenAI Batch API request file (`batchllm.connectors.jobs.jsonl_batch`) when its first line is a request
+    and as a JSON-lines table otherwise, and anything else as a Parquet file, directory or glob. A table's
+    output is a directory of Parquet shards (`batchllm.connectors.jobs.parquet_job` documents the options,
+    the layout, resumption and interruption). Re-running the same call resumes where it stopped.
+    `data_parallel_size=N` runs N engine processes (see `generate`); a replica that dies has its rows re-run
+    by the others and is listed in `JobResult.replica_failures`.
     """
-    if str(input).endswith(".jsonl"):
+    from batchllm.connectors.jobs.sources import input_format_of
+
+    kind = input_format_of(input, input_format)
+    if kind == "openai-batch":
         from batchllm.connectors.jobs.jsonl_batch import run_jsonl_job
 
         return run_jsonl_job(input, output, **options)
     from batchllm.connectors.jobs.parquet_job import run_parquet_job
 
-    return run_parquet_job(input, output, **options)
+    _check_shard_directory(Path(output))
+    return run_parquet_job(input, output, input_format=kind, **options)
+
+
+def _check_shard_directory(output: Path) -> None:
+    """A table job writes a directory: refuse a file-like name (e.g. `out.parquet`) before making a directory of it,
+    unless that directory already exists (an earlier job's output, resumed)."""
+    if output.suffix.lower() in (".parquet", ".csv", ".jsonl", ".json") and not output.is_dir():
+        raise ValueError(f"output {str(output)!r} is a directory of Parquet shards; pass a directory path, e.g. "
+                         f"{str(output.with_suffix(''))!r}")
 
 
 def _connector_for(data: Any):

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchllm.connectors.jobs.job import DEFAULT_ROWS_PER_SHARD
+from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
@@ -63,12 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('batchllm')}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
-        "run", help="generate for every row of a Parquet input or an OpenAI batch JSONL file (resumable)",
-        description="Parquet file / directory / glob → a directory of Parquet shards; OpenAI batch *.jsonl → a "
-                    "response *.jsonl. Re-running the same command resumes an interrupted job.",
+        "run", help="generate for every row of a table (Parquet, CSV, JSON lines) or an OpenAI batch JSONL file "
+                    "(resumable)",
+        description="Parquet file / directory / glob, *.csv or JSON-lines table → a directory of Parquet "
+                    "shards; OpenAI batch *.jsonl → a response *.jsonl. Re-running the same command resumes an "
+                    "interrupted job.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    run.add_argument("input", help="Parquet file, directory or glob; or an OpenAI batch request file (*.jsonl)")
-    run.add_argument("output", help="output directory (Parquet input) or output .jsonl file (JSONL input)")
+    run.add_argument("input", help="Parquet file, directory or glob, CSV file or JSON-lines table; or an OpenAI "
+                                   "batch request file (*.jsonl)")
+    run.add_argument("output", help="output directory (table input) or output .jsonl file (OpenAI batch input)")
+    run.add_argument("--input-format", choices=INPUT_FORMATS,
+                     default="auto", help="how to read INPUT; auto: by extension, and a *.jsonl / *.json file is an "
+                                          "OpenAI batch file when its first line is a request, else a table")
     prompt = run.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-column", help="column holding the prompt text")
     prompt.add_argument("--messages-column", help="column holding chat messages (a list of {role, content})")
@@ -125,14 +132,16 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
               "output_column": args.output_column}
-    if not args.input.endswith(".jsonl"):
+    input_format = input_format_of(args.input, args.input_format)
+    if input_format != "openai-batch":
         options.update(prompt)
     elif any(value for key, value in prompt.items() if key != "output_column"):
         return _fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
                      "an OpenAI batch file: each request carries its prompt")
     try:
-        result = run_job(args.input, args.output, model=args.model, engine_kwargs=engine or None,
-                         use_tqdm=not args.no_progress, data_parallel_size=args.data_parallel, **options)
+        result = run_job(args.input, args.output, input_format=input_format, model=args.model,
+                         engine_kwargs=engine or None, use_tqdm=not args.no_progress,
+                         data_parallel_size=args.data_parallel, **options)
     except JobInterrupted as exc:
         print(f"batchllm: {exc}:\n  batchllm {shlex.join(argv)}", file=sys.stderr)
         return 128 + exc.signal_number

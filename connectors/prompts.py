@@ -13,6 +13,7 @@ beginning.
 
 from __future__ import annotations
 
+import json
 import math
 import string
 from collections.abc import Mapping, Sequence
@@ -65,7 +66,8 @@ class PromptEncoder:
         return cls(llm.tokenizer, llm.max_model_len, options.truncate, options.prompt.system_prompt)
 
     def render_chat(self, messages: Any) -> Rendered:
-        conversation = with_system_prompt(check_messages(messages), self.system_prompt)
+        conversation = check_messages(messages, template_renders_tools=template_renders_tools(self.tokenizer))
+        conversation = with_system_prompt(conversation, self.system_prompt)
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja raises whatever the template author chose, e.g. roles not alternating
@@ -157,39 +159,108 @@ def check_text(value: Any, what: str) -> str:
     return value
 
 
-def check_messages(value: Any) -> list[dict[str, str]]:
+# Roles a chat template is written for. Others (OpenAI's "developer" and "function", typos) are refused per
+# row: templates render any role string verbatim, so an unknown one would go through as garbage.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(value: Any, *, template_renders_tools: bool = False) -> list[dict[str, Any]]:
     """A conversation as the chat template wants it: a non-empty list of {role, content} with text content.
 
-    Arrow and pandas hand list cells over as lists or numpy arrays, and struct cells may carry extra null
-    keys; OpenAI-style content given as a list of text parts is joined.
+    Arrow, pandas and numpy hand list cells over as lists or numpy arrays (nested ones too), and struct
+    cells carry null keys the message does not use; all are accepted. OpenAI-style content given as a list
+    of text parts is joined with no separator; any other part (image_url, audio, ...) fails the row. An
+    assistant message may carry `tool_calls` (then its content may be null) and a `tool` message answers
+    one; both reach the template as HF templates expect them (arguments as objects, `tool_call_id` kept)
+    when `template_renders_tools`, and fail the row otherwise. No message is ever dropped.
     """
+    value = to_plain(value)
     if is_missing(value):
         raise RowError("messages are null")
-    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
+    if not isinstance(value, list):
         raise RowError(f"messages must be a list of {{role, content}} objects, got {type(value).__name__}")
-    if len(value) == 0:
+    if not value:
         raise RowError("messages are empty")
-    conversation = []
-    for position, message in enumerate(value):
-        if not isinstance(message, Mapping):
-            raise RowError(f"message {position} must be an object with role and content, got {type(message).__name__}")
-        role, content = message.get("role"), _content_text(message.get("content"), position)
-        if not isinstance(role, str) or not role:
-            raise RowError(f"message {position} has no role")
-        conversation.append({"role": role, "content": content})
-    return conversation
+    return [_check_message(message, position, template_renders_tools) for position, message in enumerate(value)]
+
+
+def _check_message(message: Any, position: int, template_renders_tools: bool) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise RowError(f"message {position} must be an object with role and content, got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise RowError(f"message {position} has no role")
+    if role not in CHAT_ROLES:
+        raise RowError(f"message {position} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
+    tool_calls = message.get("tool_calls") or None  # struct cells give every message the key, as null
+    if (tool_calls is not None or role == "tool") and not template_renders_tools:
+        what = "tool_calls" if tool_calls is not None else "the role 'tool'"
+        raise RowError(f"message {position} has {what}, which this model's chat template does not render")
+    if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+        raise RowError(f"message {position}: tool_calls must be a list, on an assistant message")
+    content = message.get("content")
+    checked: dict[str, Any] = {"role": role}
+    if tool_calls is not None:
+        checked["content"] = None if is_missing(content) else _content_text(content, position)
+        checked["tool_calls"] = [_check_tool_call(call, position) for call in tool_calls]
+    else:
+        checked["content"] = _content_text(content, position)
+    for key in ("name", "tool_call_id"):
+        if isinstance(message.get(key), str):
+            checked[key] = message[key]
+    return checked
+
+
+def _check_tool_call(call: Any, position: int) -> dict[str, Any]:
+    """An OpenAI tool call with its JSON-string arguments parsed: HF chat templates take them as an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RowError(f"message {position}: a tool call must be {{type, function: {{name, arguments}}}}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise RowError(f"message {position}: tool call {function['name']!r} has arguments that are not "
+                           f"valid JSON: {exc}") from exc
+    call = {key: item for key, item in call.items() if item is not None}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _content_text(content: Any, position: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, (list, tuple)) and all(isinstance(p, Mapping) for p in content):
-        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-            raise RowError(f"message {position}: only text content parts are supported")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RowError(f"message {position}: a content part of type {part.get('type')!r}; only text "
+                               f"content parts are supported")
         return "".join(part["text"] for part in content)
     if is_missing(content):
         raise RowError(f"message {position} has no content")
-    raise RowError(f"message {position}: content must be a string, got {type(content).__name__}")
+    raise RowError(f"message {position}: content must be a string or a list of text parts, "
+                   f"got {type(content).__name__}")
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template reads `tool_calls`: tool-aware HF templates (Llama 3.1, Qwen 2.5,
+    Mistral, ...) all do, and one that does not would render such a turn wrong or not at all."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
+        template = " ".join(template.values())
+    return isinstance(template, str) and "tool_calls" in template
+
+
+def to_plain(value: Any) -> Any:
+    """`value` with the containers pandas, numpy and pyarrow hand over turned into lists and dicts, recursively:
+    a Parquet list cell read by pandas is a numpy array of dicts whose own list fields are numpy arrays."""
+    if isinstance(value, Mapping):
+        return {key: to_plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or (getattr(value, "ndim", None) == 1 and hasattr(value, "tolist")):
+        return [to_plain(item) for item in value]
+    if callable(getattr(value, "as_py", None)):  # a pyarrow scalar
+        return to_plain(value.as_py())
+    return value
 
 
 def is_missing(value: Any) -> bool:

@@ -132,13 +132,19 @@ class JsonlSource:
         if pending and not skip(start, start + len(pending)):
             yield start, _batch(pending)
 
-    def _lines(self, digest: Any = None) -> Iterator[tuple[int, str]]:
+    def _lines(self, digest: Any = None) -> Iterator[tuple[int, str | None]]:
+        """(line number, text) of the non-blank lines; the text is None for a line that is not valid UTF-8, which
+        `parse_envelope` answers with an error instead of passing U+FFFD characters on to the model."""
         with open(self.path, "rb") as file:
             for number, data in enumerate(file, start=1):
                 if digest is not None:
                     digest.update(data)
                 if data.strip():
-                    yield number, data.decode("utf-8", errors="replace")
+                    try:
+                        text = data.decode("utf-8-sig" if number == 1 else "utf-8")  # a leading BOM is no JSON
+                    except UnicodeDecodeError:
+                        text = None
+                    yield number, text
 
 
 class JsonlSink:
@@ -197,7 +203,7 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams,
     return plan
 
 
-def _batch(lines: list[tuple[int, str]]) -> pa.RecordBatch:
+def _batch(lines: list[tuple[int, str | None]]) -> pa.RecordBatch:
     envelopes = [parse_envelope(raw) for _, raw in lines]
     return pa.record_batch([[number for number, _ in lines], [e.custom_id for e in envelopes],
                             [e.url for e in envelopes], [raw for _, raw in lines]], schema=_SCHEMA)

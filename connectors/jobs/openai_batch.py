@@ -8,6 +8,11 @@ extensions `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `
 the body does not set take the job's defaults. `model`, `user`, `metadata`, `store`, `service_tier` and a
 false `stream` are ignored; any other field is refused for that line rather than silently ignored.
 
+Chat messages follow `batchllm.connectors.prompts.check_messages`: the roles are system, user, assistant
+and tool (any other fails the line); content is a string or a list of text parts (joined); an assistant's
+`tool_calls` (its content may then be null) and `tool` results go to the chat template when it renders
+tool calls, and fail the line otherwise. A line that is not valid UTF-8 fails on its own.
+
 A response line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
 null}` with a `chat.completion` or `text_completion` body, or `"response": null` and `"error": {"code",
 "message"}` for a line that could not be answered (its custom_id is recovered from a line that is not
@@ -49,7 +54,10 @@ class Envelope:
     error: str | None = None
 
 
-def parse_envelope(raw: str) -> Envelope:
+def parse_envelope(raw: str | None) -> Envelope:
+    """The request line `raw`; None stands for a line whose bytes are not UTF-8 (the format is UTF-8 text)."""
+    if raw is None:
+        return Envelope(None, None, None, "the line is not valid UTF-8")
     try:
         request = json.loads(raw)
     except json.JSONDecodeError as exc:

@@ -1,9 +1,7 @@
-"""Parquet job: a Parquet file, directory or glob in → a directory of Parquet shards out, resumable.
+"""Table job: a table (Parquet, CSV or JSON lines) in → a directory of Parquet shards out, resumable.
 
-Input: a file; a directory (every `*.parquet` below it, skipping names that start with "." or "_", as
-Spark and pyarrow do); or a glob (`data/*.parquet`, `**` allowed). Files are read in sorted path order,
-row group by row group, as a stream of record batches through `pyarrow.dataset`; all files must share one
-schema. Hive partition values in directory names are not added as columns.
+Input: a Parquet file, directory or glob, a CSV file or a JSON-lines table, streamed as record batches;
+`sources.py` has the formats, how "auto" tells them apart and how Parquet files' schemas are unified.
 
 Output: `OUTPUT/part-00000.parquet`, ... — shard `i` holds input rows `[i * rows_per_shard,
 (i + 1) * rows_per_shard)` in input order, with every input column followed by the output columns
@@ -14,9 +12,10 @@ then recorded in `OUTPUT/_manifest.jsonl` (`manifest.py`); readers that skip "_"
 Resuming: re-run the same job. Recorded shards are skipped (whole row groups inside finished shards are
 not even read); a recorded shard whose file was deleted is redone. The manifest's fingerprint pins the
 input (relative paths, sizes, row counts and a hash of each Parquet footer, so moving the input directory
-is fine but any rewrite is caught), the model (config hash and weight size), `max_model_len`, the prompt
-options, the sampling parameters, `truncate`, `output_column` and `rows_per_shard`; a mismatch is
-refused. Engine-only options (device, dtype, batch limits, `max_in_flight`) may change between runs.
+is fine but any rewrite is caught; a CSV / JSON file's name, size and SHA-256), the model (config hash and
+weight size), `max_model_len`, the prompt options, the sampling parameters, `truncate`, `output_column`
+and `rows_per_shard`; a mismatch is refused. Engine-only options (device, dtype, batch limits,
+`max_in_flight`) may change between runs.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from batchllm.connectors.jobs.job import (
     run_sharded_job,
 )
 from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
-from batchllm.connectors.jobs.sources import ParquetSource
+from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource, open_table_source
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
@@ -58,8 +57,9 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                     max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
-                    data_parallel_size: int = 1, **sampling_fields: Any) -> JobResult:
-    """Generate for every row of the Parquet `input` into shards under the directory `output`.
+                    data_parallel_size: int = 1, input_format: str = "auto", **sampling_fields: Any) -> JobResult:
+    """Generate for every row of the table `input` (read as `input_format`, see `sources.py`) into shards under
+    the directory `output`.
 
     Prompt, sampling, engine and output options are those of `batchllm.generate`. `rows_per_shard` sets
     the unit of output and of resumption; `max_in_flight` the prompts kept in the engine (default: twice
@@ -73,14 +73,14 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm)
-    source = ParquetSource(input)
+    source = open_table_source(input, input_format)
     needed = options.check_input_columns(source.schema.names)
     directory = _prepare_output(Path(output), input)
     with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
         return _run(source, directory, engine, options, settings, needed)
 
 
-def _run(source: ParquetSource, directory: Path, engine: LLM | ReplicaPool, options: MapOptions,
+def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM | ReplicaPool, options: MapOptions,
          settings: JobSettings, needed: list[str]) -> JobResult:
     encoder = PromptEncoder.for_llm(engine, options)
     fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
