@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from batchllm.connectors.jobs.identity import require_chat_template
 from batchllm.connectors.jobs.job import JobResult
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, Template, resolve_options
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
@@ -51,7 +52,7 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     A bad row (null / non-string / empty prompt, malformed messages, a null template field, an over-long
     prompt under truncate="error") gets an `error` and no text; every other row completes. A problem with
     the call itself (no or several prompt sources, an unknown column, a bad sampling value, an output
-    column that already exists) raises before any generation.
+    column that already exists, chat prompts on a model without a chat template) raises before any generation.
 
     `data_parallel_size=N` (N > 1) runs N engine processes for this call, one per GPU or per share of the
     CPU cores, with the same results as one engine for greedy and seeded sampling (see
@@ -67,6 +68,8 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
                               sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
     with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
+        if options.prompt.chat or options.prompt.messages_column is not None:
+            require_chat_template(engine, "chat=True / messages_column= prompts")
         arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
     return connector.attach_outputs(data, arrays, options)
 

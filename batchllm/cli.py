@@ -10,9 +10,10 @@ vLLM's SamplingParams defaults that the Python API keeps (temperature 1.0, 16 to
 Errors name the flags (`--rows-per-shard`), not the Python arguments behind them.
 
 Exit status: 0 done; 2 bad arguments or options, e.g. a model directory without a tokenizer (nothing
-generated); 128 + N after signal N (SIGINT: 130, SIGTERM: 143) with every completed shard saved: run the
+generated); 128 + N after signal N (SIGINT: 130, SIGTERM: 143) with every finished row saved: run the
 same command again to resume; 1 when every data-parallel replica died (completed shards saved, resumable
-too).
+too). Also 2, with the path named and no traceback: the output is in use by another job, or the file
+system refused (read-only, full, permissions); what was saved stays saved.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from batchllm.connectors.jobs.job import DEFAULT_ROWS_PER_SHARD
+from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
@@ -110,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="rows per output shard, the unit of resumption")
     run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once (in each engine with "
                                                         "--data-parallel; None: twice --max-num-seqs)")
+    run.add_argument("--max-tokens-cap", type=int, default=DEFAULT_MAX_TOKENS_CAP,
+                     help="most output tokens of any row, whatever it asks: an OpenAI batch request's larger (or "
+                          "null) max_tokens gets this")
+    run.add_argument("--flush-seconds", type=float, default=DEFAULT_FLUSH_SECONDS,
+                     help="how often the finished rows of unfinished shards are saved: a kill loses at most that much")
+    run.add_argument("--retry-errors", action="store_true",
+                     help="re-run the rows saved with an error, in place: every row stays in the output once")
     run.add_argument("--data-parallel", type=int, default=1, metavar="N",
                      help="N engine processes, one per GPU (or per share of the CPU cores), fed from one queue")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -124,7 +132,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from batchllm.connectors.replicas.errors import ReplicaPoolError
 
     sampling = (*_SAMPLING_FLAGS, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
-    options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, "rows_per_shard", "max_in_flight")
+    job = ("rows_per_shard", "max_in_flight", "max_tokens_cap", "flush_seconds", "retry_errors")
+    options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, *job)
                                if getattr(args, name) is not None}
     # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
     engine = {name: getattr(args, name) for name in (*_ENGINE_FLAGS, "load_format")
@@ -150,6 +159,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         return 1
     except _USAGE_ERRORS as exc:
         return _fail(_with_flag_names(str(exc), args.flags_by_python_name))
+    except OSError as exc:  # what the file system said (EROFS, ENOSPC, EACCES, ...), and where
+        return _fail(_os_error_message(exc))
     print(f"batchllm: done: {result.written_rows} rows written ({result.error_rows} with errors), "
           f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s "
           f"→ {result.output}", file=sys.stderr)
@@ -161,6 +172,13 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
 def _fail(message: str) -> int:
     print(f"batchllm: error: {message}", file=sys.stderr)
     return 2
+
+
+def _os_error_message(exc: OSError) -> str:
+    if exc.filename is None:
+        return str(exc)  # ours, e.g. OutputInUse: the message names the path
+    paths = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return f"{exc.strerror or type(exc).__name__}: {paths}"
 
 
 def _flag(name: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -12,7 +13,9 @@ TMP_MARKER = ".tmp-"
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a temporary file in the same directory, fsync it, rename it over `path`, fsync the
-    directory (so the rename itself survives a power loss)."""
+    directory (so the rename itself survives a power loss). On failure the temporary file is removed if it
+    can be, and the original error propagates: a second one from the cleanup (say on a read-only file
+    system) would only hide it."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}{TMP_MARKER}{os.getpid()}")
     try:
         with open(tmp, "wb") as file:
@@ -21,7 +24,8 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
             os.fsync(file.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
 
@@ -32,6 +36,10 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def is_temporary(path: Path) -> bool:
+    return path.name.startswith(TMP_PREFIX) and TMP_MARKER in path.name
 
 
 def remove_stale_temporaries(directory: Path) -> None:

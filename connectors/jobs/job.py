@@ -3,7 +3,19 @@
 Input rows stream from a `Source` in fixed shards (`shards.py`); a `Planner` turns each batch into
 per-row requests or errors; requests go to the engine through `LLM.stream`, which admits new rows
 before every engine step, so the engine stays full across shard (and file) boundaries. A shard is handed
-to the `Sink` the moment its last row is done, and then recorded in the manifest (`manifest.py`).
+to the `Sink` the moment its last row is done; the sink makes it durable, then records it in the
+manifest (`manifest.py`).
+
+Durability: every `flush_seconds` (default 60) a background thread also hands the sink the finished rows
+of every unfinished shard, as a checkpoint, so one slow row cannot hold a shard's other results hostage
+and a kill -9 loses at most the last `flush_seconds` of finished rows. A resumed job re-runs none of the
+rows recorded in the manifest: the sink's `ResumeState` says which shards are done and which rows of the
+others are saved. The sink verifies what earlier runs wrote (sizes and hashes), so a damaged file or
+region is redone rather than trusted. `retry_errors=True` makes rows saved with an error count as not
+done: they are re-run and their results replace the old ones, every row staying exactly once.
+
+Output length: no row generates more than `max_tokens_cap` tokens (default 4096), whatever its request
+asks; `max_tokens=None` (up to the model's length) means the cap when the prompt leaves more room.
 
 Memory stays bounded whatever the input size: before reading the next batch, the loop waits (without
 starving the engine) while `max_buffered_rows` input rows are held, so at most
@@ -11,17 +23,17 @@ starving the engine) while `max_buffered_rows` input rows are held, so at most
 With data parallelism the loop feeds a `ReplicaPool` the same way; its rows out at once (queued in this
 process or held by replicas) count as in flight, so the same bound holds.
 
-SIGINT / SIGTERM: the first one stops admitting rows; rows already in the engine finish, every shard they
-complete is written, and `JobInterrupted` is raised (the CLI exits with 128 + the signal number). The
-handlers are restored at once, so a second signal acts as usual: SIGINT raises KeyboardInterrupt,
-SIGTERM terminates. Written shards are safe either way; re-running the same job resumes.
+SIGINT / SIGTERM (`signals.py`): the first one stops admitting rows; rows already in the engine finish,
+every shard they complete is written, the finished rows of the others are checkpointed, and
+`JobInterrupted` is raised (the CLI exits with 128 + the signal number). A second signal acts as usual:
+SIGINT raises KeyboardInterrupt, SIGTERM terminates. What was saved is safe either way; re-running the
+same job resumes.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,8 +43,8 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
 from batchllm.connectors.jobs.shards import ShardTracker, shard_pieces
+from batchllm.connectors.jobs.signals import StopOnSignal
 from batchllm.connectors.progress import RowProgress
 from batchllm.connectors.prompts import EncodedPrompt
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError
@@ -42,6 +54,8 @@ from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
 DEFAULT_ROWS_PER_SHARD = 5000  # a few MB of Parquet per shard for typical prompts; little work lost on a kill
+DEFAULT_MAX_TOKENS_CAP = 4096  # output tokens per row: long answers fit, a runaway row stops within minutes
+DEFAULT_FLUSH_SECONDS = 60.0
 MAX_BATCH_ROWS = 1024
 
 
@@ -61,8 +75,24 @@ class Source(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeState:
+    """What earlier runs saved, as the sink verified it."""
+
+    done_shards: frozenset[int]
+    saved_rows: dict[int, frozenset[int]]  # unfinished shards: offsets whose saved result is kept, not re-run
+    resumed_rows: int  # rows not to run again, in all
+
+
 class Sink(Protocol):
-    def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome]) -> ShardRecord: ...
+    path: Path  # the output
+    resume: ResumeState
+
+    def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome], offsets: list[int],
+              complete: bool) -> None:
+        """Make the rows at `offsets` of `shard` durable and record them in the manifest; `complete`: the shard
+        is finished (its other rows were saved before)."""
+        ...
 
 
 Planner = Callable[[pa.RecordBatch], list[RowRequest]]
@@ -76,12 +106,18 @@ class JobSettings:
     max_in_flight: int | None = None  # prompts in the engine at once; None: twice the engine's max_num_seqs
     max_buffered_rows: int | None = None  # None: max_in_flight + 2 * rows_per_shard
     use_tqdm: bool = True
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    flush_seconds: float = DEFAULT_FLUSH_SECONDS
+    retry_errors: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("rows_per_shard", "max_in_flight", "max_buffered_rows"):
+        for name in ("rows_per_shard", "max_in_flight", "max_buffered_rows", "max_tokens_cap"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if (value is not None or name == "max_tokens_cap") and not _is_positive_int(value):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.flush_seconds, bool) or not isinstance(self.flush_seconds, (int, float)) \
+                or not 0 < self.flush_seconds < float("inf"):
+            raise ValueError(f"flush_seconds must be a number > 0, got {self.flush_seconds!r}")
 
 
 @dataclass(slots=True)
@@ -89,9 +125,9 @@ class JobResult:
     output: Path
     total_rows: int
     num_shards: int
-    resumed_rows: int  # rows already done by earlier runs
-    written_rows: int  # rows written by this run
-    error_rows: int  # rows with an error among those written by this run
+    resumed_rows: int  # rows already done by earlier runs (and kept)
+    written_rows: int  # rows saved by this run
+    error_rows: int  # rows with an error among those saved by this run
     output_tokens: int
     seconds: float
     peak_buffered_rows: int
@@ -104,7 +140,7 @@ class JobResult:
 
 
 class JobInterrupted(RuntimeError):
-    """The job stopped on SIGINT / SIGTERM after flushing every completed shard; run it again to resume."""
+    """The job stopped on SIGINT / SIGTERM after saving every finished row; run it again to resume."""
 
     def __init__(self, signal_number: int, result: JobResult) -> None:
         done = result.resumed_rows + result.written_rows
@@ -114,8 +150,15 @@ class JobInterrupted(RuntimeError):
         self.result = result
 
 
-def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Manifest, llm: LLM | ReplicaPool,
-                    settings: JobSettings, output: Path) -> JobResult:
+def cap_max_tokens(params: SamplingParams, cap: int, room: int | None = None) -> SamplingParams:
+    """`params` generating at most `cap` tokens: a larger max_tokens comes down to the cap, and None (up to the
+    model's length) becomes the cap when the prompt leaves more `room` than that (room unknown: kept)."""
+    limit = params.max_tokens if params.max_tokens is not None else room
+    return params if limit is None or limit <= cap else dataclasses.replace(params, max_tokens=cap)
+
+
+def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | ReplicaPool,
+                    settings: JobSettings) -> JobResult:
     """Run the job on `llm`, or on a `ReplicaPool`: then `settings.max_in_flight` already applies to each of its
     engines, and the rows out at once are the pool's default, enough to keep every replica full."""
     rows_per_shard = settings.rows_per_shard
@@ -125,18 +168,15 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Mani
         max_in_flight = settings.max_in_flight or 2 * llm.engine.scheduler.config.max_num_seqs
     max_buffered = settings.max_buffered_rows or max_in_flight + 2 * rows_per_shard
     batch_size = min(rows_per_shard, MAX_BATCH_ROWS)
-    total = source.total_rows
-    done_shards = set(manifest.shards)
-    result = JobResult(output, total, -(-total // rows_per_shard), sum(r.rows for r in manifest.shards.values()),
-                       0, 0, 0, 0.0, 0)
+    total, resume = source.total_rows, sink.resume
+    result = JobResult(sink.path, total, -(-total // rows_per_shard), resume.resumed_rows, 0, 0, 0, 0.0, 0)
 
-    def write(shard: int, rows: pa.Table, outcomes: list[RowOutcome]) -> None:
-        record = sink.write(shard, rows, outcomes)
-        manifest.record(record)
-        result.written_rows += record.rows
-        result.error_rows += record.error_rows
+    def save(shard: int, rows: pa.Table, outcomes: list[RowOutcome], offsets: list[int], complete: bool) -> None:
+        sink.write(shard, rows, outcomes, offsets, complete)
+        result.written_rows += len(outcomes)
+        result.error_rows += sum(o.error is not None for o in outcomes)
 
-    tracker = ShardTracker(total, rows_per_shard, write)
+    tracker = ShardTracker(total, rows_per_shard, save, resume.saved_rows)
     progress = RowProgress(total, settings.use_tqdm, done=result.resumed_rows)
 
     def finish(shard: int, row: int, outcome: RowOutcome) -> None:
@@ -145,22 +185,29 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Mani
         tracker.finish(shard, row, outcome)
 
     def skip(first: int, end: int) -> bool:
-        return all(s in done_shards for s in range(first // rows_per_shard, (end - 1) // rows_per_shard + 1))
+        return all(s in resume.done_shards for s in range(first // rows_per_shard, (end - 1) // rows_per_shard + 1))
 
     def feed(stop: StopOnSignal) -> Iterator[tuple[RowKey, list[int], SamplingParams] | None]:
         for start, batch in source.batches(batch_size, skip):
             result.peak_buffered_rows = max(result.peak_buffered_rows, tracker.buffered_rows + batch.num_rows)
             for shard, piece in shard_pieces(start, batch, rows_per_shard):
-                if shard in done_shards:
+                if shard in resume.done_shards:
                     continue
-                offset = tracker.add(shard, piece)
-                for row, request in enumerate(planner(piece), start=offset):
+                first, waiting = tracker.add(shard, piece)
+                if not waiting:
+                    continue
+                if len(waiting) < piece.num_rows:  # plan only the rows that earlier runs did not save
+                    piece = piece.take(pa.array([row - first for row in waiting], pa.int64()))
+                for row, request in zip(waiting, planner(piece)):
                     if stop.signal_number is not None:
                         return
-                    if request.prompt.error is not None:
-                        finish(shard, row, RowOutcome(None, request.prompt.error, request.prompt.num_tokens))
+                    prompt = request.prompt
+                    if prompt.error is not None:
+                        finish(shard, row, RowOutcome(None, prompt.error, prompt.num_tokens))
                     else:
-                        yield (shard, row, request.params), request.prompt.token_ids, request.params
+                        params = cap_max_tokens(request.params, settings.max_tokens_cap,
+                                                llm.max_model_len - len(prompt.token_ids))
+                        yield (shard, row, params), prompt.token_ids, params
             # Rows wait here, not in memory: pause admission (the engine keeps stepping) while too many are held.
             # With nothing pending, the held rows are the current shard's: reading on is the only way forward.
             while tracker.buffered_rows >= max_buffered and tracker.pending_rows > 0:
@@ -170,10 +217,14 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Mani
 
     start_time = time.perf_counter()
     try:
-        with StopOnSignal() as stop:
+        with StopOnSignal() as stop, Checkpointer(settings.flush_seconds, tracker.checkpoint) as checkpointer:
             for (shard, row, params), output in llm.stream(feed(stop), max_in_flight=max_in_flight):
+                checkpointer.raise_failure()
                 finish(shard, row, RowOutcome.from_output(output, params))
+        checkpointer.raise_failure()
+        tracker.checkpoint()  # after a signal: the finished rows of the shards left unfinished
     except ReplicaPoolError as exc:
+        tracker.checkpoint()
         done = result.resumed_rows + result.written_rows
         raise ReplicaPoolError(f"{exc}\n{done} of {total} rows are saved in {result.output}; run the same job again "
                                f"to resume", exc.failures) from exc
@@ -186,39 +237,37 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, manifest: Mani
     return result
 
 
-class StopOnSignal:
-    """Within the block, the first SIGINT / SIGTERM is recorded in `signal_number` instead of acting, and the
-    previous handlers come back at once. Outside the main thread signals cannot be caught: it does nothing."""
+class Checkpointer:
+    """Calls `checkpoint` every `seconds` on a background thread while the block runs. Its first failure
+    (say, a full disk) stops it and is raised in the job's thread by `raise_failure`."""
 
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    def __init__(self, seconds: float, checkpoint: Callable[[], None]) -> None:
+        self._seconds = seconds
+        self._checkpoint = checkpoint
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="batchllm-checkpoint", daemon=True)
+        self._failure: BaseException | None = None
 
-    def __init__(self) -> None:
-        self.signal_number: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+    def __enter__(self) -> Checkpointer:
+        self._thread.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._restore()
+        self._stop.set()
+        self._thread.join()
 
-    def _handle(self, signal_number: int, frame: object) -> None:
-        self.signal_number = signal_number
-        self._restore()
-        print(f"\n{signal.Signals(signal_number).name}: no new rows are admitted; finishing the rows in flight and "
-              f"saving completed shards (signal again to stop at once)", file=sys.stderr, flush=True)
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
-    def _restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
+    def _loop(self) -> None:
+        while not self._stop.wait(self._seconds):
+            try:
+                self._checkpoint()
+            except BaseException as exc:  # handed to the job's thread, which decides
+                self._failure = exc
+                return
 
 
-def model_identity(model_path: Path) -> dict[str, Any]:
-    """Identifies a model by content, not location: a moved model directory still resumes its jobs."""
-    config = model_path / "config.json"
-    return {"name": model_path.name,
-            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None,
-            "weights_bytes": sum(f.stat().st_size for f in model_path.glob("*.safetensors"))}
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -6,45 +6,45 @@ is answered with its `error` set, and the other lines are unaffected. Output lin
 (a shard is `rows_per_shard` consecutive request lines), in input order within a shard; match them to
 requests by `custom_id`, as with OpenAI's own output.
 
-Durability: a finished shard's lines are appended to OUTPUT and fsynced, then the shard is recorded with
-the file's new size in `OUTPUT.manifest.jsonl` (`manifest.py`). On resume the output is cut back to the
-last recorded size (dropping a shard cut off by a kill) and the recorded shards are skipped. The
-fingerprint pins the input file's SHA-256, the model, `max_model_len`, the default sampling parameters,
-`truncate` and `rows_per_shard`.
+Durability: a finished shard's lines are appended to OUTPUT and fsynced, then recorded as a region (its
+end, size and SHA-256) in `OUTPUT.manifest.jsonl` (`manifest.py`); every `flush_seconds` the finished
+lines of unfinished shards are appended and recorded the same way. On resume every region is verified
+and the output is cut back to the last good one (`jsonl_output.py`); recorded lines are not run again.
+`retry_errors=True` removes the error lines and answers those requests again: every custom_id stays in
+the output exactly once. While a job runs it holds `OUTPUT.lock` (`lock.py`): a second job on the same
+output fails at once with `OutputInUse`. The fingerprint pins the input file's SHA-256, the model, the
+tokenizer and its chat template, `max_model_len`, the default sampling parameters, `truncate`,
+`rows_per_shard` and `max_tokens_cap`. A request's max_tokens above the cap (or null) gets the cap.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Mapping
 
 import pyarrow as pa
 
+from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
 from batchllm.connectors.jobs.job import (
+    DEFAULT_FLUSH_SECONDS,
+    DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
     JobSettings,
     RowRequest,
-    model_identity,
+    cap_max_tokens,
     run_sharded_job,
 )
-from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
-from batchllm.connectors.jobs.openai_batch import (
-    CHAT_URL,
-    Envelope,
-    parse_envelope,
-    prompt_of,
-    response_line,
-    sampling_params,
-)
+from batchllm.connectors.jobs.jsonl_output import JsonlSink
+from batchllm.connectors.jobs.lock import output_lock
+from batchllm.connectors.jobs.manifest import Manifest
+from batchllm.connectors.jobs.openai_batch import CHAT_URL, parse_envelope, prompt_of, sampling_params
 from batchllm.connectors.options import TRUNCATE_MODES, params_dict, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
-from batchllm.connectors.results import RowOutcome
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
@@ -55,11 +55,14 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
                   engine_kwargs: Mapping[str, Any] | None = None, sampling_params: SamplingParams | None = None,
                   truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                   max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
-                  data_parallel_size: int = 1, **sampling_fields: Any) -> JobResult:
+                  data_parallel_size: int = 1, retry_errors: bool = False,
+                  max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
+                  **sampling_fields: Any) -> JobResult:
     """Answer the OpenAI batch request file `input` into the JSONL file `output`.
 
     `sampling_params` / sampling keywords are the defaults for fields a request body does not set. The
-    other options are those of `run_parquet_job`; prompts come from the requests themselves.
+    other options are those of `run_parquet_job`; prompts come from the requests themselves. Chat requests
+    on a model without a chat template raise ValueError before any generation.
     """
     check_data_parallel_size(data_parallel_size, llm)
     for name in ("prompt_column", "messages_column", "prompt_template", "chat", "output_column"):
@@ -68,7 +71,8 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     defaults = resolve_sampling_params(sampling_params, sampling_fields)
     if truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
-    settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm)
+    settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
+                           retry_errors)
     source = JsonlSource(Path(input))
     output = Path(output).expanduser().resolve()
     manifest_path = output.with_name(output.name + ".manifest.jsonl")
@@ -77,19 +81,24 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     if output.exists() and not manifest_path.exists():
         raise FileExistsError(f"output {output} exists and has no batchllm manifest beside it; refusing to overwrite")
     output.parent.mkdir(parents=True, exist_ok=True)
-    with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
+    with output_lock(output.with_name(output.name + ".lock"), output), \
+            engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
         return _run(source, output, manifest_path, engine, defaults, truncate, settings)
 
 
 def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | ReplicaPool, defaults: SamplingParams,
          truncate: str, settings: JobSettings) -> JobResult:
+    if source.chat_requests:
+        require_chat_template(engine, f"the {source.chat_requests} {CHAT_URL} requests in {source.path.name}")
     fingerprint = {"job": "openai-batch", "input": source.fingerprint(), "model": model_identity(engine.model_path),
-                   "max_model_len": engine.max_model_len, "defaults": params_dict(defaults), "truncate": truncate,
-                   "rows_per_shard": settings.rows_per_shard}
-    manifest = Manifest.open(manifest_path, fingerprint)
-    sink = JsonlSink(output, manifest, model_name=engine.model_path.name)
-    planner = _planner(PromptEncoder(engine.tokenizer, engine.max_model_len, truncate), defaults, source.duplicates)
-    return run_sharded_job(source, planner, sink, manifest, engine, settings, output)
+                   "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
+                   "defaults": params_dict(defaults), "truncate": truncate, "rows_per_shard": settings.rows_per_shard,
+                   "max_tokens_cap": settings.max_tokens_cap}
+    manifest = Manifest.open(manifest_path, fingerprint, output)
+    sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors)
+    encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate)
+    planner = _planner(encoder, defaults, source.duplicates, settings.max_tokens_cap)
+    return run_sharded_job(source, planner, sink, engine, settings)
 
 
 class JsonlSource:
@@ -107,11 +116,13 @@ class JsonlSource:
         first_line: dict[str, int] = {}
         self.duplicates: dict[int, tuple[str, int]] = {}  # line → (custom_id, the line that used it first)
         self.total_rows = 0
+        self.chat_requests = 0  # valid requests to /v1/chat/completions: they need a chat template
         for number, raw in self._lines(digest):
             self.total_rows += 1
             envelope = parse_envelope(raw)
             custom_id = envelope.custom_id
             if envelope.error is None:  # only valid requests claim their custom_id
+                self.chat_requests += envelope.url == CHAT_URL
                 if custom_id in first_line:
                     self.duplicates[number] = (custom_id, first_line[custom_id])
                 else:
@@ -147,37 +158,8 @@ class JsonlSource:
                     yield number, text
 
 
-class JsonlSink:
-    """Appends each finished shard's response lines to the output file, durably, in one write."""
-
-    def __init__(self, path: Path, manifest: Manifest, model_name: str) -> None:
-        self.path = path
-        self.model_name = model_name
-        recorded_end = max((r.end_offset for r in manifest.shards.values()), default=0)
-        size = path.stat().st_size if path.exists() else 0
-        if size < recorded_end:
-            raise FileNotFoundError(f"{path} is shorter than {manifest.path} records ({size} < {recorded_end} bytes); "
-                                    f"delete both to start over")
-        with open(path, "ab") as file:
-            file.truncate(recorded_end)  # drops the lines of a shard whose record a kill prevented
-            os.fsync(file.fileno())
-
-    def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome]) -> ShardRecord:
-        columns = rows.to_pydict()
-        lines = [response_line(line, Envelope(custom_id, url, None), outcome, self.model_name)
-                 for line, custom_id, url, outcome in zip(columns["line"], columns["custom_id"], columns["url"],
-                                                          outcomes)]
-        with open(self.path, "ab") as file:
-            file.write(("\n".join(lines) + "\n").encode())
-            file.flush()
-            os.fsync(file.fileno())
-            end = file.tell()
-        return ShardRecord(shard, len(outcomes), sum(o.error is not None for o in outcomes),
-                           sum(o.completion_tokens for o in outcomes), end_offset=end)
-
-
-def _planner(encoder: PromptEncoder, defaults: SamplingParams,
-             duplicates: dict[int, tuple[str, int]]) -> Callable[[pa.RecordBatch], list[RowRequest]]:
+def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[int, tuple[str, int]],
+             max_tokens_cap: int) -> Callable[[pa.RecordBatch], list[RowRequest]]:
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         rendered: list[Rendered | RowError] = []
         params: list[SamplingParams] = []
@@ -191,7 +173,7 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams,
                     custom_id, first = duplicates[line]
                     raise RowError(f"custom_id {custom_id!r} was already used on line {first}")
                 chat = envelope.url == CHAT_URL
-                row_params = sampling_params(envelope.body, defaults, chat)
+                row_params = _capped(sampling_params(envelope.body, defaults, chat), max_tokens_cap)
                 prompt = prompt_of(envelope.body, chat)
                 rendered.append(encoder.render_chat(prompt) if chat else Rendered(prompt, is_chat=False))
             except RowError as exc:
@@ -201,6 +183,14 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams,
         return [RowRequest(prompt, p) for prompt, p in zip(encoded, params)]
 
     return plan
+
+
+def _capped(params: SamplingParams, cap: int) -> SamplingParams:
+    """A request may ask for more tokens than the job's cap: it gets the cap (before its prompt is fitted)."""
+    try:
+        return cap_max_tokens(params, cap)
+    except ValueError as exc:  # its min_tokens is above the cap
+        raise RowError(f"min_tokens={params.min_tokens} is above the job's max_tokens_cap={cap}") from exc
 
 
 def _batch(lines: list[tuple[int, str | None]]) -> pa.RecordBatch:

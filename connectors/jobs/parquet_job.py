@@ -6,48 +6,59 @@ Input: a Parquet file, directory or glob, a CSV file or a JSON-lines table, stre
 Output: `OUTPUT/part-00000.parquet`, ... — shard `i` holds input rows `[i * rows_per_shard,
 (i + 1) * rows_per_shard)` in input order, with every input column followed by the output columns
 (`batchllm.connectors.results`). Each shard is written atomically (temporary file, fsync, rename) and
-then recorded in `OUTPUT/_manifest.jsonl` (`manifest.py`); readers that skip "_" and "." files
-(pyarrow, Spark, DuckDB globs on `*.parquet`) see only finished shards.
+then recorded, with its size and SHA-256, in `OUTPUT/_manifest.jsonl` (`manifest.py`); readers that skip
+"_" and "." files (pyarrow, Spark, DuckDB globs on `*.parquet`) see only finished shards. Every
+`flush_seconds` the finished rows of unfinished shards are checkpointed under `OUTPUT/_partial/`
+(`parquet_output.py`). While a job runs it holds `OUTPUT/_lock` (`lock.py`): a second job on the same
+output fails at once with `OutputInUse`.
 
 Resuming: re-run the same job. Recorded shards are skipped (whole row groups inside finished shards are
-not even read); a recorded shard whose file was deleted is redone. The manifest's fingerprint pins the
-input (relative paths, sizes, row counts and a hash of each Parquet footer, so moving the input directory
-is fine but any rewrite is caught; a CSV / JSON file's name, size and SHA-256), the model (config hash and
-weight size), `max_model_len`, the prompt options, the sampling parameters, `truncate`, `output_column`
-and `rows_per_shard`; a mismatch is refused. Engine-only options (device, dtype, batch limits,
-`max_in_flight`) may change between runs.
+not even read) and checkpointed rows are not run again; a recorded file that is missing or damaged is
+deleted and its rows redone, with a warning. `retry_errors=True` re-runs the rows saved with an `error`
+and rewrites their shards in place (same file names, rows in input order). The manifest's fingerprint
+pins the input (relative paths, sizes, row counts and a hash of each Parquet footer, so moving the input
+directory is fine but any rewrite is caught; a CSV / JSON file's name, size and SHA-256), the model
+(config hash and weight size), the tokenizer and its chat template (`identity.py`), `max_model_len`, the
+prompt options, the sampling parameters, `truncate`, `output_column`, `rows_per_shard` and
+`max_tokens_cap`; a mismatch is refused. Engine-only options (device, dtype, batch limits,
+`max_in_flight`, `flush_seconds`) may change between runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from batchllm.connectors.jobs.atomic import remove_stale_temporaries, write_atomically
+from batchllm.connectors.jobs.atomic import is_temporary, remove_stale_temporaries
+from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
 from batchllm.connectors.jobs.job import (
+    DEFAULT_FLUSH_SECONDS,
+    DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
     JobSettings,
     RowRequest,
-    model_identity,
+    cap_max_tokens,
     run_sharded_job,
 )
-from batchllm.connectors.jobs.manifest import Manifest, ShardRecord
+from batchllm.connectors.jobs.lock import output_lock
+from batchllm.connectors.jobs.manifest import Manifest
+from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource, open_table_source
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
 from batchllm.connectors.prompts import PromptEncoder, encode_rows
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
-from batchllm.connectors.results import RowOutcome, output_arrays, output_schema
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
 MANIFEST_NAME = "_manifest.jsonl"
+LOCK_NAME = "_lock"
 
 
 def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path | None = None,
@@ -57,7 +68,9 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                     max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
-                    data_parallel_size: int = 1, input_format: str = "auto", **sampling_fields: Any) -> JobResult:
+                    data_parallel_size: int = 1, input_format: str = "auto", retry_errors: bool = False,
+                    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
+                    **sampling_fields: Any) -> JobResult:
     """Generate for every row of the table `input` (read as `input_format`, see `sources.py`) into shards under
     the directory `output`.
 
@@ -65,55 +78,48 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     the unit of output and of resumption; `max_in_flight` the prompts kept in the engine (default: twice
     its max_num_seqs; with data_parallel_size > 1, in each replica's engine); `max_buffered_rows` the
     input rows held in memory (see `job.py`); `data_parallel_size` the engine processes
-    (`data_parallel.py`). Raises `JobInterrupted` after SIGINT / SIGTERM, `ManifestMismatch` when `output`
-    belongs to another job, `ReplicaPoolError` when every replica died (finished shards are saved).
+    (`data_parallel.py`). `retry_errors` re-runs the rows saved with an error; `max_tokens_cap` bounds every
+    row's output tokens; `flush_seconds` is the checkpoint interval (see `job.py`). Raises `JobInterrupted`
+    after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job, `OutputInUse` while
+    another job writes it, `ReplicaPoolError` when every replica died (finished rows are saved), and
+    ValueError before generating when chat prompts are asked of a model without a chat template.
     """
     check_data_parallel_size(data_parallel_size, llm)
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
-    settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm)
+    settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
+                           retry_errors)
     source = open_table_source(input, input_format)
     needed = options.check_input_columns(source.schema.names)
     directory = _prepare_output(Path(output), input)
-    with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
-        return _run(source, directory, engine, options, settings, needed)
+    with output_lock(directory / LOCK_NAME, directory):
+        remove_stale_temporaries(directory)  # only now: they could be another job's files in flight
+        with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
+            return _run(source, directory, engine, options, settings, needed)
 
 
 def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM | ReplicaPool, options: MapOptions,
          settings: JobSettings, needed: list[str]) -> JobResult:
-    encoder = PromptEncoder.for_llm(engine, options)
+    if options.prompt.chat or options.prompt.messages_column is not None:
+        require_chat_template(engine, "chat=True / messages_column= prompts")
+    # The fingerprint keeps the options as asked; rows run with max_tokens capped, before prompts are fitted.
+    capped = dataclasses.replace(options, sampling_params=cap_max_tokens(options.sampling_params,
+                                                                         settings.max_tokens_cap))
+    encoder = PromptEncoder.for_llm(engine, capped)
     fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
-                   "max_model_len": engine.max_model_len, "options": options.describe(),
-                   "rows_per_shard": settings.rows_per_shard}
-    manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint)
-    for index, record in list(manifest.shards.items()):
-        if not (directory / record.file).exists():
-            del manifest.shards[index]  # deleted by hand: redo it
+                   "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
+                   "options": options.describe(), "rows_per_shard": settings.rows_per_shard,
+                   "max_tokens_cap": settings.max_tokens_cap}
+    manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint, directory)
+    sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
+                       settings.retry_errors)
 
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         columns = {name: batch.column(name).to_pylist() for name in needed}
-        return [RowRequest(p, options.sampling_params) for p in encode_rows(columns, batch.num_rows, options, encoder)]
+        return [RowRequest(p, capped.sampling_params) for p in encode_rows(columns, batch.num_rows, capped, encoder)]
 
-    num_shards = -(-source.total_rows // settings.rows_per_shard)
-    sink = ParquetSink(directory, options, width=max(5, len(str(num_shards - 1))))
-    return run_sharded_job(source, plan, sink, manifest, engine, settings, directory)
-
-
-class ParquetSink:
-    def __init__(self, directory: Path, options: MapOptions, width: int) -> None:
-        self.directory = directory
-        self.options = options
-        self.width = width
-
-    def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome]) -> ShardRecord:
-        table = rows
-        for field, array in zip(output_schema(self.options), output_arrays(outcomes, self.options)):
-            table = table.append_column(field, array)
-        name = f"part-{shard:0{self.width}d}.parquet"
-        write_atomically(self.directory / name, lambda file: pq.write_table(table, file))
-        return ShardRecord(shard, len(outcomes), sum(o.error is not None for o in outcomes),
-                           sum(o.completion_tokens for o in outcomes), file=name)
+    return run_sharded_job(source, plan, sink, engine, settings)
 
 
 def _prepare_output(directory: Path, input: str | Path) -> Path:
@@ -123,11 +129,13 @@ def _prepare_output(directory: Path, input: str | Path) -> Path:
     if _input_would_include(input, directory / "part-0.parquet"):
         raise ValueError(f"output {directory} is inside the input {str(input)!r}: its shards would be read as "
                          f"input when the job is resumed")
-    if directory.exists() and not (directory / MANIFEST_NAME).exists() and any(directory.iterdir()):
+    # A lock file (and a temporary manifest) alone: a job that has not created its manifest yet, or was killed
+    # before it did.
+    if directory.exists() and not (directory / MANIFEST_NAME).exists() and any(
+            p.name != LOCK_NAME and not is_temporary(p) for p in directory.iterdir()):
         raise FileExistsError(f"output directory {directory} is not empty and holds no batchllm manifest; "
                               f"refusing to write into it")
     directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(directory)
     return directory
 
 

@@ -113,8 +113,11 @@ def test_sigint_flushes_completed_shards_and_says_how_to_resume(job_input, unint
     assert code == 128 + signal.SIGINT, text
     assert "SIGINT: no new rows are admitted" in text and "run the same job again to resume" in text
     assert f"batchllm run {input} {output}" in text
+    # Completed shards, plus checkpoints of the finished rows of the shards the signal left unfinished.
     records = [json.loads(line) for line in (output / "_manifest.jsonl").read_text().splitlines()[1:]]
-    assert sorted(p.name for p in output.glob("part-*.parquet")) == sorted(r["file"] for r in records)
+    assert sorted(p.name for p in output.glob("part-*.parquet")) == sorted(r["file"] for r in records if r["complete"])
+    assert sorted(f"_partial/{p.name}" for p in output.glob("_partial/*")) == sorted(
+        r["file"] for r in records if not r["complete"])
 
     result = batchllm.run_job(input, output, use_tqdm=False, **JOB)
     assert result.resumed_rows == sum(r["rows"] for r in records) and result.complete

@@ -87,9 +87,9 @@ def test_memory_stays_bounded_on_an_input_larger_than_a_shard(tmp_path, monkeypa
             held.append(counts["read"] - counts["written"])
             yield start, batch
 
-    def counting_write(self, shard, rows, outcomes):
+    def counting_write(self, shard, rows, *rest):
         counts["written"] += rows.num_rows
-        return write(self, shard, rows, outcomes)
+        return write(self, shard, rows, *rest)
 
     monkeypatch.setattr(ParquetSource, "batches", counting_read)
     monkeypatch.setattr(ParquetSink, "write", counting_write)
