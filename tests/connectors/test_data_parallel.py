@@ -151,7 +151,7 @@ def test_an_existing_engine_cannot_be_replicated(llm, tmp_path, capsys):
     write_parquet_input(tmp_path / "in", [2])
     assert main(["run", str(tmp_path / "in"), str(tmp_path / "out"), "--prompt-column", "q",
                  "--data-parallel", "0"]) == 2
-    assert "data_parallel_size must be an int >= 1, got 0" in capsys.readouterr().err
+    assert "--data-parallel must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_gpu_groups_index_into_the_visible_devices():
