@@ -14,6 +14,7 @@ from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
+from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
@@ -22,7 +23,6 @@ from batchllm.stats import EngineStats
 if TYPE_CHECKING:  # the runner imports torch; the facade imports it only when an LLM is built
     pass
 
-Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 K = TypeVar("K")
 
@@ -114,8 +114,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for `prompts` (strings, or token-id lists); results come in input order."""
-        prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        prompt_list = as_prompt_list(prompts)
+        params_list = broadcast_params(sampling_params, len(prompt_list))
         encoded = [self._encode(prompt, index) for index, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
         token_lists = [token_ids for _, token_ids in encoded]
@@ -210,7 +210,7 @@ class LLM:
         ]
         # The template already contains the special tokens (BOS etc.), so do not add them a second time.
         token_lists = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        params_list = _broadcast_params(sampling_params, len(prompts))
+        params_list = broadcast_params(sampling_params, len(prompts))
         return self._run(list(prompts), token_lists, params_list, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -219,7 +219,7 @@ class LLM:
         def generate(token_lists: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(token_lists, step_params, use_tqdm=False)
 
-        return beam_search(generate, self.tokenizer, self.engine.detokenizer.eos_token_ids, _as_prompt_list(prompts),
+        return beam_search(generate, self.tokenizer, self.engine.detokenizer.eos_token_ids, as_prompt_list(prompts),
                            params)
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
@@ -229,7 +229,7 @@ class LLM:
         order = self.admission_order(token_lists)
         items = ((i, texts[i], token_lists[i], params_list[i]) for i in order)
         outputs: list[RequestOutput | None] = [None] * len(token_lists)
-        progress = _progress_bar(len(token_lists), use_tqdm)
+        progress = progress_bar(len(token_lists), use_tqdm)
         try:
             for index, output in self._stream(items, max_in_flight=None):
                 outputs[index] = output
@@ -289,31 +289,3 @@ def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
         return params
     seed = None if params.seed is None else params.seed + sample
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    return prompts
-
-
-def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return params
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
