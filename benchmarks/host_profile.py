@@ -1,0 +1,133 @@
+"""Host time per engine step, by phase, at a given number of running requests.
+
+    python benchmarks/host_profile.py --shape smollm2-135m --running 256 1024 --max-tokens 64
+
+Every row is a random 100-token prompt decoding `--max-tokens` tokens, `--running` rows at once
+(`max_num_seqs` = rows), so most steps are decode steps of exactly that batch. The engine's phases are timed
+by wrapping them on the instance (nothing in the library changes):
+
+- schedule: `Scheduler.schedule`;
+- launch: the executor's `execute_model_async` / `execute_model`: runner bookkeeping, input preparation,
+  sampling tensors and kernel launches (on the CPU also the compute itself);
+- wait: `result()` of a launched step: waiting for the device and reading the tokens back;
+- apply: `Scheduler.update_from_output` and the detokenizer's `finish` of finished requests;
+- other: the rest of the wall time (the `LLM.generate` loop, outputs).
+
+With asynchronous scheduling "wait" is the GPU time the host could not hide; the host's own work is the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+import warnings
+from collections import Counter, defaultdict
+
+import torch
+from shapes import SHAPES, make_shape_dir
+
+from batchllm import LLM, SamplingParams
+
+
+def timed(totals: dict[str, float], phase: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[phase] += time.perf_counter() - start
+    return wrapper
+
+
+def instrument(llm: LLM, totals: dict[str, float]) -> None:
+    engine = llm.engine
+    engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = timed(totals, "apply", engine.scheduler.update_from_output)
+    engine.detokenizer.finish = timed(totals, "apply", engine.detokenizer.finish)
+    executor = engine.executor
+    launch_name = "execute_model_async" if engine.async_scheduling else "execute_model"
+    launch = getattr(executor, launch_name)
+
+    def launch_and_wrap(so):
+        output = timed(totals, "launch", launch)(so)
+        if engine.async_scheduling:
+            output.result = timed(totals, "wait", output.result)
+        return output
+
+    setattr(executor, launch_name, launch_and_wrap)
+
+
+def instrument_launch(llm: LLM, totals: dict[str, float]) -> None:
+    """Split "launch" (one process only: no tensor parallelism)."""
+    runner = llm.runner
+    runner.inputs.prepare = timed(totals, "prepare", runner.inputs.prepare)
+    runner.inputs.fill_placeholders = timed(totals, "placeholders", runner.inputs.fill_placeholders)
+    if runner.graphs is not None:
+        runner.graphs.replay = timed(totals, "forward", runner.graphs.replay)
+    runner.model.compute_logits = timed(totals, "logits", runner.model.compute_logits)
+    runner.sampler = timed(totals, "sample", runner.sampler)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--running", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--detail", action="store_true", help="also split the launch phase")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="report where the timed run calls a synchronizing CUDA operation, and allocator retries")
+    args = parser.parse_args()
+    directory = make_shape_dir(args.shape)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    print(f"{args.shape}, {args.max_tokens} output tokens per row; microseconds per step")
+    print(f"{'running':>7} {'mode':>5} {'steps':>5} {'wall':>7} {'schedule':>8} {'launch':>7} {'wait':>7} "
+          f"{'apply':>6} {'other':>6}")
+    for running in args.running:
+        rng = random.Random(running)
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(100)] for _ in range(running)]
+        for async_scheduling in (True, False):
+            llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, device=args.device,
+                      max_num_seqs=running, max_num_batched_tokens=max(8192, running),
+                      async_scheduling=async_scheduling)
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+            llm.generate(prompts[:64], params, use_tqdm=False)  # warm-up: compilation, graphs
+            totals: dict[str, float] = defaultdict(float)
+            instrument(llm, totals)
+            details: dict[str, float] = defaultdict(float)
+            if args.detail:
+                instrument_launch(llm, details)
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if args.sync_debug:
+                    torch.cuda.set_sync_debug_mode("warn")
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - start
+                if args.sync_debug:
+                    torch.cuda.set_sync_debug_mode(0)
+            if args.sync_debug:
+                places = Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+                                 if "synchroniz" in str(w.message))
+                retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+                print(f"        syncs: {dict(places.most_common(8))}; allocator retries: {retries}")
+            steps = llm.stats.num_steps
+            other = wall - sum(totals.values())
+            per_step = {k: 1e6 * v / steps for k, v in {**totals, "other": other}.items()}
+            mode = "async" if async_scheduling else "sync"
+            print(f"{running:>7} {mode:>5} {steps:>5} {1e6 * wall / steps:>7.0f} {per_step['schedule']:>8.0f} "
+                  f"{per_step['launch']:>7.0f} {per_step.get('wait', 0):>7.0f} {per_step['apply']:>6.0f} "
+                  f"{per_step['other']:>6.0f}")
+            if args.detail:
+                print("        launch: " + ", ".join(f"{k} {1e6 * v / steps:.0f}" for k, v in details.items()))
+            del llm, totals, details
+            gc.collect()  # the wrappers make a cycle through the runner: free its KV pool before the next engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
