@@ -116,9 +116,14 @@ class LLM:
         """Generate completions for `prompts` (strings, or token-id lists); results come in input order."""
         prompt_list = as_prompt_list(prompts)
         params_list = broadcast_params(sampling_params, len(prompt_list))
-        encoded = [self._encode(prompt, index) for index, prompt in enumerate(prompt_list)]
+        encoded = [self._encode(prompt, index, tokenize=False) for index, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
         token_lists = [token_ids for _, token_ids in encoded]
+        text_rows = [i for i, text in enumerate(texts) if text is not None]
+        if text_rows:  # one call: the fast tokenizer encodes a batch on its own threads
+            batch = self.tokenizer([texts[i] for i in text_rows])["input_ids"]
+            for i, token_ids in zip(text_rows, batch):
+                token_lists[i] = token_ids
         return self._run(texts, token_lists, params_list, use_tqdm)
 
     def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | None], *,
@@ -189,11 +194,12 @@ class LLM:
                     engine.step()
             self._last_call_seconds = time.perf_counter() - start
 
-    def _encode(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: Prompt, index: int, tokenize: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt; `tokenize=False` leaves a text's token ids to the caller (empty)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text, but the LLM was built with skip_tokenizer_init=True")
-            return prompt, self.tokenizer(prompt)["input_ids"]
+            return prompt, self.tokenizer(prompt)["input_ids"] if tokenize else []
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, prompt
         raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
