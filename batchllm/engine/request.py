@@ -72,8 +72,8 @@ class Request:
 
     @property
     def surely_finishes(self) -> bool:
-        """Its pending tokens reach max_tokens or max_model_len: it ends whatever they turn out to be, so
-        scheduling it again would only compute a token to throw away."""
+        """Its pending tokens reach max_tokens: it ends whatever they turn out to be, so scheduling it again
+        would only compute a token to throw away (the scheduler checks max_model_len the same way)."""
         if not self.num_pending_tokens:
             return False
         max_tokens = self.sampling_params.max_tokens
