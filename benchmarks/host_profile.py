@@ -19,6 +19,7 @@ With asynchronous scheduling "wait" is the GPU time the host could not hide; the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import random
 import time
@@ -70,6 +71,11 @@ def instrument_launch(llm: LLM, totals: dict[str, float]) -> None:
     runner.sampler = timed(totals, "sample", runner.sampler)
 
 
+def _runtime_profiler():
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    return torch.profiler.profile(activities=activities)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -77,6 +83,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--detail", action="store_true", help="also split the launch phase")
+    parser.add_argument("--runtime-calls", action="store_true",
+                        help="profile the timed run and list the CUDA runtime calls the host spent longest in")
     parser.add_argument("--sync-debug", action="store_true",
                         help="report where the timed run calls a synchronizing CUDA operation, and allocator retries")
     args = parser.parse_args()
@@ -104,9 +112,11 @@ def main() -> None:
                 warnings.simplefilter("always")
                 if args.sync_debug:
                     torch.cuda.set_sync_debug_mode("warn")
-                start = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                wall = time.perf_counter() - start
+                profiler = _runtime_profiler() if args.runtime_calls else contextlib.nullcontext()
+                with profiler as prof:
+                    start = time.perf_counter()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    wall = time.perf_counter() - start
                 if args.sync_debug:
                     torch.cuda.set_sync_debug_mode(0)
             if args.sync_debug:
@@ -121,6 +131,11 @@ def main() -> None:
             print(f"{running:>7} {mode:>5} {steps:>5} {1e6 * wall / steps:>7.0f} {per_step['schedule']:>8.0f} "
                   f"{per_step['launch']:>7.0f} {per_step.get('wait', 0):>7.0f} {per_step['apply']:>6.0f} "
                   f"{per_step['other']:>6.0f}")
+            if args.runtime_calls:
+                calls = [e for e in prof.key_averages() if e.key.startswith("cuda")]
+                calls.sort(key=lambda e: -e.self_cpu_time_total)
+                print("        runtime: " + ", ".join(f"{e.key} {e.count}x {e.self_cpu_time_total / steps:.0f}"
+                                                   for e in calls[:6]))
             if args.detail:
                 print("        launch: " + ", ".join(f"{k} {1e6 * v / steps:.0f}" for k, v in details.items()))
             del llm, totals, details
