@@ -91,11 +91,13 @@ def warmup_prompts() -> list[list[int]]:
     return [list(range(1000, 1016)), list(range(2000, 2040))]
 
 
-def run_batchllm(args, prompts, max_tokens: int) -> tuple[dict, list[list[int]]]:
+def run_batchllm(args, prompts, max_tokens: int, async_scheduling: bool | None = None
+                 ) -> tuple[dict, list[list[int]]]:
     times: dict[str, float] = {}
     with timed(times, "load"):
         llm = LLM(model=args.model, device=args.device, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks)
+                  max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                  async_scheduling=async_scheduling)
     with timed(times, "warmup"):
         llm.generate(warmup_prompts(), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -230,7 +232,8 @@ def main() -> None:
     parser.add_argument("--model", help="local HF model directory (default: the converted default model)")
     parser.add_argument("--shape", help="shape name for the record (default: smollm2-135m or the model dir name)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--peer", choices=["generate", "generate_batch", "all", "none"], default="generate")
+    parser.add_argument("--peer", choices=["generate", "generate_batch", "all", "async", "none"], default="generate",
+                        help="async: batchllm itself with async_scheduling=True (the default is off on the CPU)")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="batch size of HF static generate")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -263,6 +266,9 @@ def main() -> None:
     if args.peer in ("generate_batch", "all"):
         systems["hf_generate_batch"], theirs = run_hf_generate_batch(path, device, prompts, max_tokens)
         systems["hf_generate_batch"]["agreement_with_batchllm"] = agreement(ours, theirs)
+    if args.peer == "async":
+        systems["batchllm_async"], theirs = run_batchllm(args, prompts, max_tokens, async_scheduling=True)
+        systems["batchllm_async"]["agreement_with_batchllm"] = agreement(ours, theirs)
 
     print(f"\n{'system':<20}{'load s':>8}{'warmup s':>10}{'generate s':>12}{'output tok/s':>14}{'total tok/s':>13}")
     for name, f in systems.items():

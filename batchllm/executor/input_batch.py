@@ -56,15 +56,15 @@ class InputBatch:
         self._copied = None if device.type == "cpu" else torch.cuda.Event()
 
     def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
-                block_rows: list[np.ndarray], sample_rows: np.ndarray, pad_to: int | None = None
+                block_tables: np.ndarray, block_rows: np.ndarray, sample_rows: np.ndarray, pad_to: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Fill the buffers for one step.
 
         `num_scheduled[i]` new tokens of sequence i start at position `num_computed[i]`; `token_ids` is their
-        concatenation; `block_rows[i]` its block table; `sample_rows` the sequences whose last scheduled
-        token yields logits. `pad_to` (decode-only steps replayed from a CUDA graph) appends padding rows up
-        to that many one-token sequences. Returns (input_ids, positions, attention metadata, logits indices)
-        on device.
+        concatenation; `block_tables[block_rows[i]]` its block table (entries past its blocks are never read);
+        `sample_rows` the sequences whose last scheduled token yields logits. `pad_to` (decode-only steps
+        replayed from a CUDA graph) appends padding rows up to that many one-token sequences. Returns
+        (input_ids, positions, attention metadata, logits indices) on device.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
@@ -83,8 +83,7 @@ class InputBatch:
         positions += num_computed[seq_of_token]
 
         tables = self.block_tables.np
-        for i, row in enumerate(block_rows):
-            tables[i, : len(row)] = row
+        np.take(block_tables, block_rows, axis=0, out=tables[:num_seqs])
         block_of_token = tables[seq_of_token, positions // self.block_size]
         np.add(block_of_token * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:num_tokens])
         self.input_ids.np[:num_tokens] = token_ids

@@ -18,6 +18,7 @@ import torch
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, tensor_parallel_size
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
@@ -36,16 +37,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # grows by one per sampled token: penalties read it
     params: SamplingParams
-    block_ids: np.ndarray  # int32, capacity max_blocks_per_seq
-    num_blocks: int = 0
+    row: int  # its row in the runner's BlockTables
     generator: torch.Generator | None = None
-
-    def set_blocks(self, block_ids: list[int], reset: bool) -> None:
-        if reset:
-            self.num_blocks = 0
-        end = self.num_blocks + len(block_ids)
-        self.block_ids[self.num_blocks : end] = block_ids
-        self.num_blocks = end
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +86,7 @@ class ModelRunner:
         self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
                                  max_blocks_per_seq, self.block_size, device)
         self._states: dict[str, _RequestState] = {}
+        self._block_tables = BlockTables(max_blocks_per_seq, 2 * self.scheduler_config.max_num_seqs)
         self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
         self._share_samples = config.async_scheduling and tensor_parallel_size() > 1
         # The last step's sampled ids on the device, and the row of each request in it.
@@ -138,7 +132,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepOutput:
         for request_id in so.finished_request_ids:
-            self._states.pop(request_id, None)
+            state = self._states.pop(request_id, None)
+            if state is not None:
+                self._block_tables.remove(state.row)
         if so.block_copies:
             self.kv_cache.copy_blocks(so.block_copies)
         if so.is_empty:
@@ -148,14 +144,15 @@ class ModelRunner:
         num_scheduled = np.empty(num_seqs, dtype=np.int64)
         num_computed = np.empty(num_seqs, dtype=np.int64)
         token_ids: list[int] = []
-        block_rows: list[np.ndarray] = []
+        block_rows = np.empty(num_seqs, dtype=np.int64)
         sample_rows: list[int] = []
         sampled_states: list[tuple[str, _RequestState]] = []
         placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
         placeholder_rows: list[int] = []
         for i, scheduled in enumerate(so.requests):
             state = self._state_for(scheduled.request_id, scheduled.new)
-            state.set_blocks(scheduled.block_ids, reset=scheduled.full_block_table)
+            if scheduled.block_ids or scheduled.full_block_table:
+                self._block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
             num_scheduled[i] = scheduled.num_tokens
             num_computed[i] = scheduled.num_computed_tokens
             token_ids.extend(scheduled.token_ids)
@@ -163,7 +160,7 @@ class ModelRunner:
                 placeholder_slots.append(len(token_ids))
                 placeholder_rows.append(self._last_rows[scheduled.request_id])
                 token_ids.append(0)
-            block_rows.append(state.block_ids[: state.num_blocks])
+            block_rows[i] = state.row
             if scheduled.sample:
                 sample_rows.append(i)
                 sampled_states.append((scheduled.request_id, state))
@@ -172,8 +169,8 @@ class ModelRunner:
         if self.graphs is not None and len(token_ids) == num_seqs and num_seqs <= self.graphs.max_batch_size:
             graph_size = self.graphs.padded_size(num_seqs)
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
-            token_ids, num_scheduled, num_computed, block_rows, np.asarray(sample_rows, dtype=np.int64),
-            pad_to=graph_size)
+            token_ids, num_scheduled, num_computed, self._block_tables.table, block_rows,
+            np.asarray(sample_rows, dtype=np.int64), pad_to=graph_size)
         if placeholder_slots:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if graph_size is not None:
@@ -205,12 +202,14 @@ class ModelRunner:
         if new is None:
             assert state is not None, f"runner has no state for request {request_id}"
             return state
-        generator = state.generator if state is not None else None  # a preempted request keeps its RNG stream
+        # A preempted request keeps its RNG stream and its block-table row.
+        generator = state.generator if state is not None else None
         if generator is None and new.sampling_params.seed is not None:
             generator = make_generator(new.sampling_params.seed, self.device)
+        row = state.row if state is not None else self._block_tables.add()
         num_prompt = new.num_prompt_tokens
         state = _RequestState(new.all_token_ids[:num_prompt], new.all_token_ids[num_prompt:], new.sampling_params,
-                              np.zeros(self.max_blocks_per_seq, dtype=np.int32), generator=generator)
+                              row, generator=generator)
         self._states[request_id] = state
         return state
 

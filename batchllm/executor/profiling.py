@@ -29,10 +29,11 @@ def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, confi
     # so the profile sees both the largest activation and the largest logits tensor.
     lengths = np.ones(num_seqs, dtype=np.int64)
     lengths[0] = num_tokens - (num_seqs - 1)
-    rows, next_block = [], 0
-    for length in lengths:
+    tables = np.zeros((num_seqs, num_blocks), dtype=np.int32)
+    next_block = 0
+    for row, length in enumerate(lengths):
         count = -(-int(length) // block_size)
-        rows.append(np.arange(next_block, next_block + count, dtype=np.int32))
+        tables[row, :count] = np.arange(next_block, next_block + count, dtype=np.int32)
         next_block += count
     # Memory an earlier engine of this process freed is still reserved by the caching allocator, in segments
     # the one large KV allocation cannot reuse: hand it back first.
@@ -40,7 +41,7 @@ def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, confi
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     input_ids, positions, metadata, logits_indices = inputs.prepare(
-        [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), rows, np.arange(num_seqs))
+        [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), tables, np.arange(num_seqs), np.arange(num_seqs))
     with set_forward_context(metadata):
         hidden = model(input_ids, positions)
     logits = model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
