@@ -101,7 +101,9 @@ def main() -> None:
                       max_num_seqs=running, max_num_batched_tokens=max(8192, running),
                       async_scheduling=async_scheduling)
             params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-            llm.generate(prompts[:64], params, use_tqdm=False)  # warm-up: compilation, graphs
+            # Warm-up on every prompt: Triton compiles for the prefill shapes of this batch here, not in the timed
+            # run (on a fresh machine the first engine of a process otherwise pays for it).
+            llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
             totals: dict[str, float] = defaultdict(float)
             instrument(llm, totals)
             details: dict[str, float] = defaultdict(float)
