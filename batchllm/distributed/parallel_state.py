@@ -92,10 +92,6 @@ def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def tensor_parallel_size() -> int:
-    return _state.size
-
-
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads are split across ranks; with more ranks than KV heads each rank keeps one, replicated."""
     return max(1, num_kv_heads // tp_size)

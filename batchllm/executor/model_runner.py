@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
-from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, tensor_parallel_size
+from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, get_tp
 from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
@@ -88,7 +88,7 @@ class ModelRunner:
         self._states: dict[str, _RequestState] = {}
         self._block_tables = BlockTables(max_blocks_per_seq, 2 * self.scheduler_config.max_num_seqs)
         self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
-        self._share_samples = config.async_scheduling and tensor_parallel_size() > 1
+        self._share_samples = config.async_scheduling and get_tp().size > 1
         # The last step's sampled ids on the device, and the row of each request in it.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}

@@ -52,10 +52,6 @@ class StepOutput:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    @property
-    def ready(self) -> bool:
-        return self._output is not None
-
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
             if self._event is not None:

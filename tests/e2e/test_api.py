@@ -22,16 +22,16 @@ def llm(async_scheduling):
 
 
 @pytest.fixture(scope="module")
-def hf_model(llm):
+def hf_model(model_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def hf_continuation(llm, hf_model):
+def hf_continuation(tokenizer, hf_model):
     """HF greedy continuation of PROMPT (40 tokens, EOS ignored) and the raw logits at each step."""
-    ids = torch.tensor([llm.tokenizer(PROMPT)["input_ids"]])
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
     with torch.inference_mode():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
                                 do_sample=False, output_logits=True, return_dict_in_generate=True)

@@ -46,15 +46,15 @@ def llm_default(async_scheduling):
 
 
 @pytest.fixture(scope="module")
-def prompts(llm_default):
-    return _prompts(llm_default.tokenizer)
+def prompts(tokenizer):
+    return _prompts(tokenizer)
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(llm_default, prompts):
+def hf_greedy(model_path, prompts):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llm_default.model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     outputs = []
     with torch.inference_mode():

@@ -6,6 +6,7 @@ separately seeded requests, and HF transformers' own beam search.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from batchllm import LLM, BeamSearchParams, SamplingParams
 
 BLOCK = 16
+EOS = 2
 SYSTEM = ("You are a meticulous assistant for a data pipeline. Answer every question briefly, in plain "
           "English, without lists, and say when you are unsure. ")
 
@@ -88,23 +90,38 @@ def test_n4_shares_prompt_blocks_and_matches_separate_seeds(llm):
         assert completion.token_ids == alone.token_ids
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_beam_search_equals_hf(llm, k):
+BEAM_PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def hf_beams(model_path, tokenizer):
+    """HF beam search per beam width: (token lists, scores) per prompt, computed once per module."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=torch.float32).eval()
-    eos = 2
-    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
-    ours = llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=12, length_penalty=1.0))
-    for prompt, out in zip(prompts, ours):
-        ids = torch.tensor([llm.tokenizer(prompt)["input_ids"]])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k,
-                              do_sample=False, max_new_tokens=12, length_penalty=1.0, early_stopping=False,
-                              output_scores=True, return_dict_in_generate=True)
-        ref_tokens = [_until_eos(seq[ids.shape[1]:].tolist(), eos) for seq in ref.sequences]
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    @functools.cache
+    def search(k: int) -> list[tuple[list[list[int]], list[float]]]:
+        results = []
+        for prompt in BEAM_PROMPTS:
+            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+            with torch.inference_mode():
+                ref = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k,
+                                  do_sample=False, max_new_tokens=12, length_penalty=1.0, early_stopping=False,
+                                  output_scores=True, return_dict_in_generate=True)
+            results.append(([_until_eos(seq[ids.shape[1]:].tolist(), EOS) for seq in ref.sequences],
+                            [round(x, 3) for x in ref.sequences_scores.tolist()]))
+        return results
+
+    return search
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_equals_hf(llm, hf_beams, k):
+    ours = llm.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=k, max_tokens=12, length_penalty=1.0))
+    for prompt, out, (ref_tokens, ref_scores) in zip(BEAM_PROMPTS, ours, hf_beams(k)):
         assert [s.token_ids for s in out.sequences] == ref_tokens, prompt
-        assert [round(s.score, 3) for s in out.sequences] == [round(x, 3) for x in ref.sequences_scores.tolist()]
+        assert [round(s.score, 3) for s in out.sequences] == ref_scores
 
 
 def _until_eos(tokens: list[int], eos: int) -> list[int]:
