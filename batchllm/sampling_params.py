@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchllm.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -30,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs returned for each sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,8 @@ class SamplingParams:
                self.repetition_penalty, "> 0")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "an int in [0, 20] or None")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:
