@@ -23,6 +23,9 @@ from typing import Any
 from batchllm.connectors.options import MapOptions, PromptSpec, with_system_prompt
 
 
+_MAX_RENDERED = 65536  # distinct conversations remembered per encoder
+
+
 class RowError(ValueError):
     """What is wrong with one row's prompt; it becomes that row's `error`."""
 
@@ -55,6 +58,10 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         self.truncate = truncate
         self.system_prompt = system_prompt
+        self._renders_tools = template_renders_tools(tokenizer)
+        # Tables repeat conversations (a fixed few-shot prefix with a label column, duplicated rows): the
+        # template is rendered once per distinct conversation, keyed by its JSON text (cheaper than Jinja).
+        self._rendered: dict[str, Rendered | RowError] = {}
 
     @classmethod
     def for_llm(cls, llm: Any, options: MapOptions) -> PromptEncoder:
@@ -66,12 +73,23 @@ class PromptEncoder:
         return cls(llm.tokenizer, llm.max_model_len, options.truncate, options.prompt.system_prompt)
 
     def render_chat(self, messages: Any) -> Rendered:
-        conversation = check_messages(messages, template_renders_tools=template_renders_tools(self.tokenizer))
+        conversation = check_messages(messages, template_renders_tools=self._renders_tools)
         conversation = with_system_prompt(conversation, self.system_prompt)
+        key = json.dumps(conversation, ensure_ascii=False, sort_keys=True, default=str)
+        rendered = self._rendered.get(key)
+        if rendered is None:
+            rendered = self._rendered[key] = self._render(conversation)
+        if isinstance(rendered, RowError):
+            raise RowError(str(rendered))
+        return rendered
+
+    def _render(self, conversation: list[dict[str, Any]]) -> Rendered | RowError:
+        if len(self._rendered) >= _MAX_RENDERED:
+            self._rendered.clear()
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja raises whatever the template author chose, e.g. roles not alternating
-            raise RowError(f"the chat template rejected the messages: {exc}") from exc
+            return RowError(f"the chat template rejected the messages: {exc}")
         return Rendered(text, is_chat=True)
 
     def encode(self, prompts: Sequence[Rendered | RowError],

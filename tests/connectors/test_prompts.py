@@ -98,3 +98,19 @@ def test_truncation_policies(tokenizer):
     assert right.error is None and right.token_ids == ids[:budget]
     (no_room,) = _encode(tokenizer, {"q": ["hi"]}, max_model_len=32, max_tokens=32, prompt_column="q")
     assert "leaves no room" in no_room.error
+
+
+def test_each_distinct_conversation_is_rendered_once(tokenizer, monkeypatch):
+    calls = []
+    render = tokenizer.apply_chat_template
+
+    def counting(conversation, **kwargs):
+        calls.append(conversation)
+        return render(conversation, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counting)
+    questions = ["Is it red?", "Is it blue?", "Is it red?", "Is it red?", "Is it blue?"]
+    encoded = _encode(tokenizer, {"q": questions}, max_model_len=256, prompt_column="q", chat=True)
+    assert len(calls) == 2
+    expected = [render([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True) for q in questions]
+    assert [e.token_ids for e in encoded] == [tokenizer(t, add_special_tokens=False)["input_ids"] for t in expected]
