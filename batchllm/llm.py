@@ -14,11 +14,13 @@ from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
+from batchllm.engine.structured_output import StructuredOutputManager
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
+from batchllm.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:  # the runner imports torch; the facade imports it only when an LLM is built
     pass
@@ -55,6 +57,7 @@ class LLM:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import build_executor, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
+        from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
 
@@ -86,7 +89,11 @@ class LLM:
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop)
-        self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling)
+        structured = None
+        if self.tokenizer is not None:
+            vocab_size = ModelConfig.from_hf_dict(read_hf_config(self.model_path)).vocab_size
+            structured = StructuredOutputManager(self.tokenizer, vocab_size, eos_token_ids)
+        self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured)
         self.runner = runner
         self.load_seconds = time.perf_counter() - start
         self._request_counter = itertools.count()
@@ -99,6 +106,13 @@ class LLM:
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint now (it is cached for the requests that use it); raises `GrammarError`, a
+        ValueError carrying the grammar engine's message, if it cannot be compiled."""
+        if self.engine.structured is None:
+            raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
+        self.engine.structured.check(params)
 
     @property
     def max_model_len(self) -> int:
@@ -115,6 +129,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for `prompts` (strings, or token-id lists); results come in input order."""
         prompt_list = as_prompt_list(prompts)
+        self._check_call_wide(sampling_params)
         params_list = broadcast_params(sampling_params, len(prompt_list))
         encoded = [self._encode(prompt, index, tokenize=False) for index, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
@@ -216,6 +231,7 @@ class LLM:
         ]
         # The template already contains the special tokens (BOS etc.), so do not add them a second time.
         token_lists = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        self._check_call_wide(sampling_params)
         params_list = broadcast_params(sampling_params, len(prompts))
         return self._run(list(prompts), token_lists, params_list, use_tqdm)
 
@@ -227,6 +243,11 @@ class LLM:
 
         return beam_search(generate, self.tokenizer, self.engine.detokenizer.eos_token_ids, as_prompt_list(prompts),
                            params)
+
+    def _check_call_wide(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> None:
+        """One constraint for the whole call fails the call before generation; per-row ones fail their row."""
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
+            self.check_structured_outputs(sampling_params.structured_outputs)
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:

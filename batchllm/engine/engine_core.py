@@ -4,6 +4,10 @@ With asynchronous scheduling the loop keeps one step in flight: each `step()` sc
 N+1, then waits for step N and applies its results, so the host's scheduling, input preparation, stop
 checks and detokenization for one step overlap the device's work on the other. The outputs are those of
 the synchronous loop (see `scheduler.py` for how pending tokens are handled).
+
+A step with grammar-constrained rows is launched in two parts: the forward pass first, then, once the
+previous step's tokens have advanced the matchers, the bitmask that its sampling needs
+(`structured_output.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchllm.engine.detokenizer import Detokenizer
-from batchllm.engine.interfaces import ModelRunnerOutput, PendingOutput, ReadyOutput, SchedulerOutput
+from batchllm.engine.interfaces import (AwaitingGrammar, ModelRunnerOutput, PendingOutput, ReadyOutput,
+                                       SchedulerOutput)
 from batchllm.engine.request import Request
 from batchllm.engine.scheduler import Scheduler
+from batchllm.engine.structured_output import StructuredOutputManager
 from batchllm.sampling_params import SamplingParams
 
 
@@ -24,8 +30,9 @@ class Executor(Protocol):
 
 
 class AsyncExecutor(Executor, Protocol):
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Launch the step and return at once; steps complete in the order they were launched."""
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput | AwaitingGrammar:
+        """Launch the step and return at once; steps complete in the order they were launched. A step with
+        `grammar_request_ids` but no `grammar` returns `AwaitingGrammar`."""
         ...
 
 
@@ -37,7 +44,7 @@ class FinishedRequest:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, detokenizer: Detokenizer,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, structured: StructuredOutputManager | None = None) -> None:
         if async_scheduling and not hasattr(executor, "execute_model_async"):
             raise ValueError(f"async_scheduling needs an executor that can launch steps ({type(executor).__name__} "
                              f"cannot)")
@@ -45,6 +52,7 @@ class EngineCore:
         self.executor = executor
         self.detokenizer = detokenizer
         self.async_scheduling = async_scheduling
+        self.structured = structured
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -53,7 +61,12 @@ class EngineCore:
         one may share (the samples of an n > 1 request)."""
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.perf_counter(),
                           fork_of=fork_of)
-        self.scheduler.add_request(request)
+        error = None
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
+            error = self.structured.init_request(request)
+        self.scheduler.add_request(request, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -63,25 +76,37 @@ class EngineCore:
 
         Asynchronous: the requests that finished in the previous step, whose results this step applied."""
         finished = [FinishedRequest(r, "") for r in self.scheduler.take_rejected()]
-        scheduler_output = self.scheduler.schedule()
-        launched = None
-        if not scheduler_output.is_empty:
-            launched = (scheduler_output, self._launch(scheduler_output))
-        elif self._in_flight is None and (self.scheduler.running or self.scheduler.waiting):
+        for item in finished:
+            self._release(item.request)
+        so = self.scheduler.schedule()
+        if so.is_empty and self._in_flight is None and (self.scheduler.running or self.scheduler.waiting):
             raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
+        if self.structured is not None and not so.is_empty:
+            so.grammar_request_ids = self.structured.constrained_ids(so, self.scheduler.requests)
+        if not self.async_scheduling:
+            if not so.is_empty:
+                if so.grammar_request_ids:
+                    so.grammar = self.structured.bitmask(so.grammar_request_ids, self.scheduler.requests)
+                finished += self._apply(so, ReadyOutput(self.executor.execute_model(so)))
+            return finished
+
+        launched = None if so.is_empty else (so, self.executor.execute_model_async(so))  # type: ignore[attr-defined]
         previous, self._in_flight = self._in_flight, launched
-        if not self.async_scheduling and launched is not None:
-            previous, self._in_flight = launched, None
         if previous is not None:
             finished += self._apply(*previous)
+        if launched is not None and isinstance(launched[1], AwaitingGrammar):
+            # The forward pass runs on the device meanwhile; the matchers have just taken step N's tokens.
+            grammar = self.structured.bitmask(so.grammar_request_ids, self.scheduler.requests)
+            self._in_flight = (so, launched[1].sample(grammar))
         return finished
-
-    def _launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        if self.async_scheduling:
-            return self.executor.execute_model_async(scheduler_output)  # type: ignore[attr-defined]
-        return ReadyOutput(self.executor.execute_model(scheduler_output))
 
     def _apply(self, scheduler_output: SchedulerOutput, pending: PendingOutput) -> list[FinishedRequest]:
         runner_output: ModelRunnerOutput = pending.result()
-        return [FinishedRequest(request, self.detokenizer.finish(request))
-                for request in self.scheduler.update_from_output(scheduler_output, runner_output)]
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for request in finished:
+            self._release(request)
+        return [FinishedRequest(request, self.detokenizer.finish(request)) for request in finished]
+
+    def _release(self, request: Request) -> None:
+        if self.structured is not None:
+            self.structured.finish_request(request)

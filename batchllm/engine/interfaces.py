@@ -7,8 +7,11 @@ the runner can live in another process (tensor parallelism) and the engine stays
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from batchllm.sampling_params import SamplingParams
 
@@ -56,6 +59,15 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The tokens each constrained row may sample this step: bit `t % 32` of word `t // 32` of a row is set
+    when token `t` is allowed. Row `i` belongs to `request_ids[i]`."""
+
+    request_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(request_ids), ceil(vocab_size / 32)]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     requests: list[ScheduledRequest]
     num_scheduled_tokens: int
@@ -63,6 +75,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Copy-on-write: copy KV block src to dst (all layers) before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Sampled requests whose tokens a grammar constrains. With `grammar` None the runner runs the forward pass
+    # and waits for the bitmask (`AwaitingGrammar`): the engine computes it once the previous step is applied.
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -88,6 +104,14 @@ class PendingOutput(Protocol):
     """A step launched on the executor; `result()` waits for it (once; later calls return the same)."""
 
     def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class AwaitingGrammar:
+    """A launched step whose forward pass runs while the engine computes its grammar bitmask; `sample`
+    hands the bitmask over and returns the step's pending output."""
+
+    sample: Callable[[GrammarBitmask], PendingOutput]
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchllm.engine.interfaces import SampledToken
 from batchllm.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Tokens sampled by steps still in flight (asynchronous scheduling), not yet in token_ids.
     num_pending_tokens: int = 0
+    # Structured outputs: the grammar matcher (engine/grammar.py), fed every output token as it is appended.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -91,7 +94,9 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def append_token(self, token: SampledToken) -> None:
+    def append_token(self, token: SampledToken) -> bool:
+        """Append a sampled token; False when the request's grammar rejects it (it is appended all the same)."""
         self.token_ids.append(token.token_id)
         if self.sampling_params.logprobs is not None:
             self.output_logprobs.append(token)
+        return self.matcher is None or self.matcher.accept_token(token.token_id)

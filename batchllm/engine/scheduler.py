@@ -69,10 +69,11 @@ class Scheduler:
         self._preempted_this_step = False
         self._scheduled_now: dict[str, int] = {}  # request id → tokens scheduled in the step being built
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        """Queue `request`, or reject it (with `error`, or when it cannot run) to be reported by the next step."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        error = self._admission_error(request)
+        error = error or self._admission_error(request)
         if error is not None:
             request.status, request.error = RequestStatus.FINISHED_ERROR, error
             request.finished_time = time.perf_counter()
@@ -262,13 +263,18 @@ class Scheduler:
             if request is None:
                 continue  # finished by the step before this one: this token was computed in vain
             request.num_pending_tokens -= 1
-            request.append_token(runner_output.sampled[scheduled.request_id])
+            token = runner_output.sampled[scheduled.request_id]
+            accepted = request.append_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.stats.num_generated_tokens += 1
-            if request.num_tokens >= self.config.max_model_len:
+            if not accepted:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = f"the structured-output grammar rejected the sampled token {token.token_id}"
+                self.stats.num_errors += 1
+            elif request.num_tokens >= self.config.max_model_len:
                 request.status = RequestStatus.FINISHED_LENGTH
-            if request.status.finished or self.check_stop(request):
+            if request.status.finished or self.check_stop(request) or _grammar_ended(request):
                 finished.append(request)
         if finished:
             for request in finished:
@@ -280,3 +286,11 @@ class Scheduler:
             if any(r in self.waiting for r in finished):  # preempted while its last token was in flight
                 self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
+
+
+def _grammar_ended(request: Request) -> bool:
+    """The grammar allows nothing more (it ended without an EOS token, which `check_stop` would have seen)."""
+    if request.matcher is None or not request.matcher.is_terminated:
+        return False
+    request.status = RequestStatus.FINISHED_STOPPED
+    return True

@@ -17,7 +17,8 @@ import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, get_tp
-from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from batchllm.engine.interfaces import (AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, NewRequestData,
+                                       SampledToken, SchedulerOutput)
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
@@ -127,10 +128,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step to the end; a constrained step must carry its `grammar` bitmask."""
         return self.execute_model_async(so).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, so: SchedulerOutput) -> StepOutput:
+    def execute_model_async(self, so: SchedulerOutput) -> StepOutput | AwaitingGrammar:
         for request_id in so.finished_request_ids:
             state = self._states.pop(request_id, None)
             if state is not None:
@@ -178,11 +180,19 @@ class ModelRunner:
         else:
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions)
-        request_ids = [request_id for request_id, _ in sampled_states]
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
-        sampled = None if logits is None else self._sample(logits, sampled_states)  # None: not rank 0
+        if so.grammar_request_ids and so.grammar is None:
+            # The forward pass is queued on the device; sample once the engine has the bitmask.
+            return AwaitingGrammar(lambda grammar: self._sample_step(logits, sampled_states, grammar))
+        return self._sample_step(logits, sampled_states, so.grammar)
+
+    @torch.inference_mode()
+    def _sample_step(self, logits: torch.Tensor | None, sampled_states: list[tuple[str, _RequestState]],
+                     grammar: GrammarBitmask | None) -> StepOutput:
+        request_ids = [request_id for request_id, _ in sampled_states]
+        sampled = None if logits is None else self._sample(logits, sampled_states, grammar)  # None: not rank 0
         if self._share_samples:
             ids = sampled.token_ids if sampled is not None else torch.empty(len(request_ids), dtype=torch.int64,
                                                                              device=self.device)
@@ -213,7 +223,7 @@ class ModelRunner:
         self._states[request_id] = state
         return state
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]]):
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], grammar: GrammarBitmask | None):
         params = [state.params for _, state in rows]
         if self._unread is not None and any(p.uses_penalties or p.min_tokens for p in params):
             # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
@@ -221,6 +231,10 @@ class ModelRunner:
         self._unread = None
         sampling_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for _, s in rows]
         tensors = SamplingTensors.build(sampling_rows, logits.shape[-1], self.device, self.eos_token_ids)
+        if grammar is not None:
+            row_of = {request_id: row for row, (request_id, _) in enumerate(rows)}
+            tensors.add_grammar([row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask,
+                                self.device)
         return self.sampler(logits, tensors)
 
 

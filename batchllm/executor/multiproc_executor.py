@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from batchllm.distributed.shm_queue import ShmReader, ShmWriter, create_queue, unlink_queue
-from batchllm.engine.interfaces import ModelRunnerOutput, SchedulerOutput
+from batchllm.engine.interfaces import AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from batchllm.executor.tp_worker import POLL_S, WorkerArgs, WorkerReady, worker_main
 
 _JOIN_S = 5.0
@@ -49,10 +49,18 @@ class MultiprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._group.call(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> _Reply:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> _Reply | AwaitingGrammar:
         """Broadcast the step and return; the workers run it while the engine schedules the next one.
-        Replies come back in step order, so the engine must read them in the order it launched them."""
+        Replies come back in step order, so the engine must read them in the order it launched them.
+        A constrained step without its bitmask: the workers run the forward pass and wait for the bitmask
+        as the next message (`tp_worker.py`)."""
         self._group.call(scheduler_output, wait=False)
+        if scheduler_output.grammar_request_ids and scheduler_output.grammar is None:
+            return AwaitingGrammar(self._send_grammar)
+        return _Reply(self._group)
+
+    def _send_grammar(self, grammar: GrammarBitmask) -> _Reply:
+        self._group.call(grammar, wait=False)
         return _Reply(self._group)
 
     def shutdown(self) -> None:
@@ -81,7 +89,7 @@ class _WorkerGroup:
             self.shutdown()
             raise
 
-    def call(self, message: SchedulerOutput | None, first: bool = False, wait: bool = True) -> Any:
+    def call(self, message: SchedulerOutput | GrammarBitmask | None, first: bool = False, wait: bool = True) -> Any:
         """Broadcast `message` (None: only wait) and return rank 0's reply (`wait=False`: only broadcast);
         any failure shuts the group down."""
         if self.failure is not None:

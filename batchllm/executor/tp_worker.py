@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.distributed.shm_queue import ShmQueueHandle, ShmReader, ShmWriter
+from batchllm.engine.interfaces import AwaitingGrammar
 
 POLL_S = 1.0  # how often a waiting process checks that the other side is still alive
 
@@ -59,7 +60,10 @@ def worker_main(args: WorkerArgs) -> None:
         if replies is not None:
             replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size))
         while (scheduler_output := steps.get()) is not None:
-            output = runner.execute_model(scheduler_output)
+            launched = runner.execute_model_async(scheduler_output)
+            if isinstance(launched, AwaitingGrammar):  # the engine sends the bitmask as the next message
+                launched = launched.sample(steps.get())
+            output = launched.result()
             if replies is not None:
                 replies.put(output)
     except SystemExit:

@@ -10,6 +10,7 @@ Pipeline, per row (vLLM / HF semantics):
     logits ─▶ logprobs of the raw model distribution (rows that ask)
            ─▶ penalties: repetition, then frequency and presence
            ─▶ min_tokens: stop tokens masked to -inf
+           ─▶ structured outputs: tokens the row's grammar forbids masked to -inf
            ─▶ greedy rows: argmax
            ─▶ random rows: / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ argmax(probs / q), q ~ Exp(1)
 
@@ -71,6 +72,8 @@ class Sampler(torch.nn.Module):
             logits = apply_penalties(logits, t.penalties)
         if t.banned_index is not None:
             logits = logits.flatten().index_fill(0, t.banned_index, float("-inf")).view_as(logits)
+        if t.grammar_rows is not None:
+            logits = apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
 
         token_ids = logits.argmax(-1)
         if not t.all_greedy:
@@ -107,6 +110,16 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
     if p.presence is not None:
         logits = logits - p.presence[:, None] * in_output
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Returns `logits` with -inf wherever the bitmask forbids a token: in row `rows[i]`, token `t` is allowed
+    when bit `t % 32` of `bitmask[i, t // 32]` is set (the input is not modified)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -66,6 +66,13 @@ class SamplingTensors:
     generators: list[tuple[int, torch.Generator]]  # (row, generator) of seeded random rows
     num_logprobs: list[int | None]  # per row, as asked in SamplingParams.logprobs
     max_num_logprobs: int | None  # None when no row asks for logprobs
+    # Structured outputs: the rows a grammar constrains and their allowed-token bitmask ([N, ceil(V / 32)] int32).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
+
+    def add_grammar(self, rows: list[int], bitmask: np.ndarray, device: torch.device) -> None:
+        self.grammar_rows = _upload(torch.tensor(rows, dtype=torch.long), device)
+        self.grammar_bitmask = _upload(torch.from_numpy(bitmask), device)
 
     @classmethod
     def build(

@@ -1,0 +1,90 @@
+"""Structured outputs in the engine: a grammar matcher per constrained request, and each step's bitmask.
+
+A constrained request gets its matcher when it is added (a constraint the grammar engine rejects fails that
+request alone). The matcher consumes exactly the request's output tokens, as they are appended
+(`Request.append_token`), so preemption needs no rollback: a recomputed request keeps its tokens and its
+matcher state. With asynchronous scheduling the bitmask of step N+1 is filled after step N's tokens are
+applied, while step N+1's forward pass runs; the runner waits for it only to sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import numpy as np
+
+from batchllm.engine.interfaces import GrammarBitmask, SchedulerOutput
+from batchllm.engine.request import Request
+from batchllm.structured_outputs import StructuredOutputsParams
+
+INCOMPLETE = ("the output is incomplete: generation stopped ({reason}) before the structured-output constraint "
+              "was satisfied, so it does not parse")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self._compiler_args = (tokenizer, vocab_size, eos_token_ids)
+        self._compiler = None
+        self.num_active = 0  # constrained requests in the engine: steps without any skip all of this
+
+    @property
+    def compiler(self):
+        # Built on first use: engines without constrained requests never import the grammar engine, and its
+        # view of the vocabulary takes a moment to build.
+        if self._compiler is None:
+            from batchllm.engine.grammar import GrammarCompiler
+
+            self._compiler = GrammarCompiler(*self._compiler_args)
+        return self._compiler
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Compile `params` now (cached for the requests that use it); raises GrammarError."""
+        self.compiler.compile(params)
+
+    def init_request(self, request: Request) -> str | None:
+        """Give a constrained request its matcher; returns the grammar engine's error if it cannot."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return None
+        from batchllm.engine.grammar import GrammarError
+
+        try:
+            request.matcher = self.compiler.new_matcher(params)
+        except GrammarError as error:
+            return str(error)
+        self.num_active += 1
+        return None
+
+    def finish_request(self, request: Request) -> None:
+        """Note an output that ends where the grammar cannot; the request's status stays what it was."""
+        if request.matcher is None:
+            return
+        self.num_active -= 1
+        if request.error is None and not request.matcher.can_finish:
+            request.error = INCOMPLETE.format(reason=request.finish_reason)
+
+    def constrained_ids(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> list[str]:
+        if not self.num_active:
+            return []
+        return [s.request_id for s in output.requests if s.sample and requests[s.request_id].matcher is not None]
+
+    def bitmask(self, request_ids: list[str], requests: Mapping[str, Request]) -> GrammarBitmask:
+        """The step's bitmask, from the matchers' current state. A request that finished meanwhile (its token
+        will be dropped) may sample anything."""
+        from batchllm.engine.grammar import fill_bitmasks
+
+        bitmask = np.full((len(request_ids), self.compiler.bitmask_width), -1, dtype=np.int32)
+        rows, matchers = [], []
+        for row, request_id in enumerate(request_ids):
+            request = requests.get(request_id)
+            if request is not None and not request.status.finished:
+                rows.append(row)
+                matchers.append(request.matcher)
+        if len(rows) == len(request_ids):
+            fill_bitmasks(matchers, bitmask)
+        elif rows:
+            filled = np.empty((len(rows), bitmask.shape[1]), dtype=np.int32)
+            fill_bitmasks(matchers, filled)
+            bitmask[rows] = filled
+        return GrammarBitmask(request_ids, bitmask)
