@@ -1,0 +1,227 @@
+"""Constrained decoding through llguidance: compile a `StructuredOutputsParams` once, match tokens, fill bitmasks.
+
+llguidance (no torch, no other dependency) is the grammar engine; benchmarks/README.md says why. It works on
+bytes over the tokenizer's vocabulary: the allowed-token bitmask of a state has bit `t % 32` of word `t // 32`
+set when token `t` may come next. The EOS ids are allowed exactly where the output may end.
+
+Kinds:
+- json: llguidance's JSON-schema grammar, strict (a keyword it does not implement is an error, not ignored).
+  Whitespace is fixed, not flexible: one line laid out as `json.dumps` does (`", "` between items, `": "` after
+  keys). Flexible whitespace lets a small model wander into endless newlines; this layout is the one models
+  write most. A schema can still ask for other layouts with llguidance's `x-guidance` key
+  (e.g. `{"whitespace_flexible": true}`), which takes precedence over these defaults.
+- json_object: any JSON object (schema `{"type": "object"}`), same layout.
+- regex: the whole output matches (Rust `regex` syntax: no look-around, no backreferences).
+- choice: exactly one of the strings.
+- grammar: Lark in llguidance's dialect; text with `::=` and no Lark `start:` rule is read as GBNF and converted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.gbnf_to_lark import any_to_lark
+
+from batchllm.structured_outputs import StructuredOutputsParams
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_PARALLEL_MIN_ROWS = 8  # fewer rows: one call each is as fast as the thread pool
+_executor: LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar engine rejects; the message names its kind and carries llguidance's error."""
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    key: tuple[str, str]
+    grammar: str  # llguidance's grammar text
+    template: LLMatcher  # in its start state, never advanced: matchers are copies, sharing its lexer caches
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        eos = sorted({int(t) for t in eos_token_ids})
+        if not eos:
+            raise ValueError("GrammarCompiler needs at least one EOS token id")
+        if getattr(tokenizer, "backend_tokenizer", None) is None:
+            raise ValueError("structured outputs need a fast (tokenizers-backed) tokenizer")
+        backend = copy.copy(tokenizer.backend_tokenizer)  # a fast tokenizer's Rust side, serialized for llguidance
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer_size = backend.get_vocab_size(with_added_tokens=True)
+        if vocab_size < self.tokenizer_size:
+            raise ValueError(f"the model's vocab_size {vocab_size} is smaller than the tokenizer's "
+                             f"{self.tokenizer_size} tokens")
+        if eos[-1] >= self.tokenizer_size or eos[0] < 0:
+            raise ValueError(f"EOS ids {eos} are outside the tokenizer's {self.tokenizer_size} tokens")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos)
+        self.bitmask_width = (vocab_size + 31) // 32
+        self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self._eos_row = np.zeros(self.bitmask_width, dtype=np.int32)
+        for t in eos:
+            self._eos_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        # Bits of ids the tokenizer does not have (the logits' padding): cleared after every fill.
+        self._tail_word = self.tokenizer_size // 32
+        self._tail_keep = np.int32(np.uint32((1 << (self.tokenizer_size % 32)) - 1).view(np.int32))
+        self._cache: dict[tuple[str, str], CompiledGrammar | GrammarError] = {}  # rejections are cached too
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The validated grammar of `params`, compiled once per distinct constraint; raises GrammarError."""
+        with self._lock:
+            compiled = self._cache.get(params.key)
+            if compiled is None:
+                try:
+                    compiled = self._compile(params)
+                except GrammarError as error:
+                    compiled = error
+                self._cache[params.key] = compiled
+        if isinstance(compiled, GrammarError):
+            raise GrammarError(*compiled.args)
+        return compiled
+
+    def new_matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        return GrammarMatcher(self, self.compile(params).template.deep_copy())
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        grammar = _llguidance_grammar(params)
+        template = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"structured outputs: the {params.kind} constraint is rejected by the grammar "
+                               f"engine (llguidance): {template.get_error()}")
+        return CompiledGrammar(params.key, grammar, template)
+
+    def _clear_tail(self, out: np.ndarray) -> None:
+        if self.tokenizer_size < self.vocab_size:
+            out[..., self._tail_word + 1:] = 0
+            if self._tail_word < self.bitmask_width:
+                out[..., self._tail_word] &= self._tail_keep
+
+
+def _llguidance_grammar(params: StructuredOutputsParams) -> str:
+    kind, spec = params.key
+    if kind == "json":
+        return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":  # Lark string literals take JSON escapes
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+    if kind == "grammar":
+        if "::=" in spec:
+            try:
+                spec = any_to_lark(spec)  # unchanged when it is Lark already
+            except Exception as error:  # GbnfToLarkError and whatever the converter trips on
+                raise GrammarError(f"structured outputs: the grammar constraint is not valid GBNF: {error}") from None
+        return LLMatcher.grammar_from_lark(spec)
+    raise GrammarError(f"structured outputs: unknown constraint kind {kind!r}")
+
+
+class GrammarMatcher:
+    """One request's position in its grammar. A rejected token leaves the state as it was."""
+
+    def __init__(self, compiler: GrammarCompiler, matcher: LLMatcher) -> None:
+        self._compiler = compiler
+        self._matcher = matcher
+        # Per accepted token: whether llguidance counted it. An EOS after the grammar has ended (nothing
+        # else could follow) is accepted but not counted, so rollback must not undo a token for it.
+        self._counted: list[bool] = []
+
+    def accept_token(self, token_id: int) -> bool:
+        m = self._matcher
+        if token_id in self._compiler.eos_token_ids:
+            if m.is_stopped():  # ended (or stopped by an error, when EOS is all its bitmask allows): not counted
+                self._counted.append(False)
+                return True
+            if not m.is_accepting() or not m.consume_token(token_id):
+                return False
+            self._counted.append(True)
+            return True
+        if not 0 <= token_id < self._compiler.vocab_size or m.is_stopped():
+            return False
+        if m.try_consume_tokens([token_id]) != 1:  # unlike consume_token, a refusal is no error state
+            return False
+        self._counted.append(True)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= len(self._counted):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._counted)} were accepted")
+        if num_tokens == 0:
+            return
+        counted = sum(self._counted[-num_tokens:])
+        del self._counted[-num_tokens:]
+        if counted and not self._matcher.rollback(counted):
+            raise RuntimeError(f"llguidance could not roll back {counted} tokens: {self._matcher.get_error()}")
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        _check_out(out, (self._compiler.bitmask_width,))
+        if self.is_terminated:
+            out[:] = self._compiler._eos_row
+        else:
+            self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            self._compiler._clear_tail(out)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_stopped()  # also true in an error state (a resource limit hit mid-way)
+
+    @property
+    def can_finish(self) -> bool:
+        """EOS is allowed now: bit set in the bitmask exactly when this holds (except in an error state)."""
+        m = self._matcher
+        return not m.is_error() and (m.is_accepting() or m.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        """llguidance's error, when a limit stopped the matcher mid-way (never for a rejected token)."""
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+def fill_bitmasks(matchers: Sequence[GrammarMatcher], out: np.ndarray) -> None:
+    """Row i of `out` (int32 [len(matchers), bitmask_width]) gets matchers[i]'s bitmask; many rows are
+    filled in parallel by llguidance's thread pool, which runs without the GIL."""
+    if not matchers:
+        return
+    compiler = matchers[0]._compiler
+    _check_out(out, (len(matchers), compiler.bitmask_width))
+    live = []
+    for i, matcher in enumerate(matchers):
+        if matcher._compiler is not compiler:
+            raise ValueError("fill_bitmasks: the matchers come from different GrammarCompilers")
+        if matcher.is_terminated:
+            out[i] = compiler._eos_row
+        else:
+            live.append((matcher._matcher, i))
+    if len(live) >= _PARALLEL_MIN_ROWS:
+        _get_executor().unsafe_compute_mask_ptr(live, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+    else:
+        for matcher, i in live:
+            matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out.shape[1] * 4)
+    if live:
+        compiler._clear_tail(out)
+
+
+def _get_executor() -> LLExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = LLExecutor()  # llguidance's default: 80% of the CPUs, at most 32 threads
+        return _executor
+
+
+def _check_out(out: np.ndarray, shape: tuple[int, ...]) -> None:
+    if out.dtype != np.int32 or out.shape != shape or not out.flags["C_CONTIGUOUS"] or not out.flags["WRITEABLE"]:
+        raise ValueError(f"bitmask must be a writeable C-contiguous int32 array of shape {shape}, got "
+                         f"{out.dtype} {out.shape}")
