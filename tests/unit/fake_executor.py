@@ -8,11 +8,18 @@ blocks after preemption) changes the output and fails the test against `expected
 `execute_model_async` plays the asynchronous runner: a placeholder token is the token this executor
 sampled for the request in the step launched just before (as a real runner reads it on the device), and
 results must be read in launch order.
+
+Grammar-constrained steps: the sampled token is the first token the step's bitmask allows, counting up
+(cyclically) from the fake model's choice. Asynchronously, such a step waits for its bitmask
+(`AwaitingGrammar`) before it runs; synchronously, it must carry it.
 """
 
 from __future__ import annotations
 
-from batchllm.engine.interfaces import ModelRunnerOutput, ReadyOutput, SampledToken, SchedulerOutput
+import numpy as np
+
+from batchllm.engine.interfaces import (AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, ReadyOutput, SampledToken,
+                                       SchedulerOutput)
 
 
 def next_token(context: list[int]) -> int:
@@ -37,16 +44,21 @@ class FakeExecutor:
         self._last_sampled: dict[str, int] = {}  # of the step launched last
         self._num_read = 0
 
-    def execute_model_async(self, so: SchedulerOutput) -> _InOrder:
-        return _InOrder(self, len(self.steps), self._execute(so))
+    def execute_model_async(self, so: SchedulerOutput) -> _InOrder | AwaitingGrammar:
+        index = len(self.steps)
+        if so.grammar_request_ids and so.grammar is None:
+            return AwaitingGrammar(lambda grammar: _InOrder(self, index, self._execute(so, grammar)))
+        return _InOrder(self, index, self._execute(so, so.grammar))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert not any(r.placeholder for r in so.requests), "a synchronous step has no unknown tokens"
+        assert bool(so.grammar_request_ids) == (so.grammar is not None), "a constrained step needs its bitmask"
         self._num_read += 1
-        return self._execute(so)
+        return self._execute(so, so.grammar)
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         self.steps.append(so)
+        masks = {} if grammar is None else dict(zip(grammar.request_ids, grammar.bitmask))
         assert so.num_scheduled_tokens == sum(r.num_tokens for r in so.requests)
         assert so.num_scheduled_tokens <= self.max_num_batched_tokens, "token budget exceeded"
         for request_id in so.finished_request_ids:
@@ -76,7 +88,10 @@ class FakeExecutor:
             if r.sample:
                 context = [self.slots[table[p // self.block_size] * self.block_size + p % self.block_size]
                            for p in range(end)]
-                sampled[r.request_id] = SampledToken(next_token(context))
+                token = next_token(context)
+                if r.request_id in masks:
+                    token = first_allowed(masks[r.request_id], token)
+                sampled[r.request_id] = SampledToken(token)
         self._last_sampled = {request_id: token.token_id for request_id, token in sampled.items()}
         return ModelRunnerOutput(sampled)
 
@@ -90,6 +105,16 @@ class FakeExecutor:
         overlap = written & self._written_this_step
         assert not overlap, f"{r.request_id} writes blocks {overlap} that another request writes this step"
         self._written_this_step |= written
+
+
+def first_allowed(bitmask: np.ndarray, start: int) -> int:
+    """The first token the bitmask allows, counting up from `start` and wrapping around."""
+    vocab = bitmask.shape[0] * 32
+    allowed = (bitmask.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    ids = np.flatnonzero(allowed.reshape(vocab))
+    assert ids.size, "the bitmask allows nothing"
+    after = ids[ids >= start]
+    return int(after[0] if after.size else ids[0])
 
 
 class _InOrder(ReadyOutput):

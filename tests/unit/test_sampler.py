@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,3 +244,35 @@ def test_build_skips_unused_stages():
     assert t.greedy.tolist() == [True, False]
     assert t.penalties.repetition is None and t.penalties.prompt_index is None and t.penalties.presence is None
     assert t.penalties.output_index.tolist() == [1 * 32 + 3]
+
+
+def _pack(allowed: torch.Tensor) -> np.ndarray:
+    """[N, V] bool → the int32 bitmask layout, packed by hand bit by bit (the reference)."""
+    num_rows, vocab = allowed.shape
+    width = (vocab + 31) // 32
+    out = np.zeros((num_rows, width), dtype=np.uint32)
+    for r in range(num_rows):
+        for t in allowed[r].nonzero().flatten().tolist():
+            out[r, t // 32] |= np.uint32(1 << (t % 32))
+    return out.view(np.int32)
+
+
+def test_grammar_bitmask_masks_exactly_the_forbidden_tokens(device):
+    vocab = 70  # not a multiple of 32: the last word is partly unused
+    logits = torch.randn(5, vocab, device=device)
+    allowed = torch.rand(3, vocab) < 0.2
+    allowed[:, 33] = True  # a bit in the second word, so no row is empty
+    rows = [0, 2, 4]
+    for params in ({"temperature": 0.0}, {"temperature": 1.3, "top_k": 20, "top_p": 0.9}):
+        t = SamplingTensors.build([row(**params) for _ in range(5)], vocab, device)
+        t.add_grammar(rows, _pack(allowed), torch.device(device))
+        for _ in range(20):
+            out = Sampler()(logits, t)
+            for i, r in enumerate(rows):
+                assert allowed[i, out.token_ids[r].item()], (params, r)
+        if params["temperature"] == 0.0:
+            expected = logits.cpu().masked_fill(~torch.ones(5, vocab, dtype=torch.bool).index_copy(
+                0, torch.tensor(rows), allowed), float("-inf")).argmax(-1)
+            assert out.token_ids.cpu().tolist() == expected.tolist()
+            unconstrained = [1, 3]
+            assert out.token_ids[unconstrained].tolist() == logits.argmax(-1)[unconstrained].tolist()
