@@ -190,20 +190,15 @@ class GrammarMatcher:
 
 
 def fill_bitmasks(matchers: Sequence[GrammarMatcher], out: np.ndarray) -> None:
-    """Row i of `out` (int32 [len(matchers), bitmask_width]) gets matchers[i]'s bitmask; many rows are
-    filled in parallel by llguidance's thread pool, which runs without the GIL."""
+    """Row i of `out` (int32 [len(matchers), bitmask_width]) gets matchers[i]'s bitmask; the matchers come from
+    one GrammarCompiler. Many rows are filled in parallel by llguidance's thread pool, without the GIL."""
     if not matchers:
         return
     compiler = matchers[0]._compiler
     _check_out(out, (len(matchers), compiler.bitmask_width))
-    live = []
-    for i, matcher in enumerate(matchers):
-        if matcher._compiler is not compiler:
-            raise ValueError("fill_bitmasks: the matchers come from different GrammarCompilers")
-        if matcher.is_terminated:
-            out[i] = compiler._eos_row
-        else:
-            live.append((matcher._matcher, i))
+    live = [(m._matcher, i) for i, m in enumerate(matchers) if not m._matcher.is_stopped()]
+    if len(live) < len(matchers):
+        out[[i for i, m in enumerate(matchers) if m._matcher.is_stopped()]] = compiler._eos_row
     if len(live) >= _PARALLEL_MIN_ROWS:
         _get_executor().unsafe_compute_mask_ptr(live, out.ctypes.data, out.shape[1] * 4, out.shape[0])
     else:
