@@ -2,8 +2,9 @@
 
 Exactly one of `json`, `regex`, `choice`, `grammar` or `json_object` is set. Construction validates the
 shape of the value and turns it into a canonical `(kind, spec)` pair: a JSON schema given as a dict, a JSON
-string or a pydantic model class becomes one compact, key-sorted JSON text, so equal constraints share one
-compiled grammar whatever form they came in. Whether the grammar engine can compile the spec (a regex that
+string or a pydantic model class becomes one compact JSON text, so equal constraints share one compiled
+grammar whatever form they came in. Keys keep their order: the grammar has the output's fields in the order
+the schema lists them (a "reasoning" field before "answer" is how users make a model think first). Whether the grammar engine can compile the spec (a regex that
 does not parse, a schema feature it lacks) is known only when it is compiled, before generation.
 """
 
@@ -66,7 +67,7 @@ def _is_set(name: str, value: Any) -> bool:
 
 def _canonical(kind: str, value: Any) -> str:
     if kind == "json":
-        return json_module.dumps(_schema_dict(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json_module.dumps(_schema_dict(value), separators=(",", ":"), ensure_ascii=False)
     if kind == "choice":
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
             raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of strings, got {value!r}")
