@@ -24,7 +24,7 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
              model: str | Path | None = None, llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
              sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
              truncate: str = "error", use_tqdm: bool = True, data_parallel_size: int = 1,
-             **sampling_fields: Any) -> Any:
+             schema_column: str | None = None, parse_json: bool = False, **sampling_fields: Any) -> Any:
     """Generate a completion per row and return the same kind of object with output columns added.
 
         df.pipe(batchllm.generate, prompt_column="question", max_tokens=64, temperature=0)
@@ -49,6 +49,18 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     another `output_column` the other names take it as a prefix. `truncate` ("error", "left", "right")
     decides what happens to prompts that leave no room for `max_tokens` within the model's length.
 
+    Structured outputs: `structured_outputs=StructuredOutputsParams(json=Model)` (a sampling field; also
+    regex=, choice=, grammar=, json_object=True) constrains every row; it is compiled before anything is
+    generated, and one the grammar engine cannot compile raises its `GrammarError` (a ValueError).
+    `schema_column="schema"` gives each row its own JSON schema instead: a dict or JSON text (a
+    `StructuredOutputsParams` of any kind also works); null leaves that row unconstrained; a value that is not
+    JSON or not an object, or a schema that does not compile, fails that row alone (its `error`). In Arrow
+    / Parquet keep the schemas as JSON text: a struct column gives each row every key of the others' schemas,
+    as nulls, which changes them. The two
+    exclude each other. `parse_json=True` (with a JSON constraint) adds a `parsed` column: Python objects
+    for pandas and lists of dicts, canonical JSON text for Arrow and datasets (per-row schemas have no
+    common struct type); null where the row failed, finished with "length" (cut short) or does not parse.
+
     A bad row (null / non-string / empty prompt, malformed messages, a null template field, an over-long
     prompt under truncate="error") gets an `error` and no text; every other row completes. A problem with
     the call itself (no or several prompt sources, an unknown column, a bad sampling value, an output
@@ -65,7 +77,7 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, system_prompt=system_prompt,
                               sampling_params=sampling_params, output_column=output_column, truncate=truncate,
-                              sampling_fields=sampling_fields)
+                              schema_column=schema_column, parse_json=parse_json, sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
     with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
         if options.prompt.chat or options.prompt.messages_column is not None:

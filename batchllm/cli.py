@@ -9,6 +9,11 @@ vLLM's SamplingParams defaults that the Python API keeps (temperature 1.0, 16 to
 `--max-tokens 256`. For an OpenAI batch file they are the defaults for fields a request does not set.
 Errors name the flags (`--rows-per-shard`), not the Python arguments behind them.
 
+Structured outputs: `--json-schema FILE`, `--regex PATTERN` or `--choice A,B,C` constrain every row (for an
+OpenAI batch file: every request without a response_format of its own); `--schema-column NAME` takes each
+row's JSON schema from a column instead; `--parse-json` adds the `parsed` column. A constraint the grammar
+engine cannot compile exits with status 2 before anything is generated.
+
 Exit status: 0 done; 2 bad arguments or options, e.g. a model directory without a tokenizer (nothing
 generated); 128 + N after signal N (SIGINT: 130, SIGTERM: 143) with every finished row saved: run the
 same command again to resume; 1 when every data-parallel replica died (completed shards saved, resumable
@@ -22,16 +27,19 @@ import argparse
 import dataclasses
 import importlib.metadata
 import inspect
+import json
 import re
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
+from batchllm.structured_outputs import StructuredOutputsParams
 
 # Sampling flags → SamplingParams fields. Each defaults to SamplingParams' own, except _CLI_SAMPLING_DEFAULTS.
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
@@ -88,6 +96,20 @@ def _parser() -> argparse.ArgumentParser:
                           "messages start with their own keep it); not for OpenAI batch files, whose requests carry "
                           "their own messages")
     run.add_argument("--output-column", default="generated_text", help="name of the generated-text column")
+    constraint = run.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", type=_json_schema_file, metavar="FILE",
+                            help="structured outputs: every completion is JSON valid against the JSON schema in FILE "
+                                 "(an OpenAI batch file: the requests without their own response_format)")
+    constraint.add_argument("--regex", metavar="PATTERN", type=_constraint("regex"),
+                            help="structured outputs: every completion matches the regular expression (whole output)")
+    constraint.add_argument("--choice", metavar="A,B,...", type=_constraint("choice"),
+                            help="structured outputs: every completion is one of the comma-separated strings")
+    constraint.add_argument("--schema-column", metavar="NAME",
+                            help="structured outputs: column holding each row's JSON schema (JSON text; null: "
+                                 "unconstrained); tables only")
+    run.add_argument("--parse-json", action="store_true",
+                     help="add a `parsed` column: the canonical JSON text of each JSON-constrained completion "
+                          "(--json-schema or --schema-column); tables only")
     run.add_argument("--truncate", choices=("error", "left", "right"), default="error",
                      help="what to do with a prompt that leaves no room for --max-tokens: error the row, or cut its "
                           "left or right end")
@@ -141,12 +163,21 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
               "output_column": args.output_column}
+    constraint = args.json_schema or args.regex or args.choice
+    if constraint is not None:
+        options["structured_outputs"] = constraint
+    if args.parse_json and args.schema_column is None and args.json_schema is None:
+        return _fail("--parse-json needs a JSON constraint: --json-schema FILE or --schema-column NAME")
     input_format = input_format_of(args.input, args.input_format)
     if input_format != "openai-batch":
         options.update(prompt)
+        options.update(schema_column=args.schema_column, parse_json=args.parse_json)
     elif any(value for key, value in prompt.items() if key != "output_column"):
         return _fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
                      "an OpenAI batch file: each request carries its prompt")
+    elif args.schema_column is not None or args.parse_json:
+        return _fail("--schema-column / --parse-json do not apply to an OpenAI batch file: a request's "
+                     "response_format carries its schema (--json-schema / --regex / --choice set the default)")
     try:
         result = run_job(args.input, args.output, input_format=input_format, model=args.model,
                          engine_kwargs=engine or None, use_tqdm=not args.no_progress,
@@ -183,6 +214,36 @@ def _os_error_message(exc: OSError) -> str:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _json_schema_file(path: str) -> StructuredOutputsParams:
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the JSON schema file {path!r}: "
+                                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{path!r} is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"{path!r} holds a JSON {type(schema).__name__}; a JSON schema is an "
+                                         f"object") from None
+    return StructuredOutputsParams(json=schema)
+
+
+def _constraint(kind: str):
+    def parse(text: str) -> StructuredOutputsParams:
+        value: Any = text.split(",") if kind == "choice" else text
+        if kind == "choice" and not all(value):
+            raise argparse.ArgumentTypeError(f"expected comma-separated non-empty strings, e.g. yes,no; got {text!r}")
+        try:
+            return StructuredOutputsParams(**{kind: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace("StructuredOutputsParams.", "")) from None
+
+    parse.__name__ = kind
+    return parse
 
 
 def _token_ids(text: str) -> list[int]:

@@ -92,9 +92,9 @@ class OutputNames:
     """Names of the output columns.
 
     With the default output column they are `generated_text`, `finish_reason`, `prompt_tokens`,
-    `completion_tokens`, `error` (and `logprobs`). With `output_column="answer"` the others get the
-    prefix `answer_` (`answer_error`, ...), so a second `generate` over the same table can add its own
-    columns without clobbering the first one's.
+    `completion_tokens`, `error` (and `logprobs`, and `parsed` with parse_json=True). With
+    `output_column="answer"` the others get the prefix `answer_` (`answer_error`, ...), so a second
+    `generate` over the same table can add its own columns without clobbering the first one's.
     """
 
     text: str
@@ -103,6 +103,7 @@ class OutputNames:
     completion_tokens: str
     error: str
     logprobs: str
+    parsed: str
 
     @classmethod
     def for_column(cls, output_column: str) -> OutputNames:
@@ -110,17 +111,42 @@ class OutputNames:
             raise ValueError(f"output_column must be a non-empty string, got {output_column!r}")
         prefix = "" if output_column == DEFAULT_OUTPUT_COLUMN else f"{output_column}_"
         return cls(output_column, *(prefix + name for name in
-                                    ("finish_reason", "prompt_tokens", "completion_tokens", "error", "logprobs")))
+                                    ("finish_reason", "prompt_tokens", "completion_tokens", "error", "logprobs",
+                                     "parsed")))
 
 
 @dataclass(frozen=True, slots=True)
 class MapOptions:
-    """Everything that decides a row's output, besides the model."""
+    """Everything that decides a row's output, besides the model.
+
+    Structured outputs: a call-wide constraint is `sampling_params.structured_outputs`; `schema_column`
+    names a column holding a JSON schema per row instead (the two exclude each other). `parse_json` adds
+    the `parsed` output column and needs a JSON constraint (json / json_object, or a schema column).
+    """
 
     prompt: PromptSpec
     sampling_params: SamplingParams
     names: OutputNames
     truncate: str = "error"
+    schema_column: str | None = None
+    parse_json: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schema_column is not None:
+            if not isinstance(self.schema_column, str) or not self.schema_column:
+                raise ValueError(f"schema_column must be a non-empty string, got {self.schema_column!r}")
+            if self.sampling_params.structured_outputs is not None:
+                raise ValueError(f"schema_column={self.schema_column!r} (a JSON schema per row) and a call-wide "
+                                 f"structured_outputs= ({self.sampling_params.structured_outputs.kind}) exclude "
+                                 f"each other: pass one of them")
+        if not isinstance(self.parse_json, bool):
+            raise ValueError(f"parse_json must be True or False, got {self.parse_json!r}")
+        constraint = self.sampling_params.structured_outputs
+        if self.parse_json and self.schema_column is None and (constraint is None or
+                                                               constraint.kind not in ("json", "json_object")):
+            got = "no constraint" if constraint is None else f"a {constraint.kind} constraint"
+            raise ValueError(f"parse_json=True needs a JSON constraint: structured_outputs="
+                             f"StructuredOutputsParams(json=... or json_object=True) or schema_column=; got {got}")
 
     @property
     def with_logprobs(self) -> bool:
@@ -129,11 +155,20 @@ class MapOptions:
     def output_names(self) -> list[str]:
         names = self.names
         columns = [names.text, names.finish_reason, names.prompt_tokens, names.completion_tokens, names.error]
-        return columns + [names.logprobs] if self.with_logprobs else columns
+        if self.with_logprobs:
+            columns.append(names.logprobs)
+        if self.parse_json:
+            columns.append(names.parsed)
+        return columns
 
     def check_input_columns(self, available: Sequence[str]) -> list[str]:
         """Fail fast on unknown prompt columns or output columns that already exist; returns the needed ones."""
         needed = self.prompt.required_columns(available)
+        if self.schema_column is not None and self.schema_column not in needed:
+            if self.schema_column not in available:
+                raise ValueError(f"unknown column {self.schema_column!r} (schema_column=); the input has "
+                                 f"{list(available)}")
+            needed = [*needed, self.schema_column]
         clashes = [name for name in self.output_names() if name in available]
         if clashes:
             raise ValueError(f"the input already has column{'s' if len(clashes) > 1 else ''} "
@@ -142,24 +177,31 @@ class MapOptions:
         return needed
 
     def describe(self) -> dict[str, Any]:
-        return {"prompt": self.prompt.describe(), "sampling_params": params_dict(self.sampling_params),
-                "output_column": self.names.text, "truncate": self.truncate}
+        identity = {"prompt": self.prompt.describe(), "sampling_params": params_dict(self.sampling_params),
+                    "output_column": self.names.text, "truncate": self.truncate}
+        # Only when set: manifests of jobs without them stay resumable.
+        if self.schema_column is not None:
+            identity["schema_column"] = self.schema_column
+        if self.parse_json:
+            identity["parse_json"] = True
+        return identity
 
 
 def resolve_options(*, prompt_column: str | None = None, messages_column: str | None = None,
                     prompt_template: Template | None = None, chat: bool = False, system_prompt: str | None = None,
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
-                    truncate: str = "error", sampling_fields: Mapping[str, Any] | None = None) -> MapOptions:
+                    truncate: str = "error", schema_column: str | None = None, parse_json: bool = False,
+                    sampling_fields: Mapping[str, Any] | None = None) -> MapOptions:
     """Validate the per-call options; `sampling_fields` are the caller's other keywords: SamplingParams fields,
     and `system_prompt` when the caller does not name it itself (the Parquet job and batchllm.ray pass their
-    remaining keywords on as they come)."""
+    remaining keywords on as they come). A call-wide `structured_outputs` is a sampling field like any other."""
     if truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
     fields = dict(sampling_fields or {})
     system_prompt = fields.pop("system_prompt", system_prompt)
     return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt),
                       resolve_sampling_params(sampling_params, fields),
-                      OutputNames.for_column(output_column), truncate)
+                      OutputNames.for_column(output_column), truncate, schema_column, parse_json)
 
 
 def resolve_sampling_params(sampling_params: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:
@@ -198,4 +240,10 @@ def template_fields(template: str) -> list[str]:
 
 
 def params_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    """The fields as JSON-able values (job fingerprints); `structured_outputs` only when set, as its
+    `describe()`, so the manifests of jobs without a constraint stay resumable."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    constraint = fields.pop("structured_outputs")
+    if constraint is not None:
+        fields["structured_outputs"] = constraint.describe()
+    return fields

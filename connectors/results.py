@@ -7,10 +7,18 @@ all-error batch and every shard of a job share one schema:
 - `prompt_tokens`: int32; `completion_tokens`: int32, or list<int32> when n > 1;
 - `error`: string, null when the row succeeded;
 - `logprobs` (only when logprobs are asked for): per generated token a struct of the token, its id, its
-  logprob and the top alternatives; a list of those per sample when n > 1.
+  logprob and the top alternatives; a list of those per sample when n > 1;
+- `parsed` (only with parse_json=True): the JSON value of a JSON-constrained completion as canonical JSON
+  text (`constraints.parsed_json_text`), list<string> when n > 1; null where the row failed, is not
+  JSON-constrained, finished with "length" or does not parse. A string, not a struct: rows with different
+  schemas (a schema column) have no common struct type, and even one schema's `oneOf`, `additionalProperties`
+  or recursion have none. The pandas and list-of-dicts connectors turn it into Python objects.
 
 A failed row has null text, `finish_reason="error"` (`["error"] * n` when n > 1, so the column keeps one
 entry per sample), null `completion_tokens` and its `prompt_tokens` when the prompt could be tokenized.
+A row that generated but carries a note from the engine (a structured-output row stopped, by max_tokens or a
+stop string, before its constraint was complete) keeps its text, token count and finish_reason
+("length" / "stop"), with the note in `error`.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchllm.connectors.constraints import is_json_constraint, parsed_json_text
 from batchllm.connectors.options import MapOptions
 from batchllm.outputs import CompletionOutput, RequestOutput
 from batchllm.sampling_params import SamplingParams
@@ -38,10 +47,20 @@ class RowOutcome:
     prompt_tokens: int | None = None
     # The request's top-k for logprobs: each step's logprob dict holds k or k + 1 tokens, so k must travel along.
     top_logprobs: int | None = None
+    json_constrained: bool = False  # the row ran under a JSON constraint: its `parsed` value is its text's
 
     @classmethod
     def from_output(cls, output: RequestOutput, params: SamplingParams) -> RowOutcome:
-        return cls(output, output.error, len(output.prompt_token_ids), params.logprobs)
+        return cls(output, output.error, len(output.prompt_token_ids), params.logprobs,
+                   is_json_constraint(params.structured_outputs))
+
+    @property
+    def failed(self) -> bool:
+        """No completion to show: the row never ran, or the engine failed it (a sample finished with "error").
+        An `error` on completions that finished otherwise is a note about them (see the module docstring)."""
+        if self.output is None or not self.output.outputs:
+            return True
+        return self.error is not None and any(c.finish_reason == "error" for c in self.output.outputs)
 
     @property
     def completion_tokens(self) -> int:
@@ -58,6 +77,8 @@ def output_schema(options: MapOptions) -> pa.Schema:
     if options.with_logprobs:
         per_sample = pa.list_(_TOKEN_LOGPROB)
         fields.append((options.names.logprobs, pa.list_(per_sample) if many else per_sample))
+    if options.parse_json:
+        fields.append((options.names.parsed, text))
     return pa.schema(fields)
 
 
@@ -68,7 +89,7 @@ def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Ar
     failed_reason = ["error"] * n if many else "error"
     columns: list[list[Any]] = [[] for _ in output_schema(options)]
     for outcome in outcomes:
-        completions = None if outcome.error is not None or outcome.output is None else outcome.output.outputs
+        completions = None if outcome.failed else outcome.output.outputs
         values = [
             _per_sample(completions, many, lambda c: c.text),
             failed_reason if completions is None else _per_sample(completions, many, lambda c: c.finish_reason),
@@ -78,6 +99,9 @@ def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Ar
         ]
         if options.with_logprobs:
             values.append(_per_sample(completions, many, lambda c: token_logprobs(c, outcome.top_logprobs or 0)))
+        if options.parse_json:
+            values.append(_per_sample(completions if outcome.json_constrained else None, many,
+                                      lambda c: parsed_json_text(c.text, c.finish_reason, c.error)))
         for column, value in zip(columns, values):
             column.append(value)
     return [pa.array(values, type=field.type) for values, field in zip(columns, output_schema(options))]

@@ -13,8 +13,9 @@ and the output is cut back to the last good one (`jsonl_output.py`); recorded li
 `retry_errors=True` removes the error lines and answers those requests again: every custom_id stays in
 the output exactly once. While a job runs it holds `OUTPUT.lock` (`lock.py`): a second job on the same
 output fails at once with `OutputInUse`. The fingerprint pins the input file's SHA-256, the model, the
-tokenizer and its chat template, `max_model_len`, the default sampling parameters, `truncate`,
-`rows_per_shard` and `max_tokens_cap`. A request's max_tokens above the cap (or null) gets the cap.
+tokenizer and its chat template, `max_model_len`, the default sampling parameters (the default constraint
+among them, when there is one), `truncate`, `rows_per_shard` and `max_tokens_cap`. A request's max_tokens
+above the cap (or null) gets the cap.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from batchllm.connectors.constraints import require_compiles
 from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
 from batchllm.connectors.jobs.job import (
     DEFAULT_FLUSH_SECONDS,
@@ -60,14 +62,21 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
                   **sampling_fields: Any) -> JobResult:
     """Answer the OpenAI batch request file `input` into the JSONL file `output`.
 
-    `sampling_params` / sampling keywords are the defaults for fields a request body does not set. The
-    other options are those of `run_parquet_job`; prompts come from the requests themselves. Chat requests
-    on a model without a chat template raise ValueError before any generation.
+    `sampling_params` / sampling keywords are the defaults for fields a request body does not set; a
+    default `structured_outputs` constrains the requests without a `response_format` of their own, and is
+    compiled before anything runs (GrammarError when it cannot be). The other options are those of
+    `run_parquet_job`; prompts come from the requests themselves. Chat requests on a model without a chat
+    template raise ValueError before any generation.
     """
     check_data_parallel_size(data_parallel_size, llm)
     for name in ("prompt_column", "messages_column", "prompt_template", "chat", "output_column"):
         if name in sampling_fields:
             raise ValueError(f"{name}= does not apply to an OpenAI batch file: each request carries its prompt")
+    for name in ("schema_column", "parse_json"):
+        if sampling_fields.get(name):
+            raise ValueError(f"{name}= does not apply to an OpenAI batch file: a request's body.response_format "
+                             f"carries its schema, and its answer is the JSON text")
+        sampling_fields.pop(name, None)
     defaults = resolve_sampling_params(sampling_params, sampling_fields)
     if truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
@@ -90,6 +99,7 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
          truncate: str, settings: JobSettings) -> JobResult:
     if source.chat_requests:
         require_chat_template(engine, f"the {source.chat_requests} {CHAT_URL} requests in {source.path.name}")
+    require_compiles(engine, defaults.structured_outputs)
     fingerprint = {"job": "openai-batch", "input": source.fingerprint(), "model": model_identity(engine.model_path),
                    "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
                    "defaults": params_dict(defaults), "truncate": truncate, "rows_per_shard": settings.rows_per_shard,

@@ -63,7 +63,8 @@ class JsonlSink:
                 file.flush()
                 os.fsync(file.fileno())
         self._end += len(data)
-        self.manifest.record(ShardRecord(shard, len(outcomes), sum(o.error is not None for o in outcomes),
+        # Error lines (a note on an answered row, e.g. a constrained one cut short, is no error line).
+        self.manifest.record(ShardRecord(shard, len(outcomes), sum(o.failed for o in outcomes),
                                          sum(o.completion_tokens for o in outcomes), to_ranges(offsets), complete,
                                          len(data), hashlib.sha256(data).hexdigest(), end_offset=self._end))
 

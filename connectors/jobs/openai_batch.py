@@ -5,8 +5,18 @@ A request line is `{"custom_id", "method": "POST", "url", "body"}` with url `/v1
 `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `n`, `seed`, `stop`, the presence and
 frequency penalties, `logprobs` (chat: true with `top_logprobs`; completions: an int), and vLLM's
 extensions `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`. Fields
-the body does not set take the job's defaults. `model`, `user`, `metadata`, `store`, `service_tier` and a
-false `stream` are ignored; any other field is refused for that line rather than silently ignored.
+the body does not set take the job's defaults.
+
+`response_format` constrains the output (`batchllm.connectors.constraints.response_format_constraint`):
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}} to the schema (always enforced,
+whatever `strict` says), {"type": "json_object"} to any JSON object, {"type": "text"} to nothing. A line
+without one takes the job's default constraint (the CLI's --json-schema / --regex / --choice), if any; any
+other response_format fails the line. A schema the grammar engine rejects fails its line with the engine's
+message. A constrained answer cut short by max_tokens is answered as OpenAI does: its (incomplete) content
+with finish_reason "length".
+
+`model`, `user`, `metadata`, `store`, `service_tier` and a false `stream` are ignored; any other field is
+refused for that line rather than silently ignored.
 
 Chat messages follow `batchllm.connectors.prompts.check_messages`: the roles are system, user, assistant
 and tool (any other fails the line); content is a string or a list of text parts (joined); an assistant's
@@ -28,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.connectors.constraints import response_format_constraint
 from batchllm.connectors.prompts import RowError, check_text
 from batchllm.connectors.results import RowOutcome, token_logprobs
 from batchllm.outputs import CompletionOutput
@@ -92,7 +103,8 @@ def _salvage_custom_id(raw: str) -> str | None:
 
 def sampling_params(body: dict[str, Any], defaults: SamplingParams, chat: bool) -> SamplingParams:
     """The request's sampling parameters: the job's defaults overridden by the body's fields."""
-    unknown = sorted(set(body) - _IGNORED - set(_SAMPLING) - {"messages", "prompt", "logprobs", "top_logprobs"})
+    unknown = sorted(set(body) - _IGNORED - set(_SAMPLING) - {"messages", "prompt", "logprobs", "top_logprobs",
+                                                              "response_format"})
     if unknown:
         raise RowError(f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
     if body.get("stream"):
@@ -108,6 +120,8 @@ def sampling_params(body: dict[str, Any], defaults: SamplingParams, chat: bool) 
             raise RowError("top_logprobs needs logprobs=true")
     elif body.get("logprobs") is not None:
         overrides["logprobs"] = body["logprobs"]
+    if body.get("response_format") is not None:  # its own, even {"type": "text"}: the job's default does not apply
+        overrides["structured_outputs"] = response_format_constraint(body["response_format"])
     try:
         return dataclasses.replace(defaults, **overrides)
     except (ValueError, TypeError) as exc:
@@ -127,7 +141,7 @@ def prompt_of(body: dict[str, Any], chat: bool) -> Any:
 
 def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str) -> str:
     request_id = f"batch_req_{line}"
-    if outcome.error is not None or outcome.output is None:
+    if outcome.failed:
         code = "invalid_request" if outcome.output is None else "generation_error"
         return json.dumps({"id": request_id, "custom_id": envelope.custom_id, "response": None,
                            "error": {"code": code, "message": f"line {line}: {outcome.error}"}})

@@ -19,9 +19,10 @@ and rewrites their shards in place (same file names, rows in input order). The m
 pins the input (relative paths, sizes, row counts and a hash of each Parquet footer, so moving the input
 directory is fine but any rewrite is caught; a CSV / JSON file's name, size and SHA-256), the model
 (config hash and weight size), the tokenizer and its chat template (`identity.py`), `max_model_len`, the
-prompt options, the sampling parameters, `truncate`, `output_column`, `rows_per_shard` and
-`max_tokens_cap`; a mismatch is refused. Engine-only options (device, dtype, batch limits,
-`max_in_flight`, `flush_seconds`) may change between runs.
+prompt options, the sampling parameters (a call-wide constraint's canonical text among them),
+`schema_column` and `parse_json` (when set), `truncate`, `output_column`, `rows_per_shard` and
+`max_tokens_cap`; a mismatch is refused. Per-row schemas are input data, pinned with the input.
+Engine-only options (device, dtype, batch limits, `max_in_flight`, `flush_seconds`) may change between runs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from batchllm.connectors.constraints import SchemaColumn, require_compiles
 from batchllm.connectors.jobs.atomic import is_temporary, remove_stale_temporaries
 from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
 from batchllm.connectors.jobs.job import (
@@ -51,7 +53,7 @@ from batchllm.connectors.jobs.manifest import Manifest
 from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource, open_table_source
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
-from batchllm.connectors.prompts import PromptEncoder, encode_rows
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, encode_rows
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.llm import LLM
@@ -70,7 +72,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
                     data_parallel_size: int = 1, input_format: str = "auto", retry_errors: bool = False,
                     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                    **sampling_fields: Any) -> JobResult:
+                    schema_column: str | None = None, parse_json: bool = False, **sampling_fields: Any) -> JobResult:
     """Generate for every row of the table `input` (read as `input_format`, see `sources.py`) into shards under
     the directory `output`.
 
@@ -87,7 +89,8 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     check_data_parallel_size(data_parallel_size, llm)
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
-                              output_column=output_column, truncate=truncate, sampling_fields=sampling_fields)
+                              output_column=output_column, truncate=truncate, schema_column=schema_column,
+                              parse_json=parse_json, sampling_fields=sampling_fields)
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
                            retry_errors)
     source = open_table_source(input, input_format)
@@ -106,6 +109,7 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     # The fingerprint keeps the options as asked; rows run with max_tokens capped, before prompts are fitted.
     capped = dataclasses.replace(options, sampling_params=cap_max_tokens(options.sampling_params,
                                                                          settings.max_tokens_cap))
+    require_compiles(engine, options.sampling_params.structured_outputs)
     encoder = PromptEncoder.for_llm(engine, capped)
     fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
                    "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
@@ -115,9 +119,20 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
                        settings.retry_errors)
 
+    schemas = None if options.schema_column is None else SchemaColumn(options.schema_column, capped.sampling_params)
+
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         columns = {name: batch.column(name).to_pylist() for name in needed}
-        return [RowRequest(p, capped.sampling_params) for p in encode_rows(columns, batch.num_rows, capped, encoder)]
+        prompts = encode_rows(columns, batch.num_rows, capped, encoder)
+        if schemas is None:
+            return [RowRequest(p, capped.sampling_params) for p in prompts]
+        requests = []
+        for prompt, params in zip(prompts, schemas.rows(columns[options.schema_column])):
+            if isinstance(params, RowError):  # a malformed schema value: the row fails, as a bad prompt would
+                prompt = prompt if prompt.error is not None else EncodedPrompt(prompt.token_ids, str(params))
+                params = capped.sampling_params
+            requests.append(RowRequest(prompt, params))
+        return requests
 
     return run_sharded_job(source, plan, sink, engine, settings)
 

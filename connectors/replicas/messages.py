@@ -1,8 +1,9 @@
 """The messages between the replica pool (parent) and its replica processes; all small and picklable.
 
-Parent → replica, on the replica's task pipe: `Chunk` (rows to generate), `Stop` (finish and exit).
-Replica → parent, on its result pipe: `Ready` or `BuildFailed` once, then `WantWork` (at most one
-unanswered at a time), `Results` as rows finish, and `Crashed` just before an unexpected exit.
+Parent → replica, on the replica's task pipe: `Chunk` (rows to generate), `CheckConstraint` (compile a
+structured-output constraint now), `Stop` (finish and exit). Replica → parent, on its result pipe: `Ready`
+or `BuildFailed` once, then `WantWork` (at most one unanswered at a time), `Results` as rows finish,
+`ConstraintChecked` for each `CheckConstraint`, and `Crashed` just before an unexpected exit.
 
 Rows travel by sequence number (`seq`, unique within a pool): keys, texts and everything else a caller
 attached to a row stay in the parent, which is what lets it re-run a dead replica's rows elsewhere.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from batchllm.outputs import RequestOutput
 from batchllm.sampling_params import SamplingParams
+from batchllm.structured_outputs import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -26,6 +28,20 @@ class WorkItem:
 @dataclass(slots=True)
 class Chunk:
     items: list[WorkItem]
+
+
+@dataclass(slots=True)
+class CheckConstraint:
+    token: int  # echoed in the answer
+    params: StructuredOutputsParams
+
+
+@dataclass(slots=True)
+class ConstraintChecked:
+    replica: int
+    token: int
+    error: BaseException | None  # the engine's exception (GrammarError) when it pickles
+    message: str | None  # its text; None: the constraint compiled
 
 
 @dataclass(slots=True)

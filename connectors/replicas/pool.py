@@ -1,8 +1,9 @@
 """`ReplicaPool`: N engine processes on one machine, fed from one work queue, results back by the caller's key.
 
 The pool quacks like the parts of `LLM` the connectors use (`tokenizer`, `max_model_len`, `model_path`,
-`admission_order`, `stream`), so the map operator and the jobs run on it unchanged: prompts are encoded,
-and bad rows answered, in this (the parent) process; only good rows travel, as token ids.
+`admission_order`, `stream`, `check_structured_outputs`), so the map operator and the jobs run on it
+unchanged: prompts are encoded, and bad rows answered, in this (the parent) process; only good rows travel,
+as token ids.
 
 Work queue: the parent holds the rows it has pulled from the caller's source in one queue and hands a
 chunk to a replica whenever that replica asks for more (it asks while its engine is still busy, so it
@@ -42,7 +43,9 @@ from batchllm.connectors.replicas.devices import Placement, plan_placements
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError, build_error
 from batchllm.connectors.replicas.messages import (
     BuildFailed,
+    CheckConstraint,
     Chunk,
+    ConstraintChecked,
     Crashed,
     Ready,
     Results,
@@ -60,6 +63,7 @@ from batchllm.connectors.replicas.replica import ReplicaSpec
 from batchllm.outputs import RequestOutput
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
+from batchllm.structured_outputs import StructuredOutputsParams
 
 K = TypeVar("K")
 _STOP_SECONDS = 30.0  # a replica told to stop with nothing in flight exits within a second or two
@@ -100,6 +104,7 @@ class ReplicaPool:
         self._rows: dict[int, _Row] = {}  # seq → row, for every row pulled and not yet yielded
         self._queue: deque[int] = deque()  # seqs waiting for a replica
         self._next_seq = 0
+        self._next_check = 0  # CheckConstraint tokens
         self._replicas: list[ReplicaProcess] = []
         self._finalizer = Finalize(self, shutdown_replicas, args=(self._replicas, ABORT_SECONDS), exitpriority=10)
         try:
@@ -138,6 +143,41 @@ class ReplicaPool:
         if not self.reorder_by_prefix:
             return list(range(len(token_lists)))
         return sorted(range(len(token_lists)), key=token_lists.__getitem__)
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """`LLM.check_structured_outputs` on a replica's engine: compile a call-wide constraint before any row goes
+        out, and raise the engine's GrammarError (a ValueError) if it cannot be compiled. The parent has no
+        grammar engine of its own; every replica's is built alike, so one answer holds for all (the others compile
+        it with their first row that uses it). A replica that dies meanwhile is handled as in `stream`, and the
+        next one asked."""
+        if self._rows:
+            raise RuntimeError("check_structured_outputs is for before a stream, not while rows are out")
+        if not self._finalizer.still_active():
+            raise RuntimeError("the replica pool is closed")
+        self._next_check += 1
+        token = self._next_check
+        while True:
+            replica = next((r for r in self._replicas if r.alive), None)
+            if replica is None:
+                raise ReplicaPoolError(f"all {self.size} data-parallel replicas died", self.failures)
+            try:
+                replica.tasks.send(CheckConstraint(token, params))
+            except OSError:  # it died: its sentinel reports that below
+                pass
+            while replica.alive:
+                for source, message in replica_events(self._replicas):
+                    if isinstance(message, ConstraintChecked) and message.token == token:
+                        if message.message is None:
+                            return
+                        if message.error is not None:
+                            raise message.error
+                        raise ValueError(message.message)
+                    if isinstance(message, WantWork):
+                        source.hungry = True
+                    elif isinstance(message, Crashed):
+                        source.error = message.traceback
+                    elif message is None:
+                        self._lost(source)
 
     def generate(self, prompts: list[list[int]] | list[str],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

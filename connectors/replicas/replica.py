@@ -26,7 +26,9 @@ from typing import Any, Iterator, NoReturn
 
 from batchllm.connectors.replicas.messages import (
     BuildFailed,
+    CheckConstraint,
     Chunk,
+    ConstraintChecked,
     Crashed,
     Ready,
     Results,
@@ -104,6 +106,8 @@ def _serve(llm: Any, spec: ReplicaSpec, inbox: _Inbox, outbox: _Outbox) -> None:
         if isinstance(message, Chunk):
             state.buffered.extend(message.items)
             state.want_sent = False
+        elif isinstance(message, CheckConstraint):
+            outbox.send(_check_constraint(llm, spec.index, message))
         elif isinstance(message, Stop):
             state.stopping = True
 
@@ -196,6 +200,15 @@ class _Outbox:
                 results.send(message)
             except OSError:  # the parent is gone
                 os._exit(_EXIT_PARENT_GONE)
+
+
+def _check_constraint(llm: Any, index: int, message: CheckConstraint) -> ConstraintChecked:
+    """Compile the constraint on this replica's engine (which keeps it compiled for the rows that use it)."""
+    try:
+        llm.check_structured_outputs(message.params)
+    except ValueError as exc:  # GrammarError, or an engine without a tokenizer
+        return ConstraintChecked(index, message.token, _picklable(exc), str(exc))
+    return ConstraintChecked(index, message.token, None, None)
 
 
 def _exit_after_rows(index: int) -> int | None:

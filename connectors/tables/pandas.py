@@ -3,7 +3,9 @@ A frame with duplicate column names is refused (which of the two would the promp
 not taken at all (`batchllm.generate` says how to pass one).
 
 Output dtypes: text columns use pandas' default string dtype (missing = NA/NaN), token counts the
-nullable `Int32`, list and logprob columns hold Python lists (object dtype).
+nullable `Int32`, list and logprob columns hold Python lists (object dtype). The `parsed` column
+(parse_json=True) holds each row's JSON value as a Python object (dict, list, str, number, bool) or None
+(object dtype); a list of them per row when n > 1.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
+from batchllm.connectors.constraints import parsed_values
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.results import output_schema
 
@@ -31,7 +34,8 @@ def read_columns(frame: pd.DataFrame, options: MapOptions) -> tuple[dict[Any, li
 
 def attach_outputs(frame: pd.DataFrame, arrays: list[pa.Array], options: MapOptions) -> pd.DataFrame:
     # assign() adds columns to a new frame and leaves the caller's untouched; the index carries over.
-    return frame.assign(**{field.name: _series(array, frame.index)
+    return frame.assign(**{field.name: _series(array, frame.index) if field.name != options.names.parsed or not
+                           options.parse_json else pd.Series(parsed_values(array), index=frame.index, dtype=object)
                            for field, array in zip(output_schema(options), arrays)})
 
 

@@ -2,7 +2,8 @@
 
 A list of strings is a one-column table named "prompt" (the default prompt source for it); each result is
 `{"prompt": ..., "generated_text": ..., "finish_reason": ..., ...}`. Row dicts may have different keys:
-a key missing from a row reads as null there, so that row gets an error.
+a key missing from a row reads as null there, so that row gets an error. With parse_json=True, `parsed`
+holds Python objects, as for pandas.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchllm.connectors.constraints import parsed_values
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.results import output_schema
 
@@ -30,7 +32,8 @@ def read_columns(data: list, options: MapOptions) -> tuple[dict[str, list], int]
 
 def attach_outputs(data: list, arrays: list[pa.Array], options: MapOptions) -> list[dict[str, Any]]:
     names = output_schema(options).names
-    values = [array.to_pylist() for array in arrays]
+    values = [parsed_values(array) if options.parse_json and name == options.names.parsed else array.to_pylist()
+              for name, array in zip(names, arrays)]
     return [{**row, **dict(zip(names, row_values))} for row, row_values in zip(_as_dicts(data), zip(*values))]
 
 
