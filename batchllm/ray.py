@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 import batchllm
+from batchllm.connectors.constraints import parsed_text
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.options import MapOptions, resolve_options
 from batchllm.connectors.results import output_schema
@@ -67,6 +68,9 @@ class LLMPredictor:
         rows = [dict(zip(names, values)) for values in zip(*(np.asarray(batch[name]).tolist() for name in names))]
         out = batchllm.generate(rows, llm=self.llm, **self._generate_options)
         schema = output_schema(self.map_options)
+        if self.map_options.parse_json:  # row dicts hold parsed objects; the column is their canonical JSON text
+            parsed = self.map_options.names.parsed
+            out = [{**row, parsed: parsed_text(row[parsed])} for row in out]
         table = pa.Table.from_pylist([{name: row[name] for name in schema.names} for row in out], schema=schema)
         # to_numpy follows Ray's own conversions, e.g. a nullable int column becomes floats with NaN.
         return {**batch, **{name: table.column(name).to_numpy(zero_copy_only=False) for name in schema.names}}

@@ -189,11 +189,23 @@ def parsed_json_text(text: str | None, finish_reason: str | None, error: str | N
         value = json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):  # JSONDecodeError; nesting deeper than the interpreter's stack
         return None
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _canonical_text(value)
 
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
+
+
+def parsed_text(cell: Any) -> Any:
+    """A `parsed` cell of Python objects (one value, or a list of them when n > 1) back as canonical JSON text;
+    the inverse of `parsed_values` for one cell. None stays None."""
+    if isinstance(cell, list):
+        return [None if value is None else _canonical_text(value) for value in cell]
+    return None if cell is None else _canonical_text(cell)
+
+
+def _canonical_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def parsed_values(array: Any) -> list[Any]:

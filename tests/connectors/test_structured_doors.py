@@ -307,6 +307,14 @@ def test_parse_json_with_n_samples_gives_a_list_per_row(fake):
     assert arrow.column("parsed").to_pylist() == [['"red"', '"red"'], None]  # the unconstrained row: null
 
 
+def test_ray_numpy_batches_carry_parsed_json_as_text(fake, monkeypatch):
+    ray_module = pytest.importorskip("batchllm.ray")
+    monkeypatch.setattr(ray_module, "get_llm", lambda *args: fake)
+    predictor = ray_module.LLMPredictor(prompt_column="q", schema_column="schema", parse_json=True, max_tokens=8)
+    out = predictor({"q": np.array(["one", "two"]), "schema": np.array([json.dumps(REVIEW), None], dtype=object)})
+    assert out["parsed"].tolist() == ['{"stars":4,"verdict":"good"}', None]
+
+
 # -- OpenAI batch response_format -----------------------------------------------------------------------------
 
 
