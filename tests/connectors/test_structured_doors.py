@@ -543,6 +543,33 @@ def test_cli_constraints_reach_the_job(fake, tmp_path, capsys):
     assert "look-around" in err
 
 
+def test_cli_constraint_is_the_default_of_an_openai_batch_file(fake, tmp_path):
+    schema_file = tmp_path / "color.json"
+    schema_file.write_text(json.dumps(COLOR))
+    (tmp_path / "requests.jsonl").write_text("\n".join([_chat("plain", "x"), _chat(
+        "own", "y", response_format={"type": "json_object"})]) + "\n")
+    assert main(["run", str(tmp_path / "requests.jsonl"), str(tmp_path / "out.jsonl"), "--json-schema",
+                 str(schema_file), "--no-progress"]) == 0
+    assert [p.structured_outputs for p in fake.rows] == [StructuredOutputsParams(json=COLOR),
+                                                         StructuredOutputsParams(json_object=True)]
+    answers = _answers(tmp_path / "out.jsonl")
+    assert answers["plain"]["response"]["body"]["choices"][0]["message"]["content"] == '"red"'
+
+
+def test_a_pydantic_model_is_a_call_wide_schema(fake):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Review(pydantic.BaseModel):
+        verdict: str
+        stars: int
+
+    out = _generate(pd.DataFrame({"review": ["Great."]}), prompt_column="review", chat=False,
+                    structured_outputs=StructuredOutputsParams(json=Review), parse_json=True)
+    assert fake.checked == [StructuredOutputsParams(json=Review.model_json_schema())]
+    assert list(json.loads(fake.checked[0].spec)["properties"]) == ["verdict", "stars"]  # the model's field order
+    assert out.parsed.tolist() == [{"stars": 4, "verdict": "good"}]
+
+
 # -- the real model ---------------------------------------------------------------------------------------------
 
 E2E_REVIEW = {"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
