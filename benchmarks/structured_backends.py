@@ -1,6 +1,6 @@
 """Grammar engines for structured outputs on the host CPU: llguidance (batchllm's) against xgrammar.
 
-    python benchmarks/structured_backends.py [--rows 200] [--steps 64] [--repeats 2] [--out FILE.md]
+    python benchmarks/structured_backends.py [--rows 200] [--steps 64] [--repeats 2] [--out FILE.md] [--tokenizer DIR]
 
 With the default model's tokenizer (SmolLM2, 49,152 tokens) and the 10 JSON schemas of
 tests/unit/test_grammar.py, both engines set to the same JSON layout (one line, `", "` and `": "`, extra
@@ -167,9 +167,10 @@ def main() -> None:
     parser.add_argument("--paths", type=int, default=8, help="random paths per schema")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--tokenizer", type=Path, help="a tokenizer directory (default: the default model's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_path())
     vocab = len(tokenizer)
     versions = {n: importlib.metadata.version(n) for n in ("llguidance", "xgrammar", "torch", "transformers")}
     print(f"cpus {os.cpu_count()}  load {os.getloadavg()}  versions {versions}")
