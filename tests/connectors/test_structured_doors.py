@@ -39,7 +39,7 @@ REVIEW = {"type": "object", "properties": {"stars": {"type": "integer", "minimum
                                            "verdict": {"type": "string", "enum": ["good", "bad"]}},
           "required": ["stars", "verdict"], "additionalProperties": False}
 COLOR = {"type": "string", "enum": ["red", "blue"]}
-UNCOMPILABLE = {"type": "string", "pattern": "(?=a)b"}  # look-ahead: llguidance's regexes have none
+UNCOMPILABLE = {"type": "string", "pattern": "(?=a)b"}  # look-ahead: no grammar engine here implements it
 LENGTH = "<cut>"  # a prompt containing it gets a completion cut short by max_tokens, as the engine reports one
 
 
@@ -571,6 +571,7 @@ def test_a_pydantic_model_is_a_call_wide_schema(fake):
 
 
 # -- the real model ---------------------------------------------------------------------------------------------
+# Whichever grammar engine the LLM is built with: the messages are checked only as far as every backend's agree.
 
 E2E_REVIEW = {"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
                                                "verdict": {"type": "string", "enum": ["good", "bad"]}},
@@ -588,7 +589,7 @@ def test_real_model_schema_column_outputs_validate(llm):
     assert out.parsed[0] == json.loads(out.generated_text[0]) and out.parsed[1] == json.loads(out.generated_text[1])
     jsonschema.validate(out.parsed[0], E2E_REVIEW)
     assert out.parsed[1] in ("yes", "no")
-    assert "rejected by the grammar engine (llguidance)" in out.error[2] and out.parsed[2] is None
+    assert "json constraint is rejected by the grammar engine" in out.error[2] and out.parsed[2] is None
     assert out.error[:2].isna().all()
 
 
@@ -621,7 +622,7 @@ def test_real_model_cli_choice_and_call_wide_error(llm, tmp_path, capsys):
     out = read_shards(tmp_path / "out")
     assert set(out.column("generated_text").to_pylist()) <= {"yes", "no"}
     assert out.column("finish_reason").to_pylist() == ["stop", "stop"]
-    with pytest.raises(GrammarError, match="json constraint is rejected"):
+    with pytest.raises(ValueError, match="json constraint is rejected"):
         batchllm.generate(["x"], structured_outputs=StructuredOutputsParams(json=UNCOMPILABLE), use_tqdm=False)
 
 
@@ -632,7 +633,7 @@ def test_data_parallel_pool_compiles_call_wide_constraints_on_a_replica():
     from batchllm.connectors.tables.mapper import map_columns
 
     with ReplicaPool(2) as pool:
-        with pytest.raises(GrammarError, match="(?s)json constraint is rejected.*look-around"):
+        with pytest.raises(ValueError, match="json constraint is rejected by the grammar engine"):
             pool.check_structured_outputs(StructuredOutputsParams(json=UNCOMPILABLE))
         pool.check_structured_outputs(StructuredOutputsParams(json=E2E_REVIEW))
         options = resolve_options(prompt_column="q", schema_column="schema", parse_json=True,
@@ -641,5 +642,5 @@ def test_data_parallel_pool_compiles_call_wide_constraints_on_a_replica():
                                                                 json.dumps(UNCOMPILABLE)]}
         text, finish, _, _, error, parsed = (a.to_pylist() for a in map_columns(columns, 2, options, pool, False))
         assert finish == ["stop", "error"] and json.loads(parsed[0]) in ("yes", "no") and parsed[1] is None
-        assert error[0] is None and "rejected by the grammar engine (llguidance)" in error[1]
+        assert error[0] is None and "json constraint is rejected by the grammar engine" in error[1]
         assert pool.failures == []
