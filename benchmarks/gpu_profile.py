@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False (the default is on for CUDA)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: the profiler then sees every kernel of a decode step")
     parser.add_argument("--timeline", action="store_true", help="per-step host phases and GPU time (CPU too)")
     parser.add_argument("--kernel-steps", type=int, default=64, help="--timeline: profiled decode steps per bucket")
     parser.add_argument("--out", type=Path, help="--timeline: also write the per-step records as JSON here")
@@ -65,7 +67,8 @@ def main() -> None:
     if args.timeline:
         return run_timeline(args, prompts)
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
-              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None)
+              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None,
+              enforce_eager=args.enforce_eager)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:32], params, use_tqdm=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -233,7 +236,8 @@ def _by_bucket(title: str, steps: list[dict], columns: dict) -> None:
 
 def run_timeline(args, prompts) -> None:
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
-              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None)
+              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None,
+              enforce_eager=args.enforce_eager)
     # Warm-up on other rows of the workload (up to 64): the timed prompts must not be in the prefix cache.
     n = min(64, args.rows)
     warmup = make_prompts(WORKLOADS[args.workload], args.rows + n, SHAPES[args.shape]["vocab_size"])[-n:]
