@@ -37,6 +37,7 @@ from typing import Any
 
 from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
+from batchllm.engine.structured_output import GRAMMAR_BACKENDS
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
@@ -129,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                          help=f"engine: {_ENGINE_HELP.get(name, name)}")
     run.add_argument("--load-format", choices=("auto", "dummy"), default=_ENGINE_DEFAULTS["load_format"],
                      help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
+    run.add_argument("--structured-outputs-backend", choices=tuple(GRAMMAR_BACKENDS),
+                     default=_ENGINE_DEFAULTS["structured_outputs_backend"],
+                     help="engine: the grammar engine of structured outputs (llguidance: compiles schemas 10-20x "
+                          "faster, for many distinct --schema-column schemas)")
     run.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD,
                      help="rows per output shard, the unit of resumption")
     run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once (in each engine with "
@@ -158,7 +163,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, *job)
                                if getattr(args, name) is not None}
     # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
-    engine = {name: getattr(args, name) for name in (*_ENGINE_FLAGS, "load_format")
+    engine = {name: getattr(args, name) for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend")
               if getattr(args, name) != _ENGINE_DEFAULTS[name]}
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,

@@ -1,8 +1,13 @@
 """Constrained decoding through llguidance: compile a `StructuredOutputsParams` once, match tokens, fill bitmasks.
 
-llguidance (no torch, no other dependency) is the grammar engine; benchmarks/README.md says why. It works on
-bytes over the tokenizer's vocabulary: the allowed-token bitmask of a state has bit `t % 32` of word `t // 32`
-set when token `t` may come next. The EOS ids are allowed exactly where the output may end.
+One of the two grammar engines, `LLM(structured_outputs_backend="llguidance")`; xgrammar, the default, is
+`grammar_xgrammar.py` behind the same interface, and benchmarks/README.md says when to pick which: llguidance
+compiles a schema 10-20x faster (many distinct per-row schemas), takes Lark, and has no dependency (no torch:
+this module is what the engine layer may import on its own); xgrammar fills the per-step bitmask 4-12x faster.
+llguidance works on bytes over the tokenizer's vocabulary: the allowed-token bitmask of a state has bit
+`t % 32` of word `t // 32` set when token `t` may come next (`grammar_common.py`). The EOS ids are allowed
+exactly where the output may end; special tokens never match text. Where the grammar forces text, only its
+canonical tokenization is allowed.
 
 Kinds:
 - json: llguidance's JSON-schema grammar, strict (a keyword it does not implement is an error, not ignored).
@@ -10,6 +15,8 @@ Kinds:
   keys). Flexible whitespace lets a small model wander into endless newlines; this layout is the one models
   write most. A schema can still ask for other layouts with llguidance's `x-guidance` key
   (e.g. `{"whitespace_flexible": true}`), which takes precedence over these defaults.
+  Properties beyond the listed ones are allowed (after them) unless `additionalProperties` says otherwise. A
+  `date` is checked against month lengths but not leap years (`2023-02-29` passes).
 - json_object: any JSON object (schema `{"type": "object"}`), same layout.
 - regex: the whole output matches (Rust `regex` syntax: no look-around, no backreferences).
 - choice: exactly one of the strings.
@@ -28,16 +35,14 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
+from batchllm.engine.grammar_common import JSON_SEPARATORS, BitmaskRows, GrammarError, check_out, tokenizer_size
 from batchllm.structured_outputs import StructuredOutputsParams
 
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0],
+               "key_separator": JSON_SEPARATORS[1]}
 _PARALLEL_MIN_ROWS = 8  # fewer rows: one call each is as fast as the thread pool
 _executor: LLExecutor | None = None
 _executor_lock = threading.Lock()
-
-
-class GrammarError(ValueError):
-    """A constraint the grammar engine rejects; the message names its kind and carries llguidance's error."""
 
 
 @dataclass(frozen=True)
@@ -49,30 +54,17 @@ class CompiledGrammar:
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
-        eos = sorted({int(t) for t in eos_token_ids})
-        if not eos:
-            raise ValueError("GrammarCompiler needs at least one EOS token id")
-        if getattr(tokenizer, "backend_tokenizer", None) is None:
-            raise ValueError("structured outputs need a fast (tokenizers-backed) tokenizer")
+        rows = BitmaskRows(tokenizer_size(tokenizer), vocab_size, eos_token_ids)
         backend = copy.copy(tokenizer.backend_tokenizer)  # a fast tokenizer's Rust side, serialized for llguidance
         backend.no_padding()
         backend.no_truncation()
-        self.tokenizer_size = backend.get_vocab_size(with_added_tokens=True)
-        if vocab_size < self.tokenizer_size:
-            raise ValueError(f"the model's vocab_size {vocab_size} is smaller than the tokenizer's "
-                             f"{self.tokenizer_size} tokens")
-        if eos[-1] >= self.tokenizer_size or eos[0] < 0:
-            raise ValueError(f"EOS ids {eos} are outside the tokenizer's {self.tokenizer_size} tokens")
+        self.tokenizer_size = rows.tokenizer_size
         self.vocab_size = vocab_size
-        self.eos_token_ids = frozenset(eos)
-        self.bitmask_width = (vocab_size + 31) // 32
-        self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-        self._eos_row = np.zeros(self.bitmask_width, dtype=np.int32)
-        for t in eos:
-            self._eos_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-        # Bits of ids the tokenizer does not have (the logits' padding): cleared after every fill.
-        self._tail_word = self.tokenizer_size // 32
-        self._tail_keep = np.int32(np.uint32((1 << (self.tokenizer_size % 32)) - 1).view(np.int32))
+        self.eos_token_ids = rows.eos_token_ids
+        self.bitmask_width = rows.width
+        self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=sorted(rows.eos_token_ids))
+        self._eos_row = rows.eos_row
+        self._clear_tail = rows.clean  # bits of ids the tokenizer does not have (the logits' padding)
         self._cache: dict[tuple[str, str], CompiledGrammar | GrammarError] = {}  # rejections are cached too
         self._lock = threading.Lock()
 
@@ -100,12 +92,6 @@ class GrammarCompiler:
             raise GrammarError(f"structured outputs: the {params.kind} constraint is rejected by the grammar "
                                f"engine (llguidance): {template.get_error()}")
         return CompiledGrammar(params.key, grammar, template)
-
-    def _clear_tail(self, out: np.ndarray) -> None:
-        if self.tokenizer_size < self.vocab_size:
-            out[..., self._tail_word + 1:] = 0
-            if self._tail_word < self.bitmask_width:
-                out[..., self._tail_word] &= self._tail_keep
 
 
 def _llguidance_grammar(params: StructuredOutputsParams) -> str:
@@ -166,7 +152,7 @@ class GrammarMatcher:
             raise RuntimeError(f"llguidance could not roll back {counted} tokens: {self._matcher.get_error()}")
 
     def fill_bitmask(self, out: np.ndarray) -> None:
-        _check_out(out, (self._compiler.bitmask_width,))
+        check_out(out, (self._compiler.bitmask_width,))
         if self.is_terminated:
             out[:] = self._compiler._eos_row
         else:
@@ -195,7 +181,7 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], out: np.ndarray) -> None:
     if not matchers:
         return
     compiler = matchers[0]._compiler
-    _check_out(out, (len(matchers), compiler.bitmask_width))
+    check_out(out, (len(matchers), compiler.bitmask_width))
     live = [(m._matcher, i) for i, m in enumerate(matchers) if not m._matcher.is_stopped()]
     if len(live) < len(matchers):
         out[[i for i, m in enumerate(matchers) if m._matcher.is_stopped()]] = compiler._eos_row
@@ -214,9 +200,3 @@ def _get_executor() -> LLExecutor:
         if _executor is None:
             _executor = LLExecutor()  # llguidance's default: 80% of the CPUs, at most 32 threads
         return _executor
-
-
-def _check_out(out: np.ndarray, shape: tuple[int, ...]) -> None:
-    if out.dtype != np.int32 or out.shape != shape or not out.flags["C_CONTIGUOUS"] or not out.flags["WRITEABLE"]:
-        raise ValueError(f"bitmask must be a writeable C-contiguous int32 array of shape {shape}, got "
-                         f"{out.dtype} {out.shape}")

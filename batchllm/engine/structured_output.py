@@ -5,25 +5,45 @@ request alone). The matcher consumes exactly the request's output tokens, as the
 (`Request.append_token`), so preemption needs no rollback: a recomputed request keeps its tokens and its
 matcher state. With asynchronous scheduling the bitmask of step N+1 is filled after step N's tokens are
 applied, while step N+1's forward pass runs; the runner waits for it only to sample.
+
+The grammar engine is a backend: xgrammar (`LLM`'s default, `grammar_xgrammar.py`: the cheapest per-step bitmask)
+or llguidance (`grammar.py`: compiles 10-20x faster, takes Lark grammars), behind one interface. Its module is
+imported on the first constrained request, so an engine without any imports neither (xgrammar imports torch;
+this package does not).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 
+from batchllm.engine.grammar_common import GrammarError
 from batchllm.engine.interfaces import GrammarBitmask, SchedulerOutput
 from batchllm.engine.request import Request
 from batchllm.structured_outputs import StructuredOutputsParams
 
 INCOMPLETE = ("the output is incomplete: generation stopped ({reason}) before the structured-output constraint "
               "was satisfied, so it does not parse")
+# structured_outputs_backend → the module with GrammarCompiler / GrammarMatcher / fill_bitmasks over that engine.
+GRAMMAR_BACKENDS = {"xgrammar": "batchllm.engine.grammar_xgrammar", "llguidance": "batchllm.engine.grammar"}
+
+
+def check_backend(backend: Any, argument: str = "structured_outputs_backend") -> str:
+    if backend not in GRAMMAR_BACKENDS:
+        raise ValueError(f"{argument} must be one of {', '.join(map(repr, GRAMMAR_BACKENDS))}, got {backend!r}")
+    return backend
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+    """`backend`: a key of GRAMMAR_BACKENDS. Its default here is the torch-free llguidance, so the engine layer
+    alone never imports torch; `LLM` passes its `structured_outputs_backend` (default: xgrammar)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int],
+                 backend: str = "llguidance") -> None:
+        self.backend = check_backend(backend, "StructuredOutputManager backend")
         self._compiler_args = (tokenizer, vocab_size, eos_token_ids)
         self._compiler = None
         self.num_active = 0  # constrained requests in the engine: steps without any skip all of this
@@ -33,10 +53,11 @@ class StructuredOutputManager:
         # Built on first use: engines without constrained requests never import the grammar engine, and its
         # view of the vocabulary takes a moment to build.
         if self._compiler is None:
-            from batchllm.engine.grammar import GrammarCompiler
-
-            self._compiler = GrammarCompiler(*self._compiler_args)
+            self._compiler = self._grammar_module().GrammarCompiler(*self._compiler_args)
         return self._compiler
+
+    def _grammar_module(self):
+        return importlib.import_module(GRAMMAR_BACKENDS[self.backend])  # imported once, then a dict lookup
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Compile `params` now (cached for the requests that use it); raises GrammarError."""
@@ -47,8 +68,6 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return None
-        from batchllm.engine.grammar import GrammarError
-
         try:
             request.matcher = self.compiler.new_matcher(params)
         except GrammarError as error:
@@ -72,8 +91,7 @@ class StructuredOutputManager:
     def bitmask(self, request_ids: list[str], requests: Mapping[str, Request]) -> GrammarBitmask:
         """The step's bitmask, from the matchers' current state. A request that finished meanwhile (its token
         will be dropped) may sample anything."""
-        from batchllm.engine.grammar import fill_bitmasks
-
+        fill_bitmasks = self._grammar_module().fill_bitmasks
         bitmask = np.full((len(request_ids), self.compiler.bitmask_width), -1, dtype=np.int32)
         rows, matchers = [], []
         for row, request_id in enumerate(request_ids):

@@ -1,14 +1,16 @@
-"""batchllm.engine.grammar against independent references.
+"""The grammar engines' wrappers (batchllm.engine.grammar: llguidance, batchllm.engine.grammar_xgrammar:
+xgrammar) against independent references; most tests run on both (the `backend` fixture).
 
 A matcher is driven along a random path: fill the bitmask, pick a random allowed token (seeded), accept it,
 until a token budget, then steer towards the end (EOS where allowed, else closing punctuation). The decoded
-text is then checked by a reference that knows nothing of llguidance: json.loads + jsonschema.validate (with
-format checking), re.fullmatch, membership in the choice list, a hand-written parser for the Lark grammar.
+text is then checked by a reference that knows nothing of either engine: json.loads + jsonschema.validate
+(with format checking), re.fullmatch, membership in the choice list, a hand-written parser for the Lark grammar.
 Every step also checks the bitmask contract: EOS allowed exactly when can_finish, no id the tokenizer lacks.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -21,8 +23,11 @@ import pydantic
 import pytest
 
 from batchllm.engine import grammar as grammar_module
-from batchllm.engine.grammar import GrammarCompiler, GrammarError, fill_bitmasks
+from batchllm.engine.grammar_common import GrammarError
 from batchllm.structured_outputs import StructuredOutputsParams
+
+BACKENDS = {"llguidance": "batchllm.engine.grammar", "xgrammar": "batchllm.engine.grammar_xgrammar"}
+USE_LLGUIDANCE = 'pass LLM(structured_outputs_backend="llguidance")'
 
 
 class _Address(pydantic.BaseModel):
@@ -130,8 +135,27 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, len(tokenizer) + PADDING, EOS_IDS)
+def compiler_of(tokenizer):
+    """backend module → its GrammarCompiler over the tokenizer, built once."""
+    built = {}
+
+    def get(module):
+        if module not in built:
+            built[module] = module.GrammarCompiler(tokenizer, len(tokenizer) + PADDING, EOS_IDS)
+        return built[module]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def backend(request):
+    """The wrapper module of one grammar engine."""
+    return importlib.import_module(BACKENDS[request.param])
+
+
+@pytest.fixture
+def compiler(compiler_of, backend):
+    return compiler_of(backend)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +165,13 @@ def closers(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     ids = [i for i, p in enumerate(pieces) if p and set(p) <= set('"]})')]
     return np.array(ids), np.array([i for i in ids if '"' in pieces[i]])
+
+
+# Neither engine checks a date against the calendar (llguidance lets 4579-02-29 through, xgrammar 2024-02-30 too):
+# the reference checks the form and the ranges of month and day, which both enforce.
+FORMATS = jsonschema.FormatChecker()
+FORMATS.checks("date")(lambda text: not isinstance(text, str) or re.fullmatch(
+    r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", text) is not None)
 
 
 def allowed_ids(row: np.ndarray) -> np.ndarray:
@@ -183,7 +214,7 @@ def test_json_schema_paths_validate(name, compiler, tokenizer, closers):
     params = StructuredOutputsParams(json=schema)
     for seed in range(3):
         text = walk(compiler, compiler.new_matcher(params), tokenizer, closers, seed)
-        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+        jsonschema.validate(json.loads(text), schema, format_checker=FORMATS)
         assert "\n" not in text  # the fixed one-line layout
 
 
@@ -240,16 +271,28 @@ def _parse_arith(text: str) -> None:
         raise ValueError(f"trailing text at {pos} in {text!r}")
 
 
-def test_lark_and_gbnf_paths(compiler, tokenizer, closers):
+def test_gbnf_paths(compiler, tokenizer, closers):
+    for seed in range(4):
+        text = walk(compiler, compiler.new_matcher(StructuredOutputsParams(grammar=LIST_GBNF)), tokenizer, closers,
+                    seed, budget=12)
+        assert re.fullmatch(r"\[[a-c]+(,[a-c]+)*\]", text), text
+
+
+def test_lark_paths_llguidance(compiler_of, tokenizer, closers):
+    compiler = compiler_of(grammar_module)  # xgrammar takes no Lark: see test_lark_is_refused_by_xgrammar
     for seed in range(4):
         text = walk(compiler, compiler.new_matcher(StructuredOutputsParams(grammar=ARITH_LARK)), tokenizer, closers,
                     seed, budget=16)
         _parse_arith(text)  # no %ignore in the grammar: no whitespace either
-        text = walk(compiler, compiler.new_matcher(StructuredOutputsParams(grammar=LIST_GBNF)), tokenizer, closers,
-                    seed, budget=12)
-        assert re.fullmatch(r"\[[a-c]+(,[a-c]+)*\]", text), text
     with pytest.raises(ValueError):
         _parse_arith("(1+2")  # the reference itself rejects
+
+
+def test_lark_is_refused_by_xgrammar(compiler_of):
+    compiler = compiler_of(importlib.import_module(BACKENDS["xgrammar"]))
+    with pytest.raises(GrammarError, match=re.escape(USE_LLGUIDANCE)) as info:
+        compiler.compile(StructuredOutputsParams(grammar=ARITH_LARK))
+    assert "GBNF" in str(info.value) and "grammar constraint" in str(info.value)
 
 
 def test_forbidden_tokens_are_refused_and_leave_the_state(compiler, tokenizer):
@@ -312,7 +355,7 @@ def test_rollback_of_an_eos_taken_before_the_end(compiler, tokenizer):
     assert matcher.accept_token(s) and matcher.is_terminated
 
 
-def test_fill_bitmasks_matches_single_fills(compiler, tokenizer, closers):
+def test_fill_bitmasks_matches_single_fills(backend, compiler, tokenizer, closers):
     params = [StructuredOutputsParams(json=SCHEMAS[name]) for name in SCHEMAS] + [
         StructuredOutputsParams(regex=REGEXES[0]), StructuredOutputsParams(choice=CHOICES)]
     matchers = [compiler.new_matcher(p) for p in params for _ in range(2)]
@@ -327,31 +370,31 @@ def test_fill_bitmasks_matches_single_fills(compiler, tokenizer, closers):
             others = allowed[~np.isin(allowed, EOS_IDS)]
             assert matcher.accept_token(int(rng.choice(others)) if others.size else EOS_IDS[0])
     assert any(m.is_terminated for m in matchers)
-    for rows in (matchers, matchers[:3]):  # the thread pool and the one-by-one path
+    for rows in (matchers, matchers[:3]):  # llguidance: its thread pool, then one by one
         batch = np.full((len(rows), compiler.bitmask_width), -1, dtype=np.int32)
-        fill_bitmasks(rows, batch)
+        backend.fill_bitmasks(rows, batch)
         for matcher, got in zip(rows, batch):
             matcher.fill_bitmask(row)
             assert np.array_equal(got, row)
             if matcher.is_terminated:
                 assert set(allowed_ids(got)) == set(EOS_IDS)
     with pytest.raises(ValueError):
-        fill_bitmasks(matchers, np.zeros((len(matchers), compiler.bitmask_width - 1), dtype=np.int32))
-    fill_bitmasks([], np.zeros((0, compiler.bitmask_width), dtype=np.int32))
+        backend.fill_bitmasks(matchers, np.zeros((len(matchers), compiler.bitmask_width - 1), dtype=np.int32))
+    backend.fill_bitmasks([], np.zeros((0, compiler.bitmask_width), dtype=np.int32))
 
 
-def test_bitmask_width_and_padding(compiler, tokenizer):
+def test_bitmask_width_and_padding(backend, compiler, tokenizer):
     assert compiler.bitmask_width == -(-(len(tokenizer) + PADDING) // 32)
     start = np.zeros((1, compiler.bitmask_width), dtype=np.int32)
-    fill_bitmasks([compiler.new_matcher(StructuredOutputsParams(json_object=True))], start)
+    backend.fill_bitmasks([compiler.new_matcher(StructuredOutputsParams(json_object=True))], start)
     allowed = allowed_ids(start[0])
     assert allowed.size and allowed.max() < len(tokenizer)
     assert all(tokenizer.decode([t]).startswith("{") for t in allowed)  # no leading whitespace either
     with pytest.raises(ValueError, match="smaller"):
-        GrammarCompiler(tokenizer, len(tokenizer) - 1, EOS_IDS)
+        backend.GrammarCompiler(tokenizer, len(tokenizer) - 1, EOS_IDS)
 
 
-@pytest.mark.parametrize("params, engine_text", [
+LLGUIDANCE_REJECTS = [
     (StructuredOutputsParams(regex="a(b"), "unclosed group"),
     (StructuredOutputsParams(regex=r"(a)\1"), "backreferences are not supported"),
     (StructuredOutputsParams(json={"type": "object", "dependentSchemas": {"a": {}}}), "Unimplemented keys"),
@@ -359,21 +402,89 @@ def test_bitmask_width_and_padding(compiler, tokenizer):
     (StructuredOutputsParams(json={"type": "wrong"}), "Invalid type"),
     (StructuredOutputsParams(grammar="start: missing_rule"), "unknown name"),
     (StructuredOutputsParams(grammar='root ::= "unterminated'), "Unexpected end of input"),
-])
-def test_rejected_constraints_raise_grammar_error(params, engine_text, compiler):
+]
+# The engine's own errors, then the keywords that xgrammar would accept and ignore (grammar_xgrammar.py);
+# `llguidance` marks those llguidance enforces, whose message says to switch.
+XGRAMMAR_REJECTS = [
+    (StructuredOutputsParams(regex="a(b"), "The parenthesis is not closed"),
+    (StructuredOutputsParams(regex=r"(a)\1"), "Backreference is not supported"),
+    (StructuredOutputsParams(json={"type": "wrong"}), 'Unsupported type "wrong"'),
+    (StructuredOutputsParams(grammar="root ::= missing"), 'Rule "missing" is not defined'),
+    (StructuredOutputsParams(grammar='root ::= "unterminated'), "in string literal"),
+    (StructuredOutputsParams(json={"type": "object", "dependentSchemas": {"a": {}}}),
+     "at #: `dependentSchemas` is not implemented by xgrammar"),
+    (StructuredOutputsParams(json={"type": "string", "format": "no-such-format"}),
+     "format 'no-such-format' is not implemented"),
+    (StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+     "`uniqueItems` is not implemented"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)y"}}}),
+     "at #/properties/a: look-around in a `pattern`"),
+    (StructuredOutputsParams(json={"allOf": [{"type": "integer"}, {"minimum": 5}]}), "`allOf` of one schema only"),
+    (StructuredOutputsParams(json={"$defs": {"n": {"type": "integer"}}, "type": "array",
+                                   "items": {"$ref": "#/$defs/n", "maximum": 9}}),
+     "at #/items: xgrammar ignores `maximum` beside `$ref`"),
+    (StructuredOutputsParams(json={"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": -5}]}),
+     "ignores `type` beside `anyOf`"),
+    (StructuredOutputsParams(json={"minimum": 3}), "ignores `minimum` in a schema without a `type`"),
+    (StructuredOutputsParams(json={"type": "number", "multipleOf": 0.5}), "`multipleOf` only as an integer step"),
+    (StructuredOutputsParams(json={"type": "object", "x-guidance": {"whitespace_flexible": True}}),
+     "`x-guidance` is llguidance's option"),
+]
+_SWITCH = ("allOf", "beside", "without a", "multipleOf", "x-guidance")  # the XGRAMMAR_REJECTS llguidance enforces
+
+
+def _check_rejected(compiler, params, engine_text) -> str:
     for call in (compiler.compile, compiler.new_matcher):
         with pytest.raises(GrammarError, match=re.escape(engine_text)) as info:
             call(params)
-        assert params.kind in str(info.value)
+        assert f"the {params.kind} constraint" in str(info.value)
         assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("params, engine_text", LLGUIDANCE_REJECTS)
+def test_rejected_constraints_raise_grammar_error_llguidance(params, engine_text, compiler_of):
+    _check_rejected(compiler_of(grammar_module), params, engine_text)
+
+
+@pytest.mark.parametrize("params, engine_text", XGRAMMAR_REJECTS)
+def test_rejected_constraints_raise_grammar_error_xgrammar(params, engine_text, compiler_of):
+    message = _check_rejected(compiler_of(importlib.import_module(BACKENDS["xgrammar"])), params, engine_text)
+    assert "rejected by the grammar engine (xgrammar)" in message
+    assert (USE_LLGUIDANCE in message) == any(word in engine_text for word in _SWITCH), message
+
+
+@pytest.mark.parametrize("schema, violation", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ({"not": {"type": "string"}}, '"a"'),
+    ({"type": "string", "pattern": "(?=a)b"}, '"b"'),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3"),
+    ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "maximum": 9}, "10"),
+    ({"type": "integer", "anyOf": [{"minimum": 5}]}, '"s"'),
+    ({"minimum": 3}, "1"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3"),
+])
+def test_xgrammar_ignores_what_the_wrapper_rejects(schema, violation, compiler_of):
+    """The reason for XGRAMMAR_REJECTS' keyword checks: xgrammar itself compiles each of these schemas and then
+    lets a violating output through. When this fails, xgrammar enforces the keyword now: drop its check."""
+    import xgrammar as xgr
+
+    raw = compiler_of(importlib.import_module(BACKENDS["xgrammar"]))._xgr_compiler("json")  # xgrammar's, unchecked
+    grammar = raw.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "),
+                                      strict_mode=False)
+    matcher = xgr.GrammarMatcher(grammar)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(violation), schema)
+    assert matcher.accept_string(violation) and matcher.is_completed()
 
 
 def test_compile_cache(compiler, monkeypatch):
     calls = []
-    real = grammar_module._llguidance_grammar
-    monkeypatch.setattr(grammar_module, "_llguidance_grammar", lambda p: calls.append(p.key) or real(p))
+    real = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda p: calls.append(p.key) or real(p))
     schema = {"type": "object", "properties": {"cached": {"type": "integer"}, "b": {"type": "string"}}}
-    same = '{"properties": {"b": {"type": "string"}, "cached": {"type": "integer"}}, "type": "object"}'
+    same = '{"type": "object", "properties": {"cached": {"type": "integer"}, "b": {"type": "string"}}}'
     first = compiler.compile(StructuredOutputsParams(json=schema))
     assert compiler.compile(StructuredOutputsParams(json=same)) is first  # another form, the same key
     compiler.new_matcher(StructuredOutputsParams(json=schema))
@@ -385,24 +496,70 @@ def test_compile_cache(compiler, monkeypatch):
     assert calls == [("json", first.key[1]), bad.key]
 
 
-def test_matchers_of_one_grammar_are_independent(compiler, tokenizer):
+def test_matchers_of_one_grammar_are_independent(backend, compiler, tokenizer):
     params = StructuredOutputsParams(choice=["alpha", "beta"])
     one, two = compiler.new_matcher(params), compiler.new_matcher(params)
     assert one.accept_token(tokenizer.encode("alpha", add_special_tokens=False)[0])
     fresh = compiler.new_matcher(params)
     rows = np.zeros((2, compiler.bitmask_width), dtype=np.int32)
-    fill_bitmasks([two, fresh], rows)
+    backend.fill_bitmasks([two, fresh], rows)
     assert np.array_equal(rows[0], rows[1]) and not two.can_finish
 
 
-def test_module_imports_neither_torch_nor_xgrammar():
-    # Load the module with stand-in parent packages, so batchllm/__init__ (which imports torch) stays out.
+def test_special_tokens_are_never_allowed(compiler, tokenizer):
+    """Inside a JSON string any text may come, but not a special token (xgrammar on its own would allow
+    `<|im_start|>` there, spelling its text); the EOS ids only where the string may end, which it may not."""
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} - set(EOS_IDS)
+    assert special
+    matcher = compiler.new_matcher(StructuredOutputsParams(json={"type": "string"}))
+    (quote,) = tokenizer.encode('"', add_special_tokens=False)
+    assert matcher.accept_token(quote)
+    row = np.zeros(compiler.bitmask_width, dtype=np.int32)
+    matcher.fill_bitmask(row)
+    allowed = set(allowed_ids(row))
+    assert len(allowed) > 40_000 and not allowed & (special | set(EOS_IDS))
+    assert not any(matcher.accept_token(t) for t in special)
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 20}, {"type": "string", "minLength": 1},
+                                    {"type": "string"}, {"type": "object"}])
+def test_json_never_allows_a_raw_control_character(schema, compiler, tokenizer):
+    """JSON strings escape control characters and our layout has no whitespace but spaces, so no token holding
+    one may come (xgrammar on its own lets one into a string with a length bound)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    control = {i for i, text in enumerate(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
+               if any(ord(ch) < 0x20 for ch in text) and pieces[i]}
+    assert len(control) > 100
+    matcher = compiler.new_matcher(StructuredOutputsParams(json=schema))
+    prefix = '"a' if schema["type"] == "string" else '{"a'
+    for token in tokenizer.encode(prefix, add_special_tokens=False):
+        assert matcher.accept_token(token)
+    row = np.zeros(compiler.bitmask_width, dtype=np.int32)
+    matcher.fill_bitmask(row)
+    allowed = set(allowed_ids(row))
+    assert len(allowed) > 40_000 and not allowed & control
+    assert not any(matcher.accept_token(t) for t in sorted(control)[:20])
+
+
+def test_modules_import_neither_torch_nor_the_other_engine():
+    # Load the modules with stand-in parent packages, so batchllm/__init__ (which imports torch) stays out.
     root = Path(grammar_module.__file__).resolve().parents[2]
     code = f"""
 import importlib, sys, types
 for name, path in [("batchllm", "batchllm"), ("batchllm.engine", "batchllm/engine")]:
     module = types.ModuleType(name); module.__path__ = [{str(root)!r} + "/" + path]; sys.modules[name] = module
+structured = importlib.import_module("batchllm.engine.structured_output")
+manager = structured.StructuredOutputManager(None, 100, [0], backend="xgrammar")
+assert not {{"torch", "xgrammar", "llguidance", "transformers"}} & set(sys.modules), sorted(sys.modules)
 importlib.import_module("batchllm.engine.grammar")
 assert not {{"torch", "xgrammar", "transformers"}} & set(sys.modules), sorted(sys.modules)
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backend_names_are_checked():
+    from batchllm.engine.structured_output import GRAMMAR_BACKENDS, StructuredOutputManager
+
+    assert set(GRAMMAR_BACKENDS) == set(BACKENDS) and GRAMMAR_BACKENDS == BACKENDS
+    with pytest.raises(ValueError, match="backend must be one of 'xgrammar', 'llguidance', got 'outlines'"):
+        StructuredOutputManager(None, 100, [0], backend="outlines")

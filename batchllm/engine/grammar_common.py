@@ -1,0 +1,65 @@
+"""What both grammar engines' wrappers share: the error type, the JSON layout, and the bitmask rows' vocabulary.
+
+A bitmask row is int32 words of ceil(vocab_size / 32): bit `t % 32` of word `t // 32` is set when token `t` may
+come next (llguidance and xgrammar write this same layout). Whatever the engine writes, a row never allows an
+id the tokenizer lacks (the logits' padding up to the model's vocab_size); a finished matcher's row allows the
+EOS ids alone. No grammar engine is imported here (no torch either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+# The JSON layout of both engines: one line, as `json.dumps` writes it (between items, after keys).
+JSON_SEPARATORS = (", ", ": ")
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar engine rejects; the message names its kind and carries the engine's error."""
+
+
+def tokenizer_size(tokenizer) -> int:
+    """Token ids the tokenizer has, added tokens included (a fast tokenizer's)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured outputs need a fast (tokenizers-backed) tokenizer")
+    return backend.get_vocab_size(with_added_tokens=True)
+
+
+class BitmaskRows:
+    """The vocabulary every row shares: its width, the EOS-only row, and the padding bits no row may have."""
+
+    def __init__(self, tokenizer_size: int, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        eos = sorted({int(t) for t in eos_token_ids})
+        if not eos:
+            raise ValueError("GrammarCompiler needs at least one EOS token id")
+        if vocab_size < tokenizer_size:
+            raise ValueError(f"the model's vocab_size {vocab_size} is smaller than the tokenizer's "
+                             f"{tokenizer_size} tokens")
+        if eos[-1] >= tokenizer_size or eos[0] < 0:
+            raise ValueError(f"EOS ids {eos} are outside the tokenizer's {tokenizer_size} tokens")
+        self.tokenizer_size = tokenizer_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos)
+        self.width = (vocab_size + 31) // 32
+        self.eos_row = np.zeros(self.width, dtype=np.int32)
+        for t in eos:
+            self.eos_row[t // 32] |= np.uint32(1 << (t % 32)).view(np.int32)
+        # Cleared after every fill: the bits of ids past the tokenizer's, to the end of the last word.
+        self._tail = tokenizer_size // 32
+        self._tail_keep = np.zeros(self.width - self._tail, dtype=np.int32)
+        if self._tail < self.width:
+            self._tail_keep[0] = np.uint32((1 << (tokenizer_size % 32)) - 1).view(np.int32)
+
+    def clean(self, out: np.ndarray) -> None:
+        """Clear the padding bits in every row of `out` ([..., width])."""
+        if self._tail < self.width:
+            out[..., self._tail:] &= self._tail_keep
+
+
+def check_out(out: np.ndarray, shape: tuple[int, ...]) -> None:
+    if out.dtype != np.int32 or out.shape != shape or not out.flags["C_CONTIGUOUS"] or not out.flags["WRITEABLE"]:
+        raise ValueError(f"bitmask must be a writeable C-contiguous int32 array of shape {shape}, got "
+                         f"{out.dtype} {out.shape}")
