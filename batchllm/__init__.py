@@ -7,6 +7,6 @@ from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job"]
 __version__ = "0.1.0"

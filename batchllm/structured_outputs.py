@@ -4,8 +4,9 @@ Exactly one of `json`, `regex`, `choice`, `grammar` or `json_object` is set. Con
 shape of the value and turns it into a canonical `(kind, spec)` pair: a JSON schema given as a dict, a JSON
 string or a pydantic model class becomes one compact JSON text, so equal constraints share one compiled
 grammar whatever form they came in. Keys keep their order: the grammar has the output's fields in the order
-the schema lists them (a "reasoning" field before "answer" is how users make a model think first). Whether the grammar engine can compile the spec (a regex that
-does not parse, a schema feature it lacks) is known only when it is compiled, before generation.
+the schema lists them (a "reasoning" field before "answer" is how users make a model think first). Whether
+the grammar engine can compile the spec (a regex that does not parse, a schema feature it lacks) is known only
+when it is compiled, before generation.
 """
 
 from __future__ import annotations

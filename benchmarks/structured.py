@@ -17,6 +17,7 @@ token ids and the model, knowing nothing, writes whatever the grammar allows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shutil
@@ -135,8 +136,7 @@ def main() -> None:
     generate([prompts[i % rows] for i in range(len(warm))], warm, use_tqdm=False)
     results = {}
     for name, schemas in passes.items():
-        params = [base if s is None else SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=base.ignore_eos,
-                                                        structured_outputs=StructuredOutputsParams(json=s))
+        params = [base if s is None else dataclasses.replace(base, structured_outputs=StructuredOutputsParams(json=s))
                   for s in schemas]
         results[name] = run_pass(llm, prompts, params, schemas, bitmasks, chat)
         if name != "unconstrained":
@@ -157,7 +157,8 @@ def main() -> None:
     record = {"benchmark": "structured", "date": datetime.date.today().isoformat(), "git": git_sha(),
               "hardware": device_name, "hardware_info": device_info, "shape": args.shape or "smollm2-135m (real)",
               "rows": rows, "max_tokens": max_tokens, "results": results}
-    name = f"{record['date']}-structured-W1-r{rows}-o{max_tokens}-{args.shape or 'smollm2-135m-real'}-{device_name}.json"
+    shape = args.shape or "smollm2-135m-real"
+    name = f"{record['date']}-structured-W1-r{rows}-o{max_tokens}-{shape}-{device_name}.json"
     print(save_record(name, record, args.out))
 
 

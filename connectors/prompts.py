@@ -22,7 +22,6 @@ from typing import Any
 
 from batchllm.connectors.options import MapOptions, PromptSpec, with_system_prompt
 
-
 _MAX_RENDERED = 65536  # distinct conversations remembered per encoder
 
 

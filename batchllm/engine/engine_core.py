@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchllm.engine.detokenizer import Detokenizer
-from batchllm.engine.interfaces import (AwaitingGrammar, ModelRunnerOutput, PendingOutput, ReadyOutput,
-                                       SchedulerOutput)
+from batchllm.engine.interfaces import AwaitingGrammar, ModelRunnerOutput, PendingOutput, ReadyOutput, SchedulerOutput
 from batchllm.engine.request import Request
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.structured_output import StructuredOutputManager
@@ -64,7 +63,8 @@ class EngineCore:
         error = None
         if params.structured_outputs is not None:
             if self.structured is None:
-                raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
+                raise ValueError("structured outputs need a tokenizer (the LLM was built with "
+                                 "skip_tokenizer_init=True)")
             error = self.structured.init_request(request)
         self.scheduler.add_request(request, error)
 

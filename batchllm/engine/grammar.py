@@ -35,7 +35,14 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
-from batchllm.engine.grammar_common import JSON_SEPARATORS, BitmaskRows, GrammarError, check_out, tokenizer_size
+from batchllm.engine.grammar_common import (
+    JSON_SEPARATORS,
+    BitmaskRows,
+    CompileCache,
+    GrammarError,
+    check_out,
+    tokenizer_size,
+)
 from batchllm.structured_outputs import StructuredOutputsParams
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0],
@@ -65,22 +72,11 @@ class GrammarCompiler:
         self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=sorted(rows.eos_token_ids))
         self._eos_row = rows.eos_row
         self._clear_tail = rows.clean  # bits of ids the tokenizer does not have (the logits' padding)
-        self._cache: dict[tuple[str, str], CompiledGrammar | GrammarError] = {}  # rejections are cached too
-        self._lock = threading.Lock()
+        self._cache: CompileCache[CompiledGrammar] = CompileCache()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The validated grammar of `params`, compiled once per distinct constraint; raises GrammarError."""
-        with self._lock:
-            compiled = self._cache.get(params.key)
-            if compiled is None:
-                try:
-                    compiled = self._compile(params)
-                except GrammarError as error:
-                    compiled = error
-                self._cache[params.key] = compiled
-        if isinstance(compiled, GrammarError):
-            raise GrammarError(*compiled.args)
-        return compiled
+        return self._cache.get(params.key, lambda: self._compile(params))
 
     def new_matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         return GrammarMatcher(self, self.compile(params).template.deep_copy())

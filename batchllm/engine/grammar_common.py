@@ -8,9 +8,13 @@ EOS ids alone. No grammar engine is imported here (no torch either).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import threading
+from collections.abc import Callable, Collection, Hashable
+from typing import Generic, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 # The JSON layout of both engines: one line, as `json.dumps` writes it (between items, after keys).
 JSON_SEPARATORS = (", ", ": ")
@@ -18,6 +22,27 @@ JSON_SEPARATORS = (", ", ": ")
 
 class GrammarError(ValueError):
     """A constraint the grammar engine rejects; the message names its kind and carries the engine's error."""
+
+
+class CompileCache(Generic[T]):
+    """Compiled constraints by key, each compiled once; a rejection is cached too and raised on every use."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, T | GrammarError] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, compile_once: Callable[[], T]) -> T:
+        with self._lock:
+            compiled = self._items.get(key)
+            if compiled is None:
+                try:
+                    compiled = compile_once()
+                except GrammarError as error:
+                    compiled = error
+                self._items[key] = compiled
+        if isinstance(compiled, GrammarError):
+            raise GrammarError(*compiled.args)
+        return compiled
 
 
 def tokenizer_size(tokenizer) -> int:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,14 @@ import numpy as np
 import torch  # xgrammar's bitmask argument is a torch tensor (xgrammar imports torch itself anyway)
 import xgrammar as xgr
 
-from batchllm.engine.grammar_common import JSON_SEPARATORS, BitmaskRows, GrammarError, check_out, tokenizer_size
+from batchllm.engine.grammar_common import (
+    JSON_SEPARATORS,
+    BitmaskRows,
+    CompileCache,
+    GrammarError,
+    check_out,
+    tokenizer_size,
+)
 from batchllm.structured_outputs import StructuredOutputsParams
 
 _USE_LLGUIDANCE = 'pass LLM(structured_outputs_backend="llguidance")'
@@ -81,22 +87,11 @@ class GrammarCompiler:
         self._vocabulary = (tokenizer.get_vocab(), base.vocab_type, base.add_prefix_space, stop)
         self._xgr: dict[str, xgr.GrammarCompiler] = {}  # "json" / "other" → xgrammar's, built on first use
         self._batch: xgr.BatchGrammarMatcher | None = None  # built on the first fill
-        self._cache: dict[tuple[str, str], CompiledGrammar | GrammarError] = {}  # rejections are cached too
-        self._lock = threading.Lock()
+        self._cache: CompileCache[CompiledGrammar] = CompileCache()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The validated grammar of `params`, compiled once per distinct constraint; raises GrammarError."""
-        with self._lock:
-            compiled = self._cache.get(params.key)
-            if compiled is None:
-                try:
-                    compiled = self._compile(params)
-                except GrammarError as error:
-                    compiled = error
-                self._cache[params.key] = compiled
-        if isinstance(compiled, GrammarError):
-            raise GrammarError(*compiled.args)
-        return compiled
+        return self._cache.get(params.key, lambda: self._compile(params))
 
     def new_matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         compiled = self.compile(params)

@@ -17,8 +17,14 @@ import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, get_tp
-from batchllm.engine.interfaces import (AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, NewRequestData,
-                                       SampledToken, SchedulerOutput)
+from batchllm.engine.interfaces import (
+    AwaitingGrammar,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    NewRequestData,
+    SampledToken,
+    SchedulerOutput,
+)
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch

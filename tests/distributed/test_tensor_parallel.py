@@ -130,7 +130,8 @@ def test_tp3_on_the_default_model_equals_tp1() -> None:
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 2 =", "Is the sky green?",
                  "Describe a cat as JSON:"]
     plain = SamplingParams(max_tokens=16, temperature=0)
-    choice = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    choice = SamplingParams(max_tokens=8, temperature=0, structured_outputs=yes_no)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
     json_params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(json=schema))
     params = [plain, plain, plain, choice, json_params]

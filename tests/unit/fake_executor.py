@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchllm.engine.interfaces import (AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, ReadyOutput, SampledToken,
-                                       SchedulerOutput)
+from batchllm.engine.interfaces import (
+    AwaitingGrammar,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    ReadyOutput,
+    SampledToken,
+    SchedulerOutput,
+)
 
 
 def next_token(context: list[int]) -> int:
