@@ -37,6 +37,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from batchllm.engine.grammar_common import (
     JSON_SEPARATORS,
+    AcceptedTokens,
     BitmaskRows,
     CompileCache,
     GrammarError,
@@ -116,34 +117,27 @@ class GrammarMatcher:
     def __init__(self, compiler: GrammarCompiler, matcher: LLMatcher) -> None:
         self._compiler = compiler
         self._matcher = matcher
-        # Per accepted token: whether llguidance counted it. An EOS after the grammar has ended (nothing
-        # else could follow) is accepted but not counted, so rollback must not undo a token for it.
-        self._counted: list[bool] = []
+        self._accepted = AcceptedTokens()
 
     def accept_token(self, token_id: int) -> bool:
         m = self._matcher
         if token_id in self._compiler.eos_token_ids:
             if m.is_stopped():  # ended (or stopped by an error, when EOS is all its bitmask allows): not counted
-                self._counted.append(False)
+                self._accepted.add(counted=False)
                 return True
             if not m.is_accepting() or not m.consume_token(token_id):
                 return False
-            self._counted.append(True)
+            self._accepted.add()
             return True
         if not 0 <= token_id < self._compiler.vocab_size or m.is_stopped():
             return False
         if m.try_consume_tokens([token_id]) != 1:  # unlike consume_token, a refusal is no error state
             return False
-        self._counted.append(True)
+        self._accepted.add()
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= len(self._counted):
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._counted)} were accepted")
-        if num_tokens == 0:
-            return
-        counted = sum(self._counted[-num_tokens:])
-        del self._counted[-num_tokens:]
+        counted = self._accepted.take_back(num_tokens)
         if counted and not self._matcher.rollback(counted):
             raise RuntimeError(f"llguidance could not roll back {counted} tokens: {self._matcher.get_error()}")
 

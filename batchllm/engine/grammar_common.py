@@ -45,6 +45,27 @@ class CompileCache(Generic[T]):
         return compiled
 
 
+class AcceptedTokens:
+    """Which accepted tokens the grammar engine counted: an EOS after the grammar's end is accepted but not
+    counted, so a rollback must undo only the engine's own tokens."""
+
+    def __init__(self) -> None:
+        self._counted: list[bool] = []
+
+    def add(self, counted: bool = True) -> None:
+        self._counted.append(counted)
+
+    def take_back(self, num_tokens: int) -> int:
+        """Forget the last `num_tokens`; returns how many of them the engine must roll back."""
+        if not 0 <= num_tokens <= len(self._counted):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._counted)} were accepted")
+        if num_tokens == 0:
+            return 0
+        counted = sum(self._counted[-num_tokens:])
+        del self._counted[-num_tokens:]
+        return counted
+
+
 def tokenizer_size(tokenizer) -> int:
     """Token ids the tokenizer has, added tokens included (a fast tokenizer's)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

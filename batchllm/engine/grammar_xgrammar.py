@@ -49,6 +49,7 @@ import xgrammar as xgr
 
 from batchllm.engine.grammar_common import (
     JSON_SEPARATORS,
+    AcceptedTokens,
     BitmaskRows,
     CompileCache,
     GrammarError,
@@ -155,35 +156,29 @@ class GrammarMatcher:
         self._compiler = compiler
         self._matcher = matcher
         self._refused = refused
-        # Per accepted token: whether xgrammar counted it (an EOS after an accepted EOS is not: see accept_token).
-        self._counted: list[bool] = []
+        self._accepted = AcceptedTokens()
         self._ended: bool | None = None  # the grammar allows nothing but EOS now; None: not known yet
 
     def accept_token(self, token_id: int) -> bool:
         m, compiler = self._matcher, self._compiler
         if token_id in compiler.eos_token_ids:
             if m.is_terminated():  # xgrammar accepts one stop token; more are accepted here, not counted
-                self._counted.append(False)
+                self._accepted.add(counted=False)
                 return True
             if not m.is_completed() or not m.accept_token(token_id):
                 return False
-            self._counted.append(True)
+            self._accepted.add()
             return True
         if not 0 <= token_id < compiler.tokenizer_size or token_id in self._refused or m.is_terminated():
             return False  # checked here: xgrammar logs a warning for each of these
         if not m.accept_token(token_id):
             return False
-        self._counted.append(True)
+        self._accepted.add()
         self._ended = None
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= len(self._counted):
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._counted)} were accepted")
-        if num_tokens == 0:
-            return
-        counted = sum(self._counted[-num_tokens:])
-        del self._counted[-num_tokens:]
+        counted = self._accepted.take_back(num_tokens)
         if counted:
             self._matcher.rollback(counted)
         self._ended = None
