@@ -61,7 +61,8 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class GrammarBitmask:
     """The tokens each constrained row may sample this step: bit `t % 32` of word `t // 32` of a row is set
-    when token `t` is allowed. Row `i` belongs to `request_ids[i]`."""
+    when token `t` is allowed. Row `i` belongs to `request_ids[i]`. The array is the engine's buffer, valid
+    until the next step's bitmask: the runner copies it before it returns."""
 
     request_ids: list[str]
     bitmask: np.ndarray  # int32 [len(request_ids), ceil(vocab_size / 32)]

@@ -46,6 +46,7 @@ class StructuredOutputManager:
         self.backend = check_backend(backend, "StructuredOutputManager backend")
         self._compiler_args = (tokenizer, vocab_size, eos_token_ids)
         self._compiler = None
+        self._buffer: np.ndarray | None = None
         self.num_active = 0  # constrained requests in the engine: steps without any skip all of this
 
     @property
@@ -92,17 +93,26 @@ class StructuredOutputManager:
         """The step's bitmask, from the matchers' current state. A request that finished meanwhile (its token
         will be dropped) may sample anything."""
         fill_bitmasks = self._grammar_module().fill_bitmasks
-        bitmask = np.full((len(request_ids), self.compiler.bitmask_width), -1, dtype=np.int32)
         rows, matchers = [], []
         for row, request_id in enumerate(request_ids):
             request = requests.get(request_id)
             if request is not None and not request.status.finished:
                 rows.append(row)
                 matchers.append(request.matcher)
+        bitmask = self._rows_of_buffer(len(request_ids))
         if len(rows) == len(request_ids):
             fill_bitmasks(matchers, bitmask)
-        elif rows:
-            filled = np.empty((len(rows), bitmask.shape[1]), dtype=np.int32)
-            fill_bitmasks(matchers, filled)
-            bitmask[rows] = filled
+        else:
+            bitmask.fill(-1)
+            if rows:
+                filled = np.empty((len(rows), bitmask.shape[1]), dtype=np.int32)
+                fill_bitmasks(matchers, filled)
+                bitmask[rows] = filled
         return GrammarBitmask(request_ids, bitmask)
+
+    def _rows_of_buffer(self, num_rows: int) -> np.ndarray:
+        """The first rows of one buffer reused every step (a step's bitmask is read, copied to the device or
+        sent to the workers, before the next step fills it): megabytes a step, not allocated again."""
+        if self._buffer is None or self._buffer.shape[0] < num_rows:
+            self._buffer = np.empty((max(num_rows, 256), self.compiler.bitmask_width), dtype=np.int32)
+        return self._buffer[:num_rows]
