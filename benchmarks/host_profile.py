@@ -2,9 +2,11 @@
 
     python benchmarks/host_profile.py --shape smollm2-135m --running 256 1024 --max-tokens 64
 
-Every row is a random 100-token prompt decoding `--max-tokens` tokens, `--running` rows at once
-(`max_num_seqs` = rows), so most steps are decode steps of exactly that batch. The engine's phases are timed
-by wrapping them on the instance (nothing in the library changes):
+Every row is a random 100-token prompt (`--prompt-tokens`) decoding `--max-tokens` tokens, `--running` rows at
+once (`max_num_seqs`), so most steps are decode steps of exactly that batch; with `--rows` above `--running`,
+requests join and leave it as in W4. `--null-model` replaces the forward pass by zeros, so that on the CPU a
+step's time is the host's own work. The engine's phases are timed by wrapping them on the instance (nothing in
+the library changes):
 
 - schedule: `Scheduler.schedule`;
 - launch: the executor's `execute_model_async` / `execute_model`: runner bookkeeping, input preparation,
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
+import pstats
 import random
 import time
 import warnings
@@ -71,9 +75,37 @@ def instrument_launch(llm: LLM, totals: dict[str, float]) -> None:
     runner.sampler = timed(totals, "sample", runner.sampler)
 
 
+class _NullModel(torch.nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return input_ids.new_zeros((len(input_ids), self.hidden_size), dtype=torch.float32)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.new_zeros((len(hidden), self.vocab_size))
+
+
+def use_null_model(llm: LLM) -> None:
+    runner = llm.runner
+    config = runner.model_config
+    runner.model = _NullModel(config.hidden_size, config.vocab_size)
+    runner.graphs = None
+
+
 def _runtime_profiler():
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     return torch.profiler.profile(activities=activities)
+
+
+def _print_cprofile(profile: cProfile.Profile, steps: int, limit: int) -> None:
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:limit]
+    for (filename, line, name), (_, calls, own, cumulative, _) in rows:
+        where = f"{filename.rsplit('/', 2)[-1]}:{line}({name})"
+        print(f"        {1e6 * own / steps:>7.0f} own {1e6 * cumulative / steps:>7.0f} cum "
+              f"{calls / steps:>7.1f} calls  {where}")
 
 
 def main() -> None:
@@ -81,10 +113,19 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=None, help="rows in all (default: --running); more rows than "
+                        "--running make requests join and leave the batch as in W4")
+    parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
     parser.add_argument("--detail", action="store_true", help="also split the launch phase")
     parser.add_argument("--runtime-calls", action="store_true",
                         help="profile the timed run and list the CUDA runtime calls the host spent longest in")
+    parser.add_argument("--null-model", action="store_true",
+                        help="replace the forward pass and logits by zeros (no tensor parallelism, no CUDA graphs): "
+                             "what is left of a step is the host's work")
+    parser.add_argument("--cprofile", type=int, metavar="N", default=0,
+                        help="profile the timed run with cProfile and list the N functions with the most own time")
     parser.add_argument("--sync-debug", action="store_true",
                         help="report where the timed run calls a synchronizing CUDA operation, and allocator retries")
     args = parser.parse_args()
@@ -95,8 +136,9 @@ def main() -> None:
           f"{'apply':>6} {'other':>6}")
     for running in args.running:
         rng = random.Random(running)
-        prompts = [[rng.randrange(100, vocab - 100) for _ in range(100)] for _ in range(running)]
-        for async_scheduling in (True, False):
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]
+                   for _ in range(args.rows or running)]
+        for async_scheduling in [mode == "async" for mode in args.modes]:
             llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, device=args.device,
                       max_num_seqs=running, max_num_batched_tokens=max(8192, running),
                       async_scheduling=async_scheduling)
@@ -104,6 +146,8 @@ def main() -> None:
             # Warm-up on every prompt: Triton compiles for the prefill shapes of this batch here, not in the timed
             # run (on a fresh machine the first engine of a process otherwise pays for it).
             llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+            if args.null_model:
+                use_null_model(llm)
             totals: dict[str, float] = defaultdict(float)
             instrument(llm, totals)
             details: dict[str, float] = defaultdict(float)
@@ -115,7 +159,8 @@ def main() -> None:
                 if args.sync_debug:
                     torch.cuda.set_sync_debug_mode("warn")
                 profiler = _runtime_profiler() if args.runtime_calls else contextlib.nullcontext()
-                with profiler as prof:
+                python_profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
+                with profiler as prof, python_profiler:
                     start = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)
                     wall = time.perf_counter() - start
@@ -138,6 +183,8 @@ def main() -> None:
                 calls.sort(key=lambda e: -e.self_cpu_time_total)
                 print("        runtime: " + ", ".join(f"{e.key} {e.count}x {e.self_cpu_time_total / steps:.0f}"
                                                    for e in calls[:6]))
+            if args.cprofile:
+                _print_cprofile(python_profiler, steps, args.cprofile)
             if args.detail:
                 print("        launch: " + ", ".join(f"{k} {1e6 * v / steps:.0f}" for k, v in details.items()))
             del llm, totals, details

@@ -21,6 +21,10 @@ SHAPES = {
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
                        max_position_embeddings=8192),
+    # Not a workload shape: so small that on the CPU a step's time is the host's Python, for host_profile.py.
+    "tiny-host": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=2048, rope_theta=10000.0, tie_word_embeddings=True,
+                      max_position_embeddings=8192),
 }
 
 

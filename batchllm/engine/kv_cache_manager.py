@@ -36,6 +36,9 @@ class BlockAllocation:
     copied: bool = False  # a shared block in the table was replaced by its private copy
 
 
+_UNCHANGED = BlockAllocation([])  # shared, never mutated: the request's block table stays as it is
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         self.block_size = block_size
@@ -68,8 +71,18 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the `cached_blocks` hit
         at admission). Returns what changed in the request's block table, or None, changing nothing, if the
         pool is too short."""
+        owned = self._blocks.get(request.request_id)
+        if owned is not None and not cached_blocks:
+            # Most decode steps write into the request's own last block: nothing to allocate or copy.
+            end = request.num_computed_tokens + num_new_tokens
+            first_write = request.num_computed_tokens // self.block_size
+            num_owned = len(owned)
+            if first_write < num_owned and end <= num_owned * self.block_size and owned[first_write].ref_cnt == 1:
+                self._cache_full_blocks(request, owned, end)
+                return _UNCHANGED
         cached_blocks = cached_blocks or []
-        owned = self._blocks.setdefault(request.request_id, [])
+        if owned is None:
+            owned = self._blocks[request.request_id] = []
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         end = computed + num_new_tokens
         first_write = computed // self.block_size
@@ -88,7 +101,8 @@ class KVCacheManager:
             self._copy_on_write(owned, first_write, new_blocks.pop(0))
         owned.extend(new_blocks)
         self._cache_full_blocks(request, owned, end)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        if num_new_blocks or cached_blocks:
+            self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return BlockAllocation([block.block_id for block in new_blocks], needs_copy)
 
     def _copy_on_write(self, owned: list[KVCacheBlock], index: int, copy: KVCacheBlock) -> None:
@@ -107,7 +121,9 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         # A block whose last token is still pending (asynchronous scheduling) is indexed in a later step.
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, len(request.token_ids)) // self.block_size
+        if not num_full:
+            return
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -112,12 +112,14 @@ class Scheduler:
         self._preempted_this_step = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.surely_finishes or request.num_tokens_with_pending >= self.config.max_model_len:
+        running, max_model_len = self.running, self.config.max_model_len
+        while i < len(running) and budget > 0:
+            request = running[i]
+            with_pending = len(request.token_ids) + request.num_pending_tokens
+            if with_pending >= max_model_len or (request.num_pending_tokens and request.surely_finishes):
                 i += 1
                 continue
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            num_new = min(with_pending - request.num_computed_tokens, budget)
             allocation = self._allocate_or_preempt(request, num_new)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
@@ -212,9 +214,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_request(self, request: Request, num_new: int, allocation: BlockAllocation) -> ScheduledRequest:
+        # Runs for every scheduled request of every step: kept to plain attribute reads.
         start = request.num_computed_tokens
         end = start + num_new
-        placeholder = end > request.num_tokens  # only the newest, still pending, token can be unknown
+        num_tokens = len(request.token_ids)
+        placeholder = end > num_tokens  # only the newest, still pending, token can be unknown
         new_data = None
         if not request.known_to_runner:
             new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
@@ -222,26 +226,21 @@ class Scheduler:
             request.known_to_runner = True
         full_table = new_data is not None or allocation.copied
         block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids
+        stats = self.stats
         if new_data is None and num_new == 1 and start >= request.num_prompt_tokens:
-            self.stats.num_decode_tokens += 1
+            stats.num_decode_tokens += 1
         else:
-            self.stats.num_prefill_tokens += num_new
-        if end < request.num_tokens_with_pending:
-            self.stats.num_chunked_prefills += 1
-        sample = end == request.num_tokens_with_pending
+            stats.num_prefill_tokens += num_new
+        sample = end == num_tokens + request.num_pending_tokens
+        if sample:
+            request.num_pending_tokens += 1
+        else:
+            stats.num_chunked_prefills += 1
         request.num_computed_tokens = end
-        request.num_pending_tokens += sample
         self._scheduled_now[request.request_id] = num_new
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_ids[start:end],
-            num_computed_tokens=start,
-            block_ids=block_ids,
-            sample=sample,
-            new=new_data,
-            full_block_table=full_table,
-            placeholder=placeholder,
-        )
+        token_ids = request.token_ids[start:end] if start < num_tokens else []
+        return ScheduledRequest(request.request_id, token_ids, start, block_ids, sample, new_data, full_table,
+                                placeholder)
 
     def _record_step(self, num_tokens: int) -> None:
         stats = self.stats
@@ -256,26 +255,34 @@ class Scheduler:
         """Append sampled tokens, stop what must stop, and free the finished requests' blocks."""
         finished: list[Request] = []
         now = time.perf_counter()
+        requests, sampled, check_stop = self.requests, runner_output.sampled, self.check_stop
+        max_model_len = self.config.max_model_len
+        num_generated = 0
+        finished_while_waiting = False  # preempted while its last token was in flight: it is in `waiting`
         for scheduled in output.requests:
             if not scheduled.sample:
                 continue
-            request = self.requests.get(scheduled.request_id)
+            request = requests.get(scheduled.request_id)
             if request is None:
                 continue  # finished by the step before this one: this token was computed in vain
             request.num_pending_tokens -= 1
-            token = runner_output.sampled[scheduled.request_id]
+            was_preempted = request.status is RequestStatus.PREEMPTED
+            token = sampled[scheduled.request_id]
             accepted = request.append_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.stats.num_generated_tokens += 1
+            num_generated += 1
             if not accepted:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = f"the structured-output grammar rejected the sampled token {token.token_id}"
                 self.stats.num_errors += 1
-            elif request.num_tokens >= self.config.max_model_len:
+            elif len(request.token_ids) >= max_model_len:
                 request.status = RequestStatus.FINISHED_LENGTH
-            if request.status.finished or self.check_stop(request) or _grammar_ended(request):
+            if request.status.finished or check_stop(request) or (request.matcher is not None
+                                                                  and _grammar_ended(request)):
                 finished.append(request)
+                finished_while_waiting |= was_preempted
+        self.stats.num_generated_tokens += num_generated
         if finished:
             for request in finished:
                 request.finished_time = now
@@ -283,7 +290,7 @@ class Scheduler:
                 del self.requests[request.request_id]
                 self._finished_ids.append(request.request_id)
             self.running = [r for r in self.running if not r.status.finished]
-            if any(r in self.waiting for r in finished):  # preempted while its last token was in flight
+            if finished_while_waiting:
                 self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
 

@@ -30,21 +30,23 @@ from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.executor.profiling import profile_peak_memory
+from batchllm.executor.sampling_table import SamplingTable
 from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
-from batchllm.model.layers.sampler import Sampler
-from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, make_generator
+from batchllm.model.layers.sampler import Sampler, SamplerOutput
+from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, keeps_token_history, make_generator
 from batchllm.model.loader import load_model
 from batchllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class _RequestState:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # grows by one per sampled token: penalties read it
     params: SamplingParams
-    row: int  # its row in the runner's BlockTables
+    row: int  # its row in the runner's BlockTables and SamplingTable
+    # Only for requests whose sampling reads them (penalties, min_tokens; `keeps_token_history`), else empty.
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # grows by one per sampled token
     generator: torch.Generator | None = None
 
 
@@ -94,6 +96,7 @@ class ModelRunner:
                                  max_blocks_per_seq, self.block_size, device)
         self._states: dict[str, _RequestState] = {}
         self._block_tables = BlockTables(max_blocks_per_seq, 2 * self.scheduler_config.max_num_seqs)
+        self._sampling_table = SamplingTable(2 * self.scheduler_config.max_num_seqs)
         self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
         self._share_samples = config.async_scheduling and get_tp().size > 1
         # The last step's sampled ids on the device, and the row of each request in it.
@@ -148,37 +151,44 @@ class ModelRunner:
         if so.is_empty:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
 
-        num_seqs = len(so.requests)
-        num_scheduled = np.empty(num_seqs, dtype=np.int64)
-        num_computed = np.empty(num_seqs, dtype=np.int64)
+        # Runs for every request of every step: Python lists here, one conversion to arrays after the loop.
+        num_scheduled: list[int] = []
+        num_computed: list[int] = []
         token_ids: list[int] = []
-        block_rows = np.empty(num_seqs, dtype=np.int64)
+        block_rows: list[int] = []
         sample_rows: list[int] = []
         sampled_states: list[tuple[str, _RequestState]] = []
         placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
         placeholder_rows: list[int] = []
+        states, block_tables, last_rows = self._states, self._block_tables, self._last_rows
         for i, scheduled in enumerate(so.requests):
-            state = self._state_for(scheduled.request_id, scheduled.new)
+            request_id = scheduled.request_id
+            state = states[request_id] if scheduled.new is None else self._add_state(request_id, scheduled.new)
             if scheduled.block_ids or scheduled.full_block_table:
-                self._block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
-            num_scheduled[i] = scheduled.num_tokens
-            num_computed[i] = scheduled.num_computed_tokens
-            token_ids.extend(scheduled.token_ids)
+                block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
+            new_tokens = scheduled.token_ids
+            token_ids += new_tokens
             if scheduled.placeholder:
                 placeholder_slots.append(len(token_ids))
-                placeholder_rows.append(self._last_rows[scheduled.request_id])
+                placeholder_rows.append(last_rows[request_id])
                 token_ids.append(0)
-            block_rows[i] = state.row
+                num_scheduled.append(len(new_tokens) + 1)
+            else:
+                num_scheduled.append(len(new_tokens))
+            num_computed.append(scheduled.num_computed_tokens)
+            block_rows.append(state.row)
             if scheduled.sample:
                 sample_rows.append(i)
-                sampled_states.append((scheduled.request_id, state))
+                sampled_states.append((request_id, state))
+        num_seqs = len(num_scheduled)
 
         graph_size = None
         if self.graphs is not None and len(token_ids) == num_seqs and num_seqs <= self.graphs.max_batch_size:
             graph_size = self.graphs.padded_size(num_seqs)
+        block_rows = np.array(block_rows, dtype=np.int64)
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
-            token_ids, num_scheduled, num_computed, self._block_tables.table, block_rows,
-            np.asarray(sample_rows, dtype=np.int64), pad_to=graph_size)
+            token_ids, np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64),
+            self._block_tables.table, block_rows, np.array(sample_rows, dtype=np.int64), pad_to=graph_size)
         if placeholder_slots:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if graph_size is not None:
@@ -189,16 +199,21 @@ class ModelRunner:
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
+        table_rows = block_rows[sample_rows]
         if so.grammar_request_ids and so.grammar is None:
             # The forward pass is queued on the device; sample once the engine has the bitmask.
-            return AwaitingGrammar(lambda grammar: self._sample_step(logits, sampled_states, grammar))
-        return self._sample_step(logits, sampled_states, so.grammar)
+            return AwaitingGrammar(lambda grammar: self._sample_step(logits, sampled_states, table_rows, grammar))
+        return self._sample_step(logits, sampled_states, table_rows, so.grammar)
 
     @torch.inference_mode()
     def _sample_step(self, logits: torch.Tensor | None, sampled_states: list[tuple[str, _RequestState]],
-                     grammar: GrammarBitmask | None) -> StepOutput:
+                     table_rows: np.ndarray, grammar: GrammarBitmask | None) -> StepOutput:
+        """`table_rows[i]`: the SamplingTable row of `sampled_states[i]`."""
         request_ids = [request_id for request_id, _ in sampled_states]
-        sampled = None if logits is None else self._sample(logits, sampled_states, grammar)  # None: not rank 0
+        history: list[tuple[int, _RequestState]] = []  # rows whose sampled tokens the runner must remember
+        sampled = None  # stays None on tensor-parallel ranks other than 0
+        if logits is not None:
+            sampled, history = self._sample(logits, sampled_states, table_rows, grammar)
         if self._share_samples:
             ids = sampled.token_ids if sampled is not None else torch.empty(len(request_ids), dtype=torch.int64,
                                                                              device=self.device)
@@ -206,47 +221,55 @@ class ModelRunner:
         elif sampled is not None:
             self._last_sampled = sampled.token_ids
         self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
-        states = dict(sampled_states)
         output = StepOutput(request_ids, sampled, self._host_tokens.take(),
-                            lambda ids, tokens: _record_tokens(states, ids, tokens))
+                            (lambda ids, tokens: _record_tokens(history, tokens)) if history else _ignore)
         if sampled is not None:
             self._unread = output
         return output
 
-    def _state_for(self, request_id: str, new: NewRequestData | None) -> _RequestState:
+    def _add_state(self, request_id: str, new: NewRequestData) -> _RequestState:
+        """The state of a request the runner has not seen, or sees again after a preemption."""
         state = self._states.get(request_id)
-        if new is None:
-            assert state is not None, f"runner has no state for request {request_id}"
-            return state
-        # A preempted request keeps its RNG stream and its block-table row.
+        params = new.sampling_params
+        # A preempted request keeps its RNG stream and its table row.
         generator = state.generator if state is not None else None
-        if generator is None and new.sampling_params.seed is not None:
-            generator = make_generator(new.sampling_params.seed, self.device)
+        if generator is None and params.seed is not None:
+            generator = make_generator(params.seed, self.device)
         row = state.row if state is not None else self._block_tables.add()
-        num_prompt = new.num_prompt_tokens
-        state = _RequestState(new.all_token_ids[:num_prompt], new.all_token_ids[num_prompt:], new.sampling_params,
-                              row, generator=generator)
-        self._states[request_id] = state
+        self._sampling_table.set(row, params)
+        prompt, output = [], []
+        if keeps_token_history(params):
+            prompt, output = new.all_token_ids[:new.num_prompt_tokens], new.all_token_ids[new.num_prompt_tokens:]
+        state = self._states[request_id] = _RequestState(params, row, prompt, output, generator)
         return state
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], grammar: GrammarBitmask | None):
-        params = [state.params for _, state in rows]
-        if self._unread is not None and any(p.uses_penalties or p.min_tokens for p in params):
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], table_rows: np.ndarray,
+                grammar: GrammarBitmask | None) -> tuple[SamplerOutput, list[tuple[int, _RequestState]]]:
+        """Samples the step; also returns the (position, state) of the rows that keep their token history."""
+        columns, special_positions, any_history = self._sampling_table.gather(table_rows)
+        if self._unread is not None and any_history:
             # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
             self._unread.result()
         self._unread = None
-        sampling_rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for _, s in rows]
-        tensors = SamplingTensors.build(sampling_rows, logits.shape[-1], self.device, self.eos_token_ids)
+        special = []
+        history = []
+        for i in special_positions.tolist():
+            state = rows[i][1]
+            special.append((i, SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
+                                           state.generator)))
+            if keeps_token_history(state.params):
+                history.append((i, state))
+        tensors = SamplingTensors.from_columns(columns, special, logits.shape[-1], self.device, self.eos_token_ids)
         if grammar is not None:
             row_of = {request_id: row for row, (request_id, _) in enumerate(rows)}
             tensors.add_grammar([row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask,
                                 self.device)
-        return self.sampler(logits, tensors)
+        return self.sampler(logits, tensors), history
 
 
-def _record_tokens(states: dict[str, _RequestState], request_ids: list[str], tokens: list[SampledToken]) -> None:
-    for request_id, token in zip(request_ids, tokens):
-        states[request_id].output_token_ids.append(token.token_id)
+def _record_tokens(history: list[tuple[int, _RequestState]], tokens: list[SampledToken]) -> None:
+    for i, state in history:
+        state.output_token_ids.append(tokens[i].token_id)
 
 
 def _ignore(request_ids: list[str], tokens: list[SampledToken]) -> None:

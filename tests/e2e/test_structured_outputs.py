@@ -525,6 +525,11 @@ SMALL_SCHEMA = {"type": "object", "properties": {"animal": {"type": "string", "m
                 "required": ["animal", "legs"], "additionalProperties": False}
 
 
+# Engine behaviour that does not depend on the grammar engine: run with the default backend only.
+xgrammar_only = pytest.mark.parametrize("config", CONFIGS[:2], ids=["sync-xgrammar", "async-xgrammar"], indirect=True)
+
+
+@xgrammar_only
 def test_identical_constrained_prompts_share_the_prefix_cache(llm):
     # A prompt no other test uses, so the first row misses and the second hits the blocks it computes.
     messages = _user("Pick an animal from a farm in the countryside and tell me how many legs it has, in JSON.")
@@ -536,6 +541,7 @@ def test_identical_constrained_prompts_share_the_prefix_cache(llm):
     assert llm.stats.prefix_cache_hits >= 16 * ((prompt_len - 1) // 16) > 0, llm.stats
 
 
+@xgrammar_only
 def test_seeded_samples_of_one_constrained_prompt_all_validate(llm):
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=32, structured_outputs=_json(SMALL_SCHEMA))
     out = llm.chat(_user("Name an animal and its number of legs, in JSON."), params, use_tqdm=False)[0]

@@ -32,6 +32,59 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def needs_row_state(params: SamplingParams) -> bool:
+    """Whether sampling a row needs more than its `SamplingColumns` entries: a seeded generator, penalties,
+    min_tokens (they read the row's tokens) or logprobs. Such rows are the few the host visits one by one."""
+    return params.seed is not None or params.uses_penalties or params.min_tokens > 0 or params.logprobs is not None
+
+
+def keeps_token_history(params: SamplingParams) -> bool:
+    """Penalties and min_tokens read the row's tokens so far; nothing else does."""
+    return params.uses_penalties or params.min_tokens > 0
+
+
+@dataclass(slots=True)
+class SamplingColumns:
+    """The per-row parameters every row has, one host array each, rows in the order of the logits.
+
+    Greedy rows and rows that do not use a filter hold its neutral value (temperature 1, top_k 0, top_p +inf,
+    min_p 0), so a stage is needed exactly when some entry differs from it. A runner keeps these columns for
+    every live request and gathers a step's rows with one `take` per column (`executor/sampling_table.py`).
+    """
+
+    greedy: np.ndarray  # bool
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray  # int64, 0 = off
+    top_p: np.ndarray  # float32, +inf = off
+    min_p: np.ndarray  # float32
+
+    @classmethod
+    def empty(cls, num_rows: int) -> SamplingColumns:
+        return cls(np.ones(num_rows, dtype=bool), np.ones(num_rows, dtype=np.float32),
+                   np.zeros(num_rows, dtype=np.int64), np.full(num_rows, np.inf, dtype=np.float32),
+                   np.zeros(num_rows, dtype=np.float32))
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> SamplingColumns:
+        columns = cls.empty(len(params))
+        for row, p in enumerate(params):
+            columns.set(row, p)
+        return columns
+
+    def set(self, row: int, p: SamplingParams) -> None:
+        greedy = self.greedy[row] = p.greedy
+        self.temperature[row] = 1.0 if greedy else p.temperature
+        self.top_k[row] = 0 if greedy else p.top_k
+        # +inf, not 1.0, disables a row: float rounding lets the cumulative sum pass 1.0 and would otherwise
+        # cut the tail of a row that asked for no cut at all.
+        self.top_p[row] = np.inf if greedy or p.top_p >= 1 else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+
+    def take(self, rows: np.ndarray) -> SamplingColumns:
+        return SamplingColumns(*(column.take(rows) for column in
+                                 (self.greedy, self.temperature, self.top_k, self.top_p, self.min_p)))
+
+
 @dataclass(slots=True)
 class PenaltyTensors:
     """Penalty parameters of a batch, on the device.
@@ -82,48 +135,52 @@ class SamplingTensors:
         device: torch.device | str,
         eos_token_ids: Collection[int] = (),
     ) -> SamplingTensors:
-        """Gathers the batch's parameters into device tensors.
+        """Gathers the batch's parameters into device tensors (see `from_columns`)."""
+        columns = SamplingColumns.of([row.params for row in rows])
+        special = [(i, row) for i, row in enumerate(rows) if needs_row_state(row.params)]
+        return cls.from_columns(columns, special, vocab_size, device, eos_token_ids)
+
+    @classmethod
+    def from_columns(
+        cls,
+        columns: SamplingColumns,
+        special: Sequence[tuple[int, SamplingRow]],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Collection[int] = (),
+    ) -> SamplingTensors:
+        """Device tensors for a batch given as `columns` plus, for the rows that `needs_row_state`, their
+        (row, `SamplingRow`): host work is vectorized over the batch and per row only for those.
 
         `eos_token_ids` are the model's end-of-sequence ids: a row with fewer than `min_tokens` outputs
         has them (unless `ignore_eos`) and its `stop_token_ids` masked, so it cannot stop early.
         """
         device = torch.device(device)
-        params = [row.params for row in rows]
-        for row in rows:
+        for _, row in special:
             if (row.params.seed is None) != (row.generator is None):
                 raise ValueError("SamplingRow.generator must be set exactly when params.seed is set")
+        num_rows = len(columns.greedy)
 
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return _upload(torch.tensor(values, dtype=dtype), device)
+        def column(values: np.ndarray, needed: bool) -> torch.Tensor | None:
+            return _upload(torch.from_numpy(values), device) if needed else None
 
-        greedy = [p.greedy for p in params]
-        all_greedy = all(greedy)
+        all_greedy = bool(columns.greedy.all())
         greedy_mask = temperature = top_k = top_p = min_p = None
         generators: list[tuple[int, torch.Generator]] = []
         if not all_greedy:
-            if any(greedy):
-                greedy_mask = column(greedy, torch.bool)
-            # Greedy rows get neutral values so that the random path stays finite on them; its result
-            # is discarded there.
-            random = [p for p, g in zip(params, greedy) if not g]
-            if any(p.temperature != 1 for p in random):
-                temperature = column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
-            if any(0 < p.top_k < vocab_size for p in random):
-                ks = [p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size for p, g in zip(params, greedy)]
-                top_k = column(ks, torch.long)
-            if any(p.top_p < 1 for p in random):
-                # +inf, not 1.0, disables a row: float rounding lets the cumulative sum pass 1.0 and would
-                # otherwise cut the tail of a row that asked for no cut at all.
-                ps = [p.top_p if not g and p.top_p < 1 else float("inf") for p, g in zip(params, greedy)]
-                top_p = column(ps, torch.float32)
-            if any(p.min_p > 0 for p in random):
-                min_p = column([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
-            generators = [
-                (i, row.generator) for i, row in enumerate(rows) if row.generator is not None and not greedy[i]
-            ]
+            greedy_mask = column(columns.greedy, bool(columns.greedy.any()))
+            temperature = column(columns.temperature, bool((columns.temperature != 1).any()))
+            enabled = (columns.top_k > 0) & (columns.top_k < vocab_size)
+            top_k = column(np.where(enabled, columns.top_k, vocab_size), bool(enabled.any()))
+            top_p = column(columns.top_p, bool(np.isfinite(columns.top_p).any()))
+            min_p = column(columns.min_p, bool((columns.min_p > 0).any()))
+            generators = [(i, row.generator) for i, row in special
+                          if row.generator is not None and not columns.greedy[i]]
 
-        num_logprobs = [p.logprobs for p in params]
-        requested = [k for k in num_logprobs if k is not None]
+        num_logprobs: list[int | None] = [None] * num_rows
+        for i, row in special:
+            num_logprobs[i] = row.params.logprobs
+        requested = [row.params.logprobs for _, row in special if row.params.logprobs is not None]
         return cls(
             all_greedy=all_greedy,
             greedy=greedy_mask,
@@ -131,44 +188,47 @@ class SamplingTensors:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            penalties=_build_penalties(rows, vocab_size, device),
-            banned_index=_build_banned_index(rows, vocab_size, device, eos_token_ids),
+            penalties=_build_penalties(special, num_rows, vocab_size, device),
+            banned_index=_build_banned_index(special, vocab_size, device, eos_token_ids),
             generators=generators,
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
         )
 
 
-def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> PenaltyTensors | None:
-    params = [row.params for row in rows]
-    if not any(p.uses_penalties for p in params):
+def _build_penalties(special: Sequence[tuple[int, SamplingRow]], num_rows: int, vocab_size: int,
+                     device: torch.device) -> PenaltyTensors | None:
+    penalised = [(i, row) for i, row in special if row.params.uses_penalties]
+    if not penalised:
         return None
 
-    def optional_column(values: list[float], neutral: float) -> torch.Tensor | None:
-        if all(v == neutral for v in values):
+    def optional_column(name: str, neutral: float) -> torch.Tensor | None:
+        values = np.full(num_rows, neutral, dtype=np.float32)
+        for i, row in penalised:
+            values[i] = getattr(row.params, name)
+        if (values == neutral).all():
             return None
-        return _upload(torch.tensor(values, dtype=torch.float32), device)
+        return _upload(torch.from_numpy(values), device)
 
-    repetition = optional_column([p.repetition_penalty for p in params], 1.0)
+    repetition = optional_column("repetition_penalty", 1.0)
     prompt_index = None
     if repetition is not None:
-        prompts = [(i, row.prompt_token_ids) for i, row in enumerate(rows) if row.params.repetition_penalty != 1]
+        prompts = [(i, row.prompt_token_ids) for i, row in penalised if row.params.repetition_penalty != 1]
         prompt_index = _upload(_flat_index(prompts, vocab_size), device)
-    outputs = [(i, row.output_token_ids) for i, row in enumerate(rows) if row.params.uses_penalties]
     return PenaltyTensors(
         repetition=repetition,
-        frequency=optional_column([p.frequency_penalty for p in params], 0.0),
-        presence=optional_column([p.presence_penalty for p in params], 0.0),
-        output_index=_upload(_flat_index(outputs, vocab_size), device),
+        frequency=optional_column("frequency_penalty", 0.0),
+        presence=optional_column("presence_penalty", 0.0),
+        output_index=_upload(_flat_index([(i, row.output_token_ids) for i, row in penalised], vocab_size), device),
         prompt_index=prompt_index,
     )
 
 
 def _build_banned_index(
-    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device, eos_token_ids: Collection[int]
+    special: Sequence[tuple[int, SamplingRow]], vocab_size: int, device: torch.device, eos_token_ids: Collection[int]
 ) -> torch.Tensor | None:
     banned = []
-    for i, row in enumerate(rows):
+    for i, row in special:
         p = row.params
         if len(row.output_token_ids) >= p.min_tokens:
             continue
