@@ -15,6 +15,7 @@ from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.structured_output import StructuredOutputManager, check_backend
+from batchllm.host_gc import objects_frozen
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchllm.request_source import RequestSource
@@ -184,36 +185,38 @@ class LLM:
         in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
         source = RequestSource(requests)
         stepping = False
-        try:
-            while True:
-                room = None if max_in_flight is None else max_in_flight - len(in_flight)
-                for key, text, token_ids, params in source.take(room):
-                    prompt_id = str(next(self._request_counter))
-                    output = RequestOutput(prompt_id, text, token_ids, finished=False)
-                    in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
-                    for sample in range(params.n):
-                        fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
-                        engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
-                                           fork_of=fork_of)
-                if source.finished(len(in_flight)):
-                    return
-                stepping = True
-                finished_requests = engine.step()
-                stepping = False
-                for finished in finished_requests:
-                    prompt_id, sample = finished.request.request_id.rsplit(".", 1)
-                    entry = in_flight[prompt_id]
-                    entry.completions[int(sample)] = self._completion(int(sample), finished)
-                    if all(c is not None for c in entry.completions):
-                        del in_flight[prompt_id]
-                        _complete(entry.output, entry.completions)
-                        yield entry.key, entry.output
-        finally:
-            # A step cut short (e.g. by KeyboardInterrupt) leaves the scheduler mid-update: nothing safe to do.
-            if not stepping:
-                while engine.has_unfinished():
-                    engine.step()
-            self._last_call_seconds = time.perf_counter() - start
+        # Full collections would otherwise scan the model and everything else alive, inside a step (host_gc.py).
+        with objects_frozen():
+            try:
+                while True:
+                    room = None if max_in_flight is None else max_in_flight - len(in_flight)
+                    for key, text, token_ids, params in source.take(room):
+                        prompt_id = str(next(self._request_counter))
+                        output = RequestOutput(prompt_id, text, token_ids, finished=False)
+                        in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
+                        for sample in range(params.n):
+                            fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
+                            engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
+                                               fork_of=fork_of)
+                    if source.finished(len(in_flight)):
+                        return
+                    stepping = True
+                    finished_requests = engine.step()
+                    stepping = False
+                    for finished in finished_requests:
+                        prompt_id, sample = finished.request.request_id.rsplit(".", 1)
+                        entry = in_flight[prompt_id]
+                        entry.completions[int(sample)] = self._completion(int(sample), finished)
+                        if all(c is not None for c in entry.completions):
+                            del in_flight[prompt_id]
+                            _complete(entry.output, entry.completions)
+                            yield entry.key, entry.output
+            finally:
+                # A step cut short (e.g. by KeyboardInterrupt) leaves the scheduler mid-update: nothing safe to do.
+                if not stepping:
+                    while engine.has_unfinished():
+                        engine.step()
+                self._last_call_seconds = time.perf_counter() - start
 
     def _encode(self, prompt: Prompt, index: int, tokenize: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of one prompt; `tokenize=False` leaves a text's token ids to the caller (empty)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import gc
 import os
 import signal
 import traceback
@@ -59,6 +60,9 @@ def worker_main(args: WorkerArgs) -> None:
         runner = _build_runner(args)
         if replies is not None:
             replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size))
+        # The rank lives for its runner: what exists now stays, so full collections need not scan it (host_gc.py).
+        gc.collect()
+        gc.freeze()
         while (scheduler_output := steps.get()) is not None:
             launched = runner.execute_model_async(scheduler_output)
             if isinstance(launched, AwaitingGrammar):  # the engine sends the bitmask as the next message
