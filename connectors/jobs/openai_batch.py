@@ -26,7 +26,8 @@ tool calls, and fail the line otherwise. A line that is not valid UTF-8 fails on
 A response line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
 null}` with a `chat.completion` or `text_completion` body, or `"response": null` and `"error": {"code",
 "message"}` for a line that could not be answered (its custom_id is recovered from a line that is not
-valid JSON when possible). Ids derive from the line number, so reruns agree.
+valid JSON when possible): code `invalid_request` when the line or its request was refused before any token
+was generated, `generation_error` when generation failed later. Ids derive from the line number, so reruns agree.
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def prompt_of(body: dict[str, Any], chat: bool) -> Any:
 def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str) -> str:
     request_id = f"batch_req_{line}"
     if outcome.failed:
-        code = "invalid_request" if outcome.output is None else "generation_error"
+        # Refused before any token (a bad line, a prompt too long, a constraint the grammar engine rejects): the
+        # request was invalid. Failed after generating: the generation went wrong.
+        refused = outcome.output is None or not any(c.token_ids for c in outcome.output.outputs)
+        code = "invalid_request" if refused else "generation_error"
         return json.dumps({"id": request_id, "custom_id": envelope.custom_id, "response": None,
                            "error": {"code": code, "message": f"line {line}: {outcome.error}"}})
     chat = envelope.url == CHAT_URL

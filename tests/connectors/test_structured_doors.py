@@ -402,7 +402,7 @@ def test_jsonl_response_formats_reach_the_engine(fake, tmp_path):
     assert answers["bad"]["response"] is None and answers["bad"]["error"] == {
         "code": "invalid_request", "message": "line 5: response_format type 'grammar' is not supported; the types "
                                               "are text, json_object and json_schema"}
-    assert answers["uncompilable"]["error"]["code"] == "generation_error"
+    assert answers["uncompilable"]["error"]["code"] == "invalid_request"  # refused before any token
     assert "rejected by the grammar engine (llguidance)" in answers["uncompilable"]["error"]["message"]
     assert result.error_rows == 3  # the job's summary counts the note on "cut"; the output has two error lines
     header, *records = map(json.loads, Path(str(results) + ".manifest.jsonl").read_text().splitlines())
