@@ -9,8 +9,8 @@ vLLM's SamplingParams defaults that the Python API keeps (temperature 1.0, 16 to
 `--max-tokens 256`. For an OpenAI batch file they are the defaults for fields a request does not set.
 Errors name the flags (`--rows-per-shard`), not the Python arguments behind them.
 
-Structured outputs: `--json-schema FILE`, `--regex PATTERN` or `--choice A,B,C` constrain every row (for an
-OpenAI batch file: every request without a response_format of its own); `--schema-column NAME` takes each
+Structured outputs: `--json-schema FILE`, `--regex PATTERN` or `--choice A,B,C` (or a JSON array) constrain every
+row (for an OpenAI batch file: every request without a response_format of its own); `--schema-column NAME` takes each
 row's JSON schema from a column instead; `--parse-json` adds the `parsed` column. A constraint the grammar
 engine cannot compile exits with status 2 before anything is generated.
 
@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     constraint.add_argument("--regex", metavar="PATTERN", type=_constraint("regex"),
                             help="structured outputs: every completion matches the regular expression (whole output)")
     constraint.add_argument("--choice", metavar="A,B,...", type=_constraint("choice"),
-                            help="structured outputs: every completion is one of the comma-separated strings")
+                            help="structured outputs: every completion is one of the comma-separated strings (or of "
+                                 "a JSON array of strings, for choices with commas)")
     constraint.add_argument("--schema-column", metavar="NAME",
                             help="structured outputs: column holding each row's JSON schema (JSON text; null: "
                                  "unconstrained); tables only")
@@ -237,11 +238,27 @@ def _json_schema_file(path: str) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=schema)
 
 
+def _choices(text: str) -> list[str]:
+    """`A,B,C`, or a JSON array of strings for choices that hold commas: `["Paris, France", "Rome"]`."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} starts like a JSON array but is not valid JSON: {exc}") \
+                from None
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"a JSON array of choices must hold non-empty strings; got {text!r}")
+        return value
+    value = text.split(",")
+    if not all(value):
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-empty strings, e.g. yes,no (or a JSON array "
+                                         f"of strings); got {text!r}")
+    return value
+
+
 def _constraint(kind: str):
     def parse(text: str) -> StructuredOutputsParams:
-        value: Any = text.split(",") if kind == "choice" else text
-        if kind == "choice" and not all(value):
-            raise argparse.ArgumentTypeError(f"expected comma-separated non-empty strings, e.g. yes,no; got {text!r}")
+        value: Any = _choices(text) if kind == "choice" else text
         try:
             return StructuredOutputsParams(**{kind: value})
         except ValueError as exc:

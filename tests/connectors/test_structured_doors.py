@@ -487,6 +487,8 @@ def _cli(tmp_path: Path, *flags: str) -> int:
     (["--json-schema", "missing.json"], "argument --json-schema: cannot read the JSON schema file 'missing.json'"),
     (["--json-schema", "{not-json}"], "argument --json-schema:"),
     (["--choice", "a,,b"], "argument --choice: expected comma-separated non-empty strings"),
+    (["--choice", '["a", 3]'], "argument --choice: a JSON array of choices must hold non-empty strings"),
+    (["--choice", '["a",'], "argument --choice: '[\"a\",' starts like a JSON array but is not valid JSON"),
     (["--regex", ""], "argument --regex: regex must be a non-empty string"),
     (["--regex", "a", "--choice", "a,b"], "argument --choice: not allowed with argument --regex"),
     (["--schema-column", "schema", "--regex", "a"], "not allowed with argument --schema-column"),
@@ -532,6 +534,10 @@ def test_cli_constraints_reach_the_job(fake, tmp_path, capsys):
     assert main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "choice"), "--prompt-column", "q",
                  "--choice", "yes,no,maybe", "--no-progress"]) == 0
     assert {p.structured_outputs for p in fake.rows} == {StructuredOutputsParams(choice=["yes", "no", "maybe"])}
+    fake.rows.clear()
+    assert main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "commas"), "--prompt-column", "q",
+                 "--choice", '["Paris, France", "Rome"]', "--no-progress"]) == 0
+    assert {p.structured_outputs for p in fake.rows} == {StructuredOutputsParams(choice=["Paris, France", "Rome"])}
     assert main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "column"), "--prompt-column", "q",
                  "--schema-column", "schema", "--parse-json", "--no-progress"]) == 0
     assert read_shards(tmp_path / "column").column("parsed").to_pylist()[0] == '{"stars":4,"verdict":"good"}'
