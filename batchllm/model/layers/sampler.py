@@ -1,8 +1,9 @@
 """Batched token sampling on the device, one row per request, per-request parameters as tensors.
 
-Per step the runner describes each sampled request as a `SamplingRow`, turns the batch into
-`SamplingTensors` (`sampling_tensors.py`: host work only for the stages some row uses, one host→device copy
-per tensor) and calls `Sampler` on the logits of the last position. Nothing in here reads device values back: the one
+Per step the runner gathers the batch's `SamplingColumns` (plus a `SamplingRow` for each row that needs
+per-row state: a seed, penalties, min_tokens, logprobs), turns them into `SamplingTensors`
+(`sampling_tensors.py`: host work only for the stages some row uses, one host→device copy per tensor) and calls
+`Sampler` on the logits of the last position. Nothing in here reads device values back: the one
 host sync is the caller's read of `SamplerOutput`.
 
 Pipeline, per row (vLLM / HF semantics):
