@@ -38,18 +38,26 @@ def _greedy(llm, prompts, max_tokens=8):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_caching_on_off_identical_with_eviction(async_scheduling):
-    # Two system prompts alternate in a pool too small to keep both: blocks are evicted and recomputed.
-    cached = LLM(num_kv_blocks=40, max_num_batched_tokens=256, async_scheduling=async_scheduling)
-    rows = _rows(cached, 12, 150)
-    other = [cached.tokenizer(f"A different preamble number {i} " * 20)["input_ids"][:170] + [300 + i]
+@pytest.fixture(scope="module")
+def eviction_rows():
+    """Two system prompts alternating, and their greedy outputs with caching off: the reference, which does not
+    depend on the scheduling mode, so it is computed once for both."""
+    uncached = LLM(num_kv_blocks=40, max_num_batched_tokens=256, enable_prefix_caching=False)
+    rows = _rows(uncached, 12, 150)
+    other = [uncached.tokenizer(f"A different preamble number {i} " * 20)["input_ids"][:170] + [300 + i]
              for i in range(12)]
     prompts = [p for pair in zip(rows, other) for p in pair]
-    with_cache = _greedy(cached, prompts)
-    assert cached.stats.prefix_cache_hits > 0 and cached.stats.evicted_blocks > 0, cached.stats
-    uncached = LLM(num_kv_blocks=40, max_num_batched_tokens=256, enable_prefix_caching=False)
-    assert _greedy(uncached, prompts) == with_cache
+    outputs = _greedy(uncached, prompts)
     assert uncached.stats.prefix_cache_hits == 0
+    return prompts, outputs
+
+
+def test_caching_on_off_identical_with_eviction(async_scheduling, eviction_rows):
+    # Two system prompts alternate in a pool too small to keep both: blocks are evicted and recomputed.
+    prompts, uncached = eviction_rows
+    cached = LLM(num_kv_blocks=40, max_num_batched_tokens=256, async_scheduling=async_scheduling)
+    assert _greedy(cached, prompts) == uncached
+    assert cached.stats.prefix_cache_hits > 0 and cached.stats.evicted_blocks > 0, cached.stats
 
 
 def test_shared_system_prompt_hit_rate(llm):
