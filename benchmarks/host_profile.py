@@ -13,6 +13,8 @@ the library changes):
   sampling tensors and kernel launches (on the CPU also the compute itself);
 - wait: `result()` of a launched step: waiting for the device and reading the tokens back;
 - apply: `Scheduler.update_from_output` and the detokenizer's `finish` of finished requests;
+- mask (`--schema`): `StructuredOutputManager.bitmask`, the grammar bitmask fill; sample (`--schema`): the
+  constrained step's sampling, launched once its bitmask is there (in "launch" for unconstrained steps);
 - other: the rest of the wall time (the `LLM.generate` loop, outputs).
 
 With asynchronous scheduling "wait" is the GPU time the host could not hide; the host's own work is the rest.
@@ -23,17 +25,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import gc
 import pstats
 import random
+import shutil
 import time
 import warnings
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import torch
 from shapes import SHAPES, make_shape_dir
 
-from batchllm import LLM, SamplingParams
+from batchllm import LLM, SamplingParams, StructuredOutputsParams
+from batchllm.engine.interfaces import AwaitingGrammar
+
+# A JSON string: with random weights a row ends when it samples a token holding a quote, tens of tokens in.
+SCHEMA = {"type": "string"}
 
 
 def timed(totals: dict[str, float], phase: str, fn):
@@ -56,12 +65,26 @@ def instrument(llm: LLM, totals: dict[str, float]) -> None:
     launch = getattr(executor, launch_name)
 
     def launch_and_wrap(so):
-        output = timed(totals, "launch", launch)(so)
-        if engine.async_scheduling:
-            output.result = timed(totals, "wait", output.result)
-        return output
+        return wrap_awaiting(timed(totals, "launch", launch)(so), totals, engine.async_scheduling)
 
     setattr(executor, launch_name, launch_and_wrap)
+    if engine.structured is not None:
+        engine.structured.bitmask = timed(totals, "mask", engine.structured.bitmask)
+
+
+def wrap_awaiting(output, totals: dict[str, float], async_scheduling: bool):
+    """Times the sampling half of a constrained step, and the wait for its result."""
+    if isinstance(output, AwaitingGrammar):
+        sample = output.sample
+
+        def timed_sample(grammar):
+            pending = timed(totals, "sample", sample)(grammar)
+            pending.result = timed(totals, "wait", pending.result)
+            return pending
+        output.sample = timed_sample
+    elif async_scheduling:
+        output.result = timed(totals, "wait", output.result)
+    return output
 
 
 def instrument_launch(llm: LLM, totals: dict[str, float]) -> None:
@@ -128,24 +151,34 @@ def main() -> None:
                         help="profile the timed run with cProfile and list the N functions with the most own time")
     parser.add_argument("--sync-debug", action="store_true",
                         help="report where the timed run calls a synchronizing CUDA operation, and allocator retries")
+    parser.add_argument("--schema", action="store_true",
+                        help="every row constrained to a JSON string (the grammar path; needs --tokenizer)")
+    parser.add_argument("--tokenizer", type=Path, help="--schema: a tokenizer directory (the grammar needs one)")
     args = parser.parse_args()
+    if args.schema and args.tokenizer is None:
+        parser.error("--schema needs --tokenizer DIR")
     directory = make_shape_dir(args.shape)
+    if args.schema:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (args.tokenizer / name).exists():
+                shutil.copy(args.tokenizer / name, directory / name)
     vocab = SHAPES[args.shape]["vocab_size"]
     print(f"{args.shape}, {args.max_tokens} output tokens per row; microseconds per step")
     print(f"{'running':>7} {'mode':>5} {'steps':>5} {'wall':>7} {'schedule':>8} {'launch':>7} {'wait':>7} "
-          f"{'apply':>6} {'other':>6}")
+          f"{'apply':>6} {'other':>6}" + (f" {'mask':>6} {'sample':>6}" if args.schema else ""))
     for running in args.running:
         rng = random.Random(running)
         prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]
                    for _ in range(args.rows or running)]
         for async_scheduling in [mode == "async" for mode in args.modes]:
-            llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, device=args.device,
-                      max_num_seqs=running, max_num_batched_tokens=max(8192, running),
+            llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=not args.schema,
+                      device=args.device, max_num_seqs=running, max_num_batched_tokens=max(8192, running),
                       async_scheduling=async_scheduling)
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
+                                    structured_outputs=StructuredOutputsParams(json=SCHEMA) if args.schema else None)
             # Warm-up on every prompt: Triton compiles for the prefill shapes of this batch here, not in the timed
             # run (on a fresh machine the first engine of a process otherwise pays for it).
-            llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+            llm.generate(prompts, dataclasses.replace(params, max_tokens=2), use_tqdm=False)
             if args.null_model:
                 use_null_model(llm)
             totals: dict[str, float] = defaultdict(float)
@@ -177,7 +210,8 @@ def main() -> None:
             mode = "async" if async_scheduling else "sync"
             print(f"{running:>7} {mode:>5} {steps:>5} {1e6 * wall / steps:>7.0f} {per_step['schedule']:>8.0f} "
                   f"{per_step['launch']:>7.0f} {per_step.get('wait', 0):>7.0f} {per_step['apply']:>6.0f} "
-                  f"{per_step['other']:>6.0f}")
+                  f"{per_step['other']:>6.0f}" + (f" {per_step.get('mask', 0):>6.0f} {per_step.get('sample', 0):>6.0f}"
+                                                  if args.schema else ""))
             if args.runtime_calls:
                 calls = [e for e in prof.key_averages() if e.key.startswith("cuda")]
                 calls.sort(key=lambda e: -e.self_cpu_time_total)

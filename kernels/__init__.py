@@ -19,7 +19,8 @@ import torch
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "triton_enabled", "write_kv"]
+__all__ = ["apply_rotary", "apply_token_bitmask_", "paged_attention", "rms_norm", "silu_and_mul", "triton_enabled",
+           "write_kv"]
 
 
 def write_kv(
@@ -74,6 +75,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(gate_up)
 
 
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`-inf` in place wherever row `rows[i]`'s grammar bitmask forbids a token (see the reference)."""
+    if _use_triton(logits):
+        return _triton().apply_token_bitmask_(logits, rows, bitmask)
+    return reference.apply_token_bitmask_(logits, rows, bitmask)
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and triton_enabled()
 
@@ -92,8 +100,10 @@ def _triton() -> SimpleNamespace:
     from batchllm.kernels.kv_write import write_kv_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
     from batchllm.kernels.rotary import apply_rotary_triton
+    from batchllm.kernels.token_bitmask import apply_token_bitmask_triton
 
     return SimpleNamespace(
         write_kv=write_kv_triton, paged_attention=paged_attention_triton, rms_norm=rms_norm_triton,
         apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
+        apply_token_bitmask_=apply_token_bitmask_triton,
     )

@@ -1,4 +1,5 @@
-"""Pure-torch reference implementations of the kernels: paged KV cache, RMSNorm, rotary, SiLU-and-mul.
+"""Pure-torch reference implementations of the kernels: paged KV cache, RMSNorm, rotary, SiLU-and-mul, and
+the structured-output token bitmask.
 
 These are the CPU path and the ground truth the Triton kernels are tested against. They favour clarity, but
 avoid per-token Python loops: all decode rows of a batch share one gather and one attention call.
@@ -8,6 +9,8 @@ A flat slot `s` is `block * block_size + offset`.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -137,3 +140,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for a fused gate_up projection output `[..., 2 * d]` (gate first)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# Bit j of byte b, for every byte: unpacks a bitmask a byte at a time, eight times less index work than
+# shifting every int32 word by each of its 32 bit positions.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """In place on `[B, V]` logits: row `rows[i]`'s token `t` becomes -inf unless bit `t % 32` of
+    `bitmask[i, t // 32]` (int32 `[len(rows), ceil(V / 32)]`, xgrammar's and llguidance's layout) is set.
+    Returns `logits`."""
+    vocab = logits.shape[-1]
+    # Viewed as little-endian bytes, word w's byte k holds the bits of tokens 32w + 8k ... 32w + 8k + 7.
+    assert sys.byteorder == "little", "the bitmask is read as little-endian bytes"
+    allowed = _BYTE_BITS.to(bitmask.device)[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :vocab]
+    # Every row, in order (the common case): one fill. Checked on the CPU only: on a device it would sync.
+    if rows.device.type == "cpu" and len(rows) == len(logits) and torch.equal(rows, torch.arange(len(rows))):
+        return logits.masked_fill_(~allowed, float("-inf"))
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+    return logits

@@ -34,7 +34,7 @@ from batchllm.executor.sampling_table import SamplingTable
 from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
-from batchllm.model.layers.sampler import Sampler, SamplerOutput
+from batchllm.model.layers.sampler import Sampler
 from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, keeps_token_history, make_generator
 from batchllm.model.loader import load_model
 from batchllm.sampling_params import SamplingParams
@@ -200,20 +200,30 @@ class ModelRunner:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
         table_rows = block_rows[sample_rows]
+        # The step's sampling tensors are built now, while the forward pass runs, even when the sampling itself
+        # must wait for a grammar bitmask: only the bitmask's upload is left for then.
+        tensors, history = (None, []) if logits is None else self._sampling_tensors(logits, sampled_states,
+                                                                                    table_rows)
         if so.grammar_request_ids and so.grammar is None:
             # The forward pass is queued on the device; sample once the engine has the bitmask.
-            return AwaitingGrammar(lambda grammar: self._sample_step(logits, sampled_states, table_rows, grammar))
-        return self._sample_step(logits, sampled_states, table_rows, so.grammar)
+            return AwaitingGrammar(lambda grammar: self._sample_step(logits, sampled_states, tensors, history,
+                                                                     grammar))
+        return self._sample_step(logits, sampled_states, tensors, history, so.grammar)
 
     @torch.inference_mode()
     def _sample_step(self, logits: torch.Tensor | None, sampled_states: list[tuple[str, _RequestState]],
-                     table_rows: np.ndarray, grammar: GrammarBitmask | None) -> StepOutput:
-        """`table_rows[i]`: the SamplingTable row of `sampled_states[i]`."""
+                     tensors: SamplingTensors | None, history: list[tuple[int, _RequestState]],
+                     grammar: GrammarBitmask | None) -> StepOutput:
+        """`tensors` is None on tensor-parallel ranks other than 0 (no logits); `history` holds the rows whose
+        sampled tokens the runner must remember."""
         request_ids = [request_id for request_id, _ in sampled_states]
-        history: list[tuple[int, _RequestState]] = []  # rows whose sampled tokens the runner must remember
         sampled = None  # stays None on tensor-parallel ranks other than 0
         if logits is not None:
-            sampled, history = self._sample(logits, sampled_states, table_rows, grammar)
+            if grammar is not None:
+                row_of = {request_id: row for row, request_id in enumerate(request_ids)}
+                tensors.add_grammar([row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask,
+                                    self.device)
+            sampled = self.sampler(logits, tensors)
         if self._share_samples:
             ids = sampled.token_ids if sampled is not None else torch.empty(len(request_ids), dtype=torch.int64,
                                                                              device=self.device)
@@ -243,9 +253,10 @@ class ModelRunner:
         state = self._states[request_id] = _RequestState(params, row, prompt, output, generator)
         return state
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], table_rows: np.ndarray,
-                grammar: GrammarBitmask | None) -> tuple[SamplerOutput, list[tuple[int, _RequestState]]]:
-        """Samples the step; also returns the (position, state) of the rows that keep their token history."""
+    def _sampling_tensors(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], table_rows: np.ndarray,
+                          ) -> tuple[SamplingTensors, list[tuple[int, _RequestState]]]:
+        """The step's sampling tensors (`table_rows[i]`: the SamplingTable row of `rows[i]`), and the
+        (position, state) of the rows that keep their token history."""
         columns, special_positions, any_history = self._sampling_table.gather(table_rows)
         if self._unread is not None and any_history:
             # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
@@ -260,11 +271,7 @@ class ModelRunner:
             if keeps_token_history(state.params):
                 history.append((i, state))
         tensors = SamplingTensors.from_columns(columns, special, logits.shape[-1], self.device, self.eos_token_ids)
-        if grammar is not None:
-            row_of = {request_id: row for row, (request_id, _) in enumerate(rows)}
-            tensors.add_grammar([row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask,
-                                self.device)
-        return self.sampler(logits, tensors), history
+        return tensors, history
 
 
 def _record_tokens(history: list[tuple[int, _RequestState]], tokens: list[SampledToken]) -> None:

@@ -1,4 +1,4 @@
-"""The reference KV write and paged attention against hand-written, obviously-correct versions."""
+"""The reference KV write, paged attention and token bitmask against hand-written, obviously-correct versions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchllm.forward_context import AttentionMetadata
-from batchllm.kernels import paged_attention, write_kv
+from batchllm.kernels import paged_attention, reference, write_kv
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 1024
@@ -112,3 +112,27 @@ def _dense_causal_attention(
             weights = torch.exp(scores - scores.max())
             out[j, h] = (weights / weights.sum()) @ values[:visible, kv_head]
     return out
+
+
+def random_bitmask(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """int32 words, ceil(vocab / 32) per row: all-allowed, all-forbidden and random words, signs included."""
+    gen = torch.Generator().manual_seed(seed)
+    words = torch.randint(-2**31, 2**31 - 1, (num_rows, -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    words[:, ::5] = -1
+    words[:, 1::7] = 0
+    return words
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [3, 0], []])
+def test_token_bitmask_matches_a_loop_over_bits(rows: list[int]) -> None:
+    vocab = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    bitmask = random_bitmask(len(rows), vocab, seed=2)
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    out = reference.apply_token_bitmask_(logits, torch.tensor(rows, dtype=torch.long), bitmask)
+    assert out is logits
+    assert torch.equal(logits, expected)

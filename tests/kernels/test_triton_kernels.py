@@ -33,6 +33,7 @@ from batchllm.kernels.attention import (  # noqa: E402
 from batchllm.kernels.kv_write import write_kv_triton  # noqa: E402
 from batchllm.kernels.rmsnorm import rms_norm_triton  # noqa: E402
 from batchllm.kernels.rotary import apply_rotary_triton  # noqa: E402
+from batchllm.kernels.token_bitmask import apply_token_bitmask_triton  # noqa: E402
 from batchllm.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -262,6 +263,22 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     gate_up = (3 * torch.randn(2, 3, 2 * d, generator=gen, device=DEVICE)).to(dtype)
     torch.testing.assert_close(silu_and_mul_triton(gate_up), reference.silu_and_mul(gate_up),
                                **rounding_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2, 0]])
+def test_token_bitmask(dtype: torch.dtype, rows: list[int]) -> None:
+    gen = torch.Generator().manual_seed(4)
+    vocab = 2048 + 100  # more than one vocabulary block, with a tail that is not a whole word
+    logits = torch.randn(4, vocab, generator=gen).to(dtype).to(DEVICE)
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    words[:, ::3] = -1
+    words[:, 1::5] = 0
+    row_index = torch.tensor(rows, dtype=torch.long)
+    expected = reference.apply_token_bitmask_(logits.cpu(), row_index, words)
+    out = apply_token_bitmask_triton(logits, row_index.to(DEVICE), words.to(DEVICE))
+    assert out is logits
+    assert torch.equal(logits.cpu(), expected)
 
 
 def test_import_batchllm_does_not_import_triton() -> None:

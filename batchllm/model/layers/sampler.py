@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchllm import kernels
 from batchllm.engine.interfaces import SampledToken
 from batchllm.model.layers.sampling_tensors import PenaltyTensors, SamplingTensors
 
@@ -67,14 +68,16 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """Samples from `logits` (not modified; cast to float32) with the parameters in `t`."""
-        logits = logits.float()
+        model_logits, logits = logits, logits.float()
         raw_logprobs = logits.log_softmax(-1) if t.max_num_logprobs is not None else None
         if t.penalties is not None:
             logits = apply_penalties(logits, t.penalties)
         if t.banned_index is not None:
             logits = logits.flatten().index_fill(0, t.banned_index, float("-inf")).view_as(logits)
         if t.grammar_rows is not None:
-            logits = apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
+            if logits is model_logits:  # float32 logits, untouched so far: masked in place below, so copied
+                logits = logits.clone()
+            kernels.apply_token_bitmask_(logits, t.grammar_rows, t.grammar_bitmask)
 
         token_ids = logits.argmax(-1)
         if not t.all_greedy:
@@ -111,16 +114,6 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
     if p.presence is not None:
         logits = logits - p.presence[:, None] * in_output
     return logits
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Returns `logits` with -inf wherever the bitmask forbids a token: in row `rows[i]`, token `t` is allowed
-    when bit `t % 32` of `bitmask[i, t // 32]` is set (the input is not modified)."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
