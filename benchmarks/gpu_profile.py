@@ -264,6 +264,12 @@ def run_timeline(args, prompts) -> None:
     gpu = ("span", "gap") if cuda else ()
     columns.update({c: (lambda s, c=c: s.get(c)) for c in gpu})
     _by_bucket(f"ms per step, median/p90 over decode-only steps{' not profiled' if cuda else ''}", clean, columns)
+    mixed = [s for s in steps if s["batch"] and not s.get("decode")]
+    if mixed and cuda:  # steps with prefill tokens run eagerly: do they leave the GPU idle (item 3 of issue 13)?
+        share = sum(s.get("span", 0) + s.get("gap", 0) for s in mixed) / wall
+        print(f"\nsteps with prefill tokens (eager): {len(mixed)}, {share:.0%} of wall; ms median/p90: "
+              + ", ".join(f"{c} {_ms([s[c] for s in mixed if c in s])}" for c in ("launch", "span", "gap"))
+              + f"; tokens median {statistics.median(s['tokens'] for s in mixed):.0f}")
     profiled = [s for s in decode if "busy" in s]
     if profiled:
         kinds = sorted({k for s in profiled for k in s["kinds"]})

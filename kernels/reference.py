@@ -149,12 +149,14 @@ _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """In place on `[B, V]` logits: row `rows[i]`'s token `t` becomes -inf unless bit `t % 32` of
-    `bitmask[i, t // 32]` (int32 `[len(rows), ceil(V / 32)]`, xgrammar's and llguidance's layout) is set.
-    Returns `logits`."""
+    `bitmask[i, t // 32]` (int32 `[len(rows), W]`, xgrammar's and llguidance's layout) is set. Tokens past the
+    bitmask's `32 * W` bits (a model's padding past its tokenizer) are forbidden. Returns `logits`."""
     vocab = logits.shape[-1]
     # Viewed as little-endian bytes, word w's byte k holds the bits of tokens 32w + 8k ... 32w + 8k + 7.
     assert sys.byteorder == "little", "the bitmask is read as little-endian bytes"
     allowed = _BYTE_BITS.to(bitmask.device)[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     # Every row, in order (the common case): one fill. Checked on the CPU only: on a device it would sync.
     if rows.device.type == "cpu" and len(rows) == len(logits) and torch.equal(rows, torch.arange(len(rows))):
         return logits.masked_fill_(~allowed, float("-inf"))

@@ -70,9 +70,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = rows.eos_token_ids
         self.bitmask_width = rows.width
-        self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=sorted(rows.eos_token_ids))
+        self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self.tokenizer_size,
+                                         eos_token=sorted(rows.eos_token_ids))
         self._eos_row = rows.eos_row
-        self._clear_tail = rows.clean  # bits of ids the tokenizer does not have (the logits' padding)
+        self._clear_tail = rows.clean  # bits of the last word past the tokenizer's ids
         self._cache: CompileCache[CompiledGrammar] = CompileCache()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -129,7 +130,7 @@ class GrammarMatcher:
                 return False
             self._accepted.add()
             return True
-        if not 0 <= token_id < self._compiler.vocab_size or m.is_stopped():
+        if not 0 <= token_id < self._compiler.tokenizer_size or m.is_stopped():
             return False
         if m.try_consume_tokens([token_id]) != 1:  # unlike consume_token, a refusal is no error state
             return False

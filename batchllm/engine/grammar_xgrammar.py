@@ -76,7 +76,7 @@ class GrammarCompiler:
         self.eos_token_ids = self._rows.eos_token_ids
         self.bitmask_width = self._rows.width
         stop = sorted(self.eos_token_ids)
-        base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.tokenizer_size, stop_token_ids=stop)
         # xgrammar leaves out the tokens its vocabulary spells as "": give it our vocabulary without the special
         # tokens (but EOS), which it would match as their text (`<|im_start|>` inside a JSON string), and, for
         # JSON, without the tokens holding a control character: none can be in JSON of our layout (whitespace
@@ -134,12 +134,12 @@ class GrammarCompiler:
         if vocabulary not in self._xgr:
             tokens, vocab_type, add_prefix_space, stop = self._vocabulary
             refused = self._refused[vocabulary]
-            encoded = [""] * self.vocab_size  # as TokenizerInfo.from_huggingface builds it, less `refused`
+            encoded = [""] * self.tokenizer_size  # as TokenizerInfo.from_huggingface builds it, less `refused`
             for token, i in tokens.items():
-                if i < self.vocab_size and i not in refused:
+                if i < self.tokenizer_size and i not in refused:
                     encoded[i] = token
-            info = xgr.TokenizerInfo(encoded, vocab_type=vocab_type, vocab_size=self.vocab_size, stop_token_ids=stop,
-                                     add_prefix_space=add_prefix_space)
+            info = xgr.TokenizerInfo(encoded, vocab_type=vocab_type, vocab_size=self.tokenizer_size,
+                                     stop_token_ids=stop, add_prefix_space=add_prefix_space)
             self._xgr[vocabulary] = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache keeps them all
         return self._xgr[vocabulary]
 

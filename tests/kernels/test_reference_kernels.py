@@ -123,15 +123,16 @@ def random_bitmask(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
     return words
 
 
+@pytest.mark.parametrize("bitmask_vocab", [100, 40])  # 40: the model's ids past 64 have no bits (padding)
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [3, 0], []])
-def test_token_bitmask_matches_a_loop_over_bits(rows: list[int]) -> None:
+def test_token_bitmask_matches_a_loop_over_bits(rows: list[int], bitmask_vocab: int) -> None:
     vocab = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
-    bitmask = random_bitmask(len(rows), vocab, seed=2)
+    bitmask = random_bitmask(len(rows), bitmask_vocab, seed=2)
     expected = logits.clone()
     for i, row in enumerate(rows):
         for token in range(vocab):
-            if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+            if token // 32 >= bitmask.shape[1] or not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
     out = reference.apply_token_bitmask_(logits, torch.tensor(rows, dtype=torch.long), bitmask)
     assert out is logits

@@ -267,11 +267,13 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2, 0]])
-def test_token_bitmask(dtype: torch.dtype, rows: list[int]) -> None:
+@pytest.mark.parametrize("padding", [0, 1000])  # 1000: model ids past the bitmask's words, all forbidden
+def test_token_bitmask(dtype: torch.dtype, rows: list[int], padding: int) -> None:
     gen = torch.Generator().manual_seed(4)
     vocab = 2048 + 100  # more than one vocabulary block, with a tail that is not a whole word
     logits = torch.randn(4, vocab, generator=gen).to(dtype).to(DEVICE)
-    words = torch.randint(-2**31, 2**31 - 1, (len(rows), -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), -(-(vocab - padding) // 32)), dtype=torch.int32,
+                          generator=gen)
     words[:, ::3] = -1
     words[:, 1::5] = 0
     row_index = torch.tensor(rows, dtype=torch.long)
