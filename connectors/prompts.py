@@ -124,9 +124,14 @@ class PromptEncoder:
 def encode_rows(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions,
                 encoder: PromptEncoder) -> list[EncodedPrompt]:
     """Encode the prompts of `num_rows` rows whose needed columns are given as Python sequences."""
-    spec = options.prompt
-    rendered = [_render_row(columns, i, spec, encoder) for i in range(num_rows)]
+    rendered = render_rows(columns, num_rows, options, encoder)
     return encoder.encode(rendered, [options.sampling_params.max_tokens] * num_rows)
+
+
+def render_rows(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions,
+                encoder: PromptEncoder) -> list[Rendered | RowError]:
+    """Each row's prompt text (chat template applied), or the error that keeps it from the engine."""
+    return [_render_row(columns, i, options.prompt, encoder) for i in range(num_rows)]
 
 
 def _render_row(columns: Mapping[str, Sequence[Any]], index: int, spec: PromptSpec,

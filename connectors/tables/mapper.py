@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -10,40 +11,92 @@ import pyarrow as pa
 from batchllm.connectors.constraints import require_compiles, row_params
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.progress import RowProgress
-from batchllm.connectors.prompts import PromptEncoder, RowError, encode_rows
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, Rendered, RowError, render_rows
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
 from batchllm.llm import LLM
+from batchllm.sampling_params import SamplingParams
+
+# Tables of at least this many rows are tokenized in chunks while the engine runs (`_streamed_requests`).
+STREAM_MIN_ROWS = 1024
+FIRST_CHUNK_ROWS = 512  # tokenized before the first step: enough for the first steps' batches
+CHUNK_ROWS = 2048
 
 
 def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions, llm: LLM | ReplicaPool,
                 use_tqdm: bool) -> list[pa.Array]:
     """Generate for `num_rows` rows given by their needed columns; output columns come back in row order.
 
-    Every good row is admitted before the first engine step, in the engine's prefix-aware order, as
-    `LLM.generate` does, so results equal the facade's on the same prompts. Rows with a prompt error never
+    Small tables: every good row is admitted before the first engine step, in the engine's prefix-aware order,
+    as `LLM.generate` does, so results equal the facade's on the same prompts. Rows with a prompt error never
     reach the engine. With a `ReplicaPool` the rows are handed out in that order, so neighbours in it (rows
     sharing a prefix) mostly land on the same replica.
+
+    Tables of `STREAM_MIN_ROWS` or more on one `LLM` are tokenized in chunks on a worker thread while the
+    engine runs on the first chunk, so tokenizing a large column overlaps generation instead of preceding
+    it. Their rows are admitted in the order of their prompt texts, which groups shared prefixes as the token
+    order does; as with any change of batch composition, bf16 results may then differ from the facade's at
+    near-ties.
 
     A call-wide constraint (`structured_outputs`) is compiled first and raises the engine's GrammarError;
     with `schema_column`, each row gets its own constraint; a malformed value fails its row (the error names
     the row's position: "row 3: ..."), and so does a schema the engine rejects (with the engine's message).
     """
     require_compiles(llm, options.sampling_params.structured_outputs)
-    encoded = encode_rows(columns, num_rows, options, PromptEncoder.for_llm(llm, options))
+    encoder = PromptEncoder.for_llm(llm, options)
+    rendered = render_rows(columns, num_rows, options, encoder)
     params = row_params(columns, num_rows, options.sampling_params, options.schema_column, name_rows=True)
-    outcomes: list[RowOutcome | None] = []
-    for prompt, row in zip(encoded, params):
-        error = prompt.error if prompt.error is not None else str(row) if isinstance(row, RowError) else None
-        outcomes.append(None if error is None else RowOutcome(None, error, prompt.num_tokens))
+    outcomes: list[RowOutcome | None] = [RowOutcome(None, str(p)) if isinstance(p, RowError) else None
+                                         for p in rendered]
+    candidates = [i for i, o in enumerate(outcomes) if o is None]  # their prompts rendered; tokenized next
+    max_tokens = options.sampling_params.max_tokens
+    streamed = isinstance(llm, LLM) and len(candidates) >= STREAM_MIN_ROWS
+    if not streamed:
+        encoded = dict(zip(candidates, encoder.encode([rendered[i] for i in candidates],
+                                                      [max_tokens] * len(candidates))))
+        for i, prompt in encoded.items():
+            outcomes[i] = _failure(prompt, params[i])
     progress = RowProgress(num_rows, use_tqdm, done=sum(o is not None for o in outcomes))
-    good = [i for i, o in enumerate(outcomes) if o is None]
-    order = llm.admission_order([encoded[i].token_ids for i in good])
-    requests = ((good[j], encoded[good[j]].token_ids, params[good[j]]) for j in order)
     try:
-        for index, output in llm.stream(requests):
-            outcomes[index] = RowOutcome.from_output(output, params[index])
-            progress.update(1, outcomes[index].completion_tokens)
+        with ThreadPoolExecutor(1, thread_name_prefix="batchllm-tokenize") as pool:
+            if streamed:
+                requests = _streamed_requests(llm, encoder, pool, rendered, candidates, params, max_tokens,
+                                              outcomes, progress)
+            else:
+                ok = [(i, prompt.token_ids) for i, prompt in encoded.items() if outcomes[i] is None]
+                order = llm.admission_order([token_ids for _, token_ids in ok])
+                requests = ((ok[j][0], ok[j][1], params[ok[j][0]]) for j in order)
+            for index, output in llm.stream(requests):
+                outcomes[index] = RowOutcome.from_output(output, params[index])
+                progress.update(1, outcomes[index].completion_tokens)
     finally:
         progress.close()
     return output_arrays(outcomes, options)
+
+
+def _failure(prompt: EncodedPrompt, params: SamplingParams | RowError) -> RowOutcome | None:
+    """The outcome of a row that cannot run (its prompt's or its parameters' error), else None."""
+    error = prompt.error if prompt.error is not None else str(params) if isinstance(params, RowError) else None
+    return None if error is None else RowOutcome(None, error, prompt.num_tokens)
+
+
+def _streamed_requests(llm: LLM, encoder: PromptEncoder, pool: ThreadPoolExecutor, rendered: list[Rendered],
+                       candidates: list[int], params: list[SamplingParams | RowError], max_tokens: int | None,
+                       outcomes: list[RowOutcome | None], progress: RowProgress,
+                       ) -> Iterator[tuple[int, list[int], SamplingParams] | None]:
+    """The rows in prompt-text order, tokenized chunk by chunk on `pool` while the engine runs. A chunk not
+    tokenized yet pauses admission for a step, unless the engine has nothing to run (then it is awaited)."""
+    order = sorted(candidates, key=lambda i: rendered[i].text)
+    bounds = [0, *range(min(FIRST_CHUNK_ROWS, len(order)), len(order), CHUNK_ROWS), len(order)]
+    chunks = [order[start:end] for start, end in zip(bounds, bounds[1:])]
+    futures: list[Future[list[EncodedPrompt]]] = [
+        pool.submit(encoder.encode, [rendered[i] for i in chunk], [max_tokens] * len(chunk)) for chunk in chunks]
+    for chunk, future in zip(chunks, futures):
+        if not future.done() and llm.engine.has_unfinished():
+            yield None
+        for i, prompt in zip(chunk, future.result()):
+            outcomes[i] = _failure(prompt, params[i])
+            if outcomes[i] is None:
+                yield i, prompt.token_ids, params[i]
+            else:
+                progress.update(1)

@@ -116,3 +116,40 @@ def test_n_and_logprobs_give_list_columns(llm, expected):
     for step, token_id, alternatives in zip(steps, reference.token_ids, reference.logprobs):
         assert step["logprob"] == pytest.approx(alternatives[token_id].logprob, abs=1e-4)  # batch shapes differ
         assert len(step["top_logprobs"]) == 2 and step["top_logprobs"][0]["token_id"] == token_id  # greedy: rank 1
+
+
+def test_a_large_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expected, monkeypatch):
+    """Chunks of two rows, each but the first tokenized only once the engine has stepped: admission pauses
+    for them, and every row still comes back once, in place, with the facade's text or its own error."""
+    import threading
+
+    from batchllm.connectors import prompts as prompts_module
+    from batchllm.connectors.tables import mapper
+
+    monkeypatch.setattr(mapper, "STREAM_MIN_ROWS", 4)
+    monkeypatch.setattr(mapper, "FIRST_CHUNK_ROWS", 2)
+    monkeypatch.setattr(mapper, "CHUNK_ROWS", 2)
+    stepped, calls = threading.Event(), []
+    step, encode = llm.engine.step, prompts_module.PromptEncoder.encode
+
+    def step_and_tell():
+        finished = step()
+        stepped.set()
+        return finished
+
+    def late_encode(self, prompts, max_tokens):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            assert stepped.wait(timeout=60), "the engine never stepped while a chunk was pending"
+        return encode(self, prompts, max_tokens)
+
+    monkeypatch.setattr(llm.engine, "step", step_and_tell)
+    monkeypatch.setattr(prompts_module.PromptEncoder, "encode", late_encode)
+    over_long = "word " * (llm.max_model_len + 10)
+    prompts = [PROMPTS[2], None, over_long, PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    out = batchllm.generate(pd.DataFrame({"q": prompts}), prompt_column="q", llm=llm, use_tqdm=False, **GREEDY)
+    assert calls == [2, 2, 1]  # five rendered rows in text order, in three chunks
+    assert out.generated_text[[0, 3, 4, 5]].tolist() == [expected[2], expected[0], expected[1], expected[0]]
+    assert out.error[[0, 3, 4, 5]].isna().all()
+    assert "is null" in out.error[1] and "over the budget" in out.error[2]
+    assert out.prompt_tokens[2] > llm.max_model_len and not llm.engine.has_unfinished()
