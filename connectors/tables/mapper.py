@@ -50,7 +50,7 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
                                          for p in rendered]
     candidates = [i for i, o in enumerate(outcomes) if o is None]  # their prompts rendered; tokenized next
     max_tokens = options.sampling_params.max_tokens
-    streamed = isinstance(llm, LLM) and len(candidates) >= STREAM_MIN_ROWS
+    streamed = isinstance(llm, LLM) and len(candidates) >= STREAM_MIN_ROWS and _reads_only(encoder.tokenizer)
     if not streamed:
         encoded = dict(zip(candidates, encoder.encode([rendered[i] for i in candidates],
                                                       [max_tokens] * len(candidates))))
@@ -72,6 +72,14 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
     finally:
         progress.close()
     return output_arrays(outcomes, options)
+
+
+def _reads_only(tokenizer: Any) -> bool:
+    """Whether tokenizing leaves the fast tokenizer's Rust side untouched, so a worker thread may tokenize while
+    the engine detokenizes with it: transformers resets a backend's truncation or padding on every call, a
+    mutation that would clash with a concurrent read ("Already borrowed")."""
+    backend = tokenizer.backend_tokenizer
+    return backend.truncation is None and backend.padding is None
 
 
 def _failure(prompt: EncodedPrompt, params: SamplingParams | RowError) -> RowOutcome | None:

@@ -153,3 +153,29 @@ def test_a_large_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expecte
     assert out.error[[0, 3, 4, 5]].isna().all()
     assert "is null" in out.error[1] and "over the budget" in out.error[2]
     assert out.prompt_tokens[2] > llm.max_model_len and not llm.engine.has_unfinished()
+
+
+def test_a_tokenizer_that_transformers_mutates_per_call_is_not_shared_with_a_worker(llm, expected, monkeypatch):
+    """With truncation set on the Rust tokenizer, each call resets it (a write): the rows are tokenized at once,
+    on the caller's thread, so no worker writes while the engine detokenizes."""
+    from batchllm.connectors import prompts as prompts_module
+    from batchllm.connectors.tables import mapper
+
+    monkeypatch.setattr(mapper, "STREAM_MIN_ROWS", 2)
+    monkeypatch.setattr(mapper, "FIRST_CHUNK_ROWS", 1)  # streamed, the rows would go one by one
+    monkeypatch.setattr(mapper, "CHUNK_ROWS", 1)
+    calls = []
+    encode = prompts_module.PromptEncoder.encode
+
+    def counted_encode(self, prompts, max_tokens):
+        calls.append(len(prompts))
+        return encode(self, prompts, max_tokens)
+
+    monkeypatch.setattr(prompts_module.PromptEncoder, "encode", counted_encode)
+    backend = llm.tokenizer.backend_tokenizer
+    backend.enable_truncation(max_length=llm.max_model_len)
+    try:
+        out = batchllm.generate(PROMPTS, llm=llm, use_tqdm=False, **GREEDY)
+    finally:
+        backend.no_truncation()
+    assert calls == [3] and [row["generated_text"] for row in out] == expected
