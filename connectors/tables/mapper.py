@@ -76,8 +76,8 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
 
 def _reads_only(tokenizer: Any) -> bool:
     """Whether tokenizing leaves the fast tokenizer's Rust side untouched, so a worker thread may tokenize while
-    the engine detokenizes with it: transformers resets a backend's truncation or padding on every call, a
-    mutation that would clash with a concurrent read ("Already borrowed")."""
+    the engine detokenizes with it: transformers clears a truncation or padding set on the backend when a call
+    does not ask for one, a write that would clash with a concurrent read ("Already borrowed")."""
     backend = tokenizer.backend_tokenizer
     return backend.truncation is None and backend.padding is None
 

@@ -156,8 +156,8 @@ def test_a_large_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expecte
 
 
 def test_a_tokenizer_that_transformers_mutates_per_call_is_not_shared_with_a_worker(llm, expected, monkeypatch):
-    """With truncation set on the Rust tokenizer, each call resets it (a write): the rows are tokenized at once,
-    on the caller's thread, so no worker writes while the engine detokenizes."""
+    """With truncation set on the Rust tokenizer, a call clears it (a write): the rows are tokenized at once, on
+    the caller's thread, so no worker writes while the engine detokenizes."""
     from batchllm.connectors import prompts as prompts_module
     from batchllm.connectors.tables import mapper
 
