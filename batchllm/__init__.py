@@ -3,10 +3,11 @@
 from batchllm.api import generate, run_job
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchllm.llm import LLM
+from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job"]
 __version__ = "0.1.0"

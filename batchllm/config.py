@@ -27,6 +27,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0  # resolved from the model config and the KV pool size
+    max_loras: int = 0  # distinct adapters among the running requests (device slots); 0: no LoRA
 
     def validate(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",

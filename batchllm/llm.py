@@ -17,6 +17,8 @@ from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.structured_output import StructuredOutputManager, check_backend
 from batchllm.host_gc import objects_frozen
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
+from batchllm.lora.registry import AdapterRegistry, check_lora_options
+from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
@@ -58,7 +60,8 @@ class LLM:
                  load_format: str = "auto", enforce_eager: bool = False,
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  trust_remote_code: bool = False, tensor_parallel_size: int = 1,
-                 async_scheduling: bool | None = None, structured_outputs_backend: str = "xgrammar") -> None:
+                 async_scheduling: bool | None = None, structured_outputs_backend: str = "xgrammar",
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16) -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import build_executor, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
@@ -68,7 +71,9 @@ class LLM:
 
         cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
                                    enable_prefix_caching)
-        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        check_lora_options(enable_lora, max_loras, max_lora_rank, tensor_parallel_size)
+        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                           max_loras=max_loras if enable_lora else 0)
         cache_config.validate()
         scheduler_config.validate()
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
@@ -89,16 +94,16 @@ class LLM:
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
         runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
                                      max_model_len, seed, eos_token_ids, load_format, enforce_eager,
-                                     async_scheduling)
+                                     async_scheduling, scheduler_config.max_loras, max_lora_rank)
         runner = build_executor(runner_config, tensor_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop)
         structured = None
+        model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
         if self.tokenizer is not None:
-            vocab_size = ModelConfig.from_hf_dict(read_hf_config(self.model_path)).vocab_size
-            structured = StructuredOutputManager(self.tokenizer, vocab_size, eos_token_ids,
+            structured = StructuredOutputManager(self.tokenizer, model_config.vocab_size, eos_token_ids,
                                                  structured_outputs_backend)
         self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured)
         self.runner = runner
@@ -106,6 +111,7 @@ class LLM:
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0
         self.reorder_by_prefix = reorder_by_prefix and enable_prefix_caching
+        self._adapters = AdapterRegistry(model_config, max_lora_rank, enable_lora)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes now (otherwise: when the LLM is garbage collected or
@@ -133,11 +139,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for `prompts` (strings, or token-id lists); results come in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate completions for `prompts` (strings, or token-id lists); results come in input order.
+
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base model); needs
+        `enable_lora=True`. Every adapter is read and checked before generation (LoRAError names it)."""
         prompt_list = as_prompt_list(prompts)
         self._check_call_wide(sampling_params)
         params_list = broadcast_params(sampling_params, len(prompt_list))
+        loras = self._adapters.check_call(lora_request, len(prompt_list))
         encoded = [self._encode(prompt, index, tokenize=False) for index, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
         token_lists = [token_ids for _, token_ids in encoded]
@@ -146,7 +157,7 @@ class LLM:
             batch = self.tokenizer([texts[i] for i in text_rows])["input_ids"]
             for i, token_ids in zip(text_rows, batch):
                 token_lists[i] = token_ids
-        return self._run(texts, token_lists, params_list, use_tqdm)
+        return self._run(texts, token_lists, params_list, use_tqdm, loras)
 
     def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | None], *,
                max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
@@ -175,7 +186,7 @@ class LLM:
                 yield None
             else:
                 key, prompt, params = item
-                yield (key, *self._encode(prompt, index), params)
+                yield (key, *self._encode(prompt, index), params, None)
 
     def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
                 max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput]]:
@@ -190,14 +201,14 @@ class LLM:
             try:
                 while True:
                     room = None if max_in_flight is None else max_in_flight - len(in_flight)
-                    for key, text, token_ids, params in source.take(room):
+                    for key, text, token_ids, params, lora in source.take(room):
                         prompt_id = str(next(self._request_counter))
                         output = RequestOutput(prompt_id, text, token_ids, finished=False)
                         in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                         for sample in range(params.n):
                             fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
                             engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
-                                               fork_of=fork_of)
+                                               fork_of=fork_of, lora_request=lora)
                     if source.finished(len(in_flight)):
                         return
                     stepping = True
@@ -259,11 +270,12 @@ class LLM:
             self.check_structured_outputs(sampling_params.structured_outputs)
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         if self.tokenizer is None and any(p.stop_strings for p in params_list):
             raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
-        order = self.admission_order(token_lists)
-        items = ((i, texts[i], token_lists[i], params_list[i]) for i in order)
+        loras = loras or [None] * len(token_lists)
+        order = self.admission_order(token_lists, loras)
+        items = ((i, texts[i], token_lists[i], params_list[i], loras[i]) for i in order)
         outputs: list[RequestOutput | None] = [None] * len(token_lists)
         progress = progress_bar(len(token_lists), use_tqdm)
         try:
@@ -276,10 +288,17 @@ class LLM:
                 progress.close()
         return outputs  # type: ignore[return-value]  (every slot is filled once the stream ends)
 
-    def admission_order(self, token_lists: list[list[int]]) -> list[int]:
+    def admission_order(self, token_lists: list[list[int]],
+                        loras: Sequence[LoRARequest | None] | None = None) -> list[int]:
         """Prefix-aware ordering: with the whole batch known up front, admit prompts in lexicographic token
         order, so rows sharing a prefix run back to back and hit its blocks before they can be evicted.
-        Results still come back in input order."""
+        With adapters, the rows of one adapter go together first (base rows ahead), so a job with more adapters
+        than device slots swaps each in about once. Results still come back in input order."""
+        if loras is not None and any(lora is not None for lora in loras):
+            def key(i: int) -> tuple:
+                lora = loras[i]
+                return ((0, "", 0) if lora is None else (1, *lora.cache_key), token_lists[i])
+            return sorted(range(len(token_lists)), key=key)
         if not self.reorder_by_prefix:
             return list(range(len(token_lists)))
         return sorted(range(len(token_lists)), key=token_lists.__getitem__)

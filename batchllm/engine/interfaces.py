@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class NewRequestData:
     all_token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

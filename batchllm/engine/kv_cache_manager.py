@@ -57,7 +57,7 @@ class KVCacheManager:
         """The longest run of cached full blocks that starts the request (excluding its last token)."""
         if not self.pool.enable_caching:
             return []
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
             block = self.pool.lookup(block_hash)
@@ -127,7 +127,7 @@ class KVCacheManager:
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
         for index in range(start, num_full):
             self.pool.cache(owned[index], request.block_hashes[index])
         self._num_hashed_blocks[request.request_id] = num_full
@@ -153,3 +153,8 @@ class KVCacheManager:
         self._num_hashed_blocks.pop(request.request_id, None)
         # Tail first: the free queue evicts from its head, so a prefix outlives its suffix.
         self.pool.free(blocks[::-1])
+
+
+def _extra_keys(request: Request) -> tuple:
+    """What a block's K/V depends on beside its tokens: the adapter it was computed under."""
+    return () if request.lora_request is None else request.lora_request.cache_key

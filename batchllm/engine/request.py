@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchllm.engine.interfaces import SampledToken
+from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Tokens sampled by steps still in flight (asynchronous scheduling), not yet in token_ids.
     num_pending_tokens: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
     # Structured outputs: the grammar matcher (engine/grammar.py), fed every output token as it is appended.
     matcher: Any = None
 

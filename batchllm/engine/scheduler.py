@@ -129,12 +129,21 @@ class Scheduler:
 
         # A step that had to preempt admits nobody new: the pool is already too tight.
         max_seqs = self.config.max_num_seqs
+        adapters = None  # the adapters of the running requests, gathered when an adapter's request waits
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None:
+                if adapters is None:
+                    adapters = {r.lora_request.cache_key for r in self.running if r.lora_request is not None}
+                if lora.cache_key not in adapters and len(adapters) >= self.config.max_loras:
+                    break  # no device slot for another adapter until a running one's requests finish
             admitted = self._admit(request, budget)
             if admitted is None:
                 break  # strict FIFO: a later, smaller request may not overtake the head of the queue
             num_new, allocation = admitted
+            if lora is not None:
+                adapters.add(lora.cache_key)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -222,7 +231,7 @@ class Scheduler:
         new_data = None
         if not request.known_to_runner:
             new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
-                                      request.sampling_params)
+                                      request.sampling_params, request.lora_request)
             request.known_to_runner = True
         full_table = new_data is not None or allocation.copied
         block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids

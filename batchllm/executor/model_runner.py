@@ -29,11 +29,14 @@ from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
+from batchllm.executor.lora_slots import LoRASlotManager
 from batchllm.executor.profiling import profile_peak_memory
 from batchllm.executor.sampling_table import SamplingTable
 from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
+from batchllm.lora.request import LoRARequest
+from batchllm.model.layers.lora import set_lora_batch
 from batchllm.model.layers.sampler import Sampler
 from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, keeps_token_history, make_generator
 from batchllm.model.loader import load_model
@@ -48,6 +51,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # grows by one per sampled token
     generator: torch.Generator | None = None
+    lora: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,8 @@ class RunnerConfig:
     enforce_eager: bool = False
     # Steps may carry placeholder tokens (the previous step's samples): every rank needs rank 0's samples.
     async_scheduling: bool = False
+    max_loras: int = 0  # adapter slots on the device; 0: no LoRA
+    max_lora_rank: int = 16
 
 
 class ModelRunner:
@@ -81,6 +87,9 @@ class ModelRunner:
         self.model, self.model_config = load_model(config.model_path, device, self.dtype,
                                                    load_format=config.load_format, seed=config.seed)
         self.model.eval()
+        # Adapter slots are allocated before the KV pool is sized from what memory is left.
+        self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, device,
+                                     self.dtype) if config.max_loras else None)
         self.sampler = Sampler()
         self.eos_token_ids = config.eos_token_ids
 
@@ -160,6 +169,7 @@ class ModelRunner:
         sampled_states: list[tuple[str, _RequestState]] = []
         placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
         placeholder_rows: list[int] = []
+        lora_rows: list[tuple[LoRARequest, int, int]] = []  # (adapter, first flat token, tokens)
         states, block_tables, last_rows = self._states, self._block_tables, self._last_rows
         for i, scheduled in enumerate(so.requests):
             request_id = scheduled.request_id
@@ -167,6 +177,8 @@ class ModelRunner:
             if scheduled.block_ids or scheduled.full_block_table:
                 block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
             new_tokens = scheduled.token_ids
+            if state.lora is not None:
+                lora_rows.append((state.lora, len(token_ids), len(new_tokens) + scheduled.placeholder))
             token_ids += new_tokens
             if scheduled.placeholder:
                 placeholder_slots.append(len(token_ids))
@@ -183,7 +195,10 @@ class ModelRunner:
         num_seqs = len(num_scheduled)
 
         graph_size = None
-        if self.graphs is not None and len(token_ids) == num_seqs and num_seqs <= self.graphs.max_batch_size:
+        lora_batch = self.lora.batch(lora_rows) if self.lora is not None else None
+        # A step with adapter rows runs eagerly: the captured graphs hold the base model only.
+        if (self.graphs is not None and lora_batch is None and len(token_ids) == num_seqs
+                and num_seqs <= self.graphs.max_batch_size):
             graph_size = self.graphs.padded_size(num_seqs)
         block_rows = np.array(block_rows, dtype=np.int64)
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
@@ -194,7 +209,7 @@ class ModelRunner:
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
         else:
-            with set_forward_context(metadata):
+            with set_forward_context(metadata), set_lora_batch(lora_batch):
                 hidden = self.model(input_ids, positions)
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
@@ -250,7 +265,7 @@ class ModelRunner:
         prompt, output = [], []
         if keeps_token_history(params):
             prompt, output = new.all_token_ids[:new.num_prompt_tokens], new.all_token_ids[new.num_prompt_tokens:]
-        state = self._states[request_id] = _RequestState(params, row, prompt, output, generator)
+        state = self._states[request_id] = _RequestState(params, row, prompt, output, generator, new.lora_request)
         return state
 
     def _sampling_tensors(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], table_rows: np.ndarray,

@@ -22,6 +22,7 @@ from torch import nn
 
 from batchllm.distributed.parallel_state import all_reduce, get_tp, kv_heads_per_rank
 from batchllm.model.checkpoint_tensor import copy_checked
+from batchllm.model.layers.lora import LoRASlots
 
 
 class _Linear(nn.Module):
@@ -32,9 +33,13 @@ class _Linear(nn.Module):
         # torch.empty: the checkpoint (or the dummy initialiser) fills the values, so random init is wasted work.
         self.weight = _loadable(torch.empty(output_size, input_size), self.weight_loader)
         self.bias = _loadable(torch.empty(output_size), self.weight_loader) if bias else None
+        self.lora: LoRASlots | None = None  # set when the engine runs adapters (`executor/lora_slots.py`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, out)
+        return out
 
 
 class RowLinear(_Linear):
@@ -47,7 +52,10 @@ class RowLinear(_Linear):
             self.bias.checkpoint_shapes = {None: (output_size,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.add_delta(x, partial)  # a partial sum too: it joins the all-reduce
+        out = all_reduce(partial)
         return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:

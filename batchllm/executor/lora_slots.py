@@ -1,0 +1,90 @@
+"""Which adapter sits in which device slot, and the step's `LoRABatch`.
+
+The layers hold `max_loras` slots (`model/layers/lora.py`). A step's adapters are made resident before its
+forward pass: an adapter already in a slot stays there; another is copied in from the CPU (read from disk
+once) over the least recently used adapter that no row of the step needs. The scheduler admits at most
+`max_loras` distinct adapters among the running requests, so a step always fits. Copies are queued on the
+device's stream behind the step in flight, so replacing a slot never changes a step already launched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from batchllm.distributed.parallel_state import get_tp
+from batchllm.lora.request import LoRARequest
+from batchllm.model.config import ModelConfig
+from batchllm.model.layers.lora import LoRABatch, LoRASlots
+from batchllm.model.lora_adapter import LoRAAdapter, load_adapter
+
+
+class LoRASlotManager:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if get_tp().size > 1:
+            raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not built yet")
+        self.config, self.max_loras, self.max_rank, self.device = config, max_loras, max_rank, device
+        self._targets: dict[tuple[int, str], tuple[LoRASlots, int]] = {}
+        for index, layer in enumerate(model.model.layers):
+            qkv, o_proj = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+            gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+            q, kv = qkv.q_size, qkv.kv_size
+            layouts = [(qkv, [(0, q), (q, kv), (q + kv, kv)], ("q_proj", "k_proj", "v_proj")),
+                       (o_proj, [(0, o_proj.output_size)], ("o_proj",)),
+                       (gate_up, list(zip(gate_up.output_offsets, gate_up.output_sizes)), ("gate_proj", "up_proj")),
+                       (down, [(0, down.output_size)], ("down_proj",))]
+            for linear, slices, modules in layouts:
+                linear.lora = LoRASlots(slices, linear.input_size, linear.output_size, max_loras, max_rank, dtype,
+                                        device)
+                for slice_index, module in enumerate(modules):
+                    self._targets[(index, module)] = (linear.lora, slice_index)
+        self._layers = {slots for slots, _ in self._targets.values()}
+        self._resident: OrderedDict[tuple[str, int], int] = OrderedDict()  # cache key → slot, oldest use first
+        self._loaded: dict[tuple[str, int], LoRAAdapter] = {}
+
+    def batch(self, rows: list[tuple[LoRARequest, int, int]]) -> LoRABatch | None:
+        """The step's groups, given `(adapter, first flat token, number of tokens)` per row under an adapter."""
+        if not rows:
+            return None
+        spans: dict[int, list[np.ndarray]] = {}
+        needed = {lora.cache_key for lora, _, _ in rows}
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(needed)} adapters, more than max_loras={self.max_loras}; "
+                               f"this is a scheduler bug")
+        for lora, first, count in rows:
+            slot = self._slot(lora, needed)
+            spans.setdefault(slot, []).append(np.arange(first, first + count))
+        groups = [(slot, torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True))
+                  for slot, parts in spans.items()]
+        return LoRABatch(groups)
+
+    def _slot(self, lora: LoRARequest, needed: set[tuple[str, int]]) -> int:
+        key = lora.cache_key
+        slot = self._resident.get(key)
+        if slot is not None:
+            self._resident.move_to_end(key)
+            return slot
+        if len(self._resident) < self.max_loras:
+            slot = len(self._resident)
+        else:
+            victim = next(k for k in self._resident if k not in needed)
+            slot = self._resident.pop(victim)
+        self._write(slot, self._adapter(lora))
+        self._resident[key] = slot
+        return slot
+
+    def _adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        adapter = self._loaded.get(lora.cache_key)
+        if adapter is None:
+            adapter = self._loaded[lora.cache_key] = load_adapter(lora, self.config, self.max_rank)
+        return adapter
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        for layer in self._layers:
+            layer.clear(slot)
+        for key, (a, b) in adapter.weights.items():
+            layer, slice_index = self._targets[key]
+            layer.write(slot, slice_index, a, b)

@@ -1,0 +1,109 @@
+"""PEFT LoRA adapters read from disk and checked against the base model, before any generation.
+
+A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` with tensors named
+`base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`: A is `[r, in]`, B is
+`[out, r]`, and the delta of a module is `scaling * x A^T B^T` with `scaling = lora_alpha / r`
+(`lora_alpha / sqrt(r)` with `use_rslora`). Only what this engine applies exactly is accepted: plain LoRA on
+q/k/v/o/gate/up/down, no bias, no DoRA, no per-module ranks, no `modules_to_save`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from batchllm.lora.request import LoRARequest
+from batchllm.model.config import ModelConfig
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter this engine cannot apply; the message names it."""
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    """An adapter's weights on the CPU: `weights[(layer, module)] = (A [r, in], B [out, r] * scaling)`."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each LoRA target module of the base model, unsharded."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    h, m = config.hidden_size, config.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (m, h), "up_proj": (m, h), "down_proj": (h, m)}
+
+
+def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Reads and checks the adapter of `request`; raises LoRAError naming it."""
+    where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+    path = Path(request.lora_path)
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise LoRAError(f"{where}: {file.name} is missing (a PEFT adapter directory holds adapter_config.json "
+                            f"and adapter_model.safetensors)")
+    try:
+        settings = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoRAError(f"{where}: adapter_config.json cannot be read: {exc}") from None
+    rank, scaling = _check_settings(settings, where, max_rank)
+    shapes = module_shapes(config)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        match = _KEY.match(key)
+        if match is None:
+            raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A/B weight of a decoder layer's "
+                            f"{'/'.join(MODULES)}")
+        layer, module, half = int(match[1]), match[2], match[3]
+        if module not in shapes:
+            raise LoRAError(f"{where}: targets {module!r}; LoRA applies to {', '.join(MODULES)} only")
+        if layer >= config.num_layers:
+            raise LoRAError(f"{where}: has layer {layer}, the model has {config.num_layers} (another architecture?)")
+        out_size, in_size = shapes[module]
+        expected = (rank, in_size) if half == "A" else (out_size, rank)
+        if tuple(tensor.shape) != expected:
+            raise LoRAError(f"{where}: {key} has shape {tuple(tensor.shape)}, the model needs {expected} "
+                            f"(another architecture?)")
+        halves.setdefault((layer, module), {})[half] = tensor.float()
+    weights = {}
+    for (layer, module), pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} without its other half")
+        weights[(layer, module)] = (pair["A"], pair["B"] * scaling)
+    if not weights:
+        raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    return LoRAAdapter(request.lora_name, rank, weights)
+
+
+def _check_settings(settings: dict, where: str, max_rank: int) -> tuple[int, float]:
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{where}: peft_type {settings.get('peft_type')!r} is not LORA")
+    refused = {"modules_to_save": "modules_to_save (fully trained copies of modules)",
+               "use_dora": "use_dora (DoRA)", "rank_pattern": "rank_pattern (per-module ranks)",
+               "alpha_pattern": "alpha_pattern (per-module alphas)", "layers_to_transform": "layers_to_transform"}
+    for field, what in refused.items():
+        if settings.get(field):
+            raise LoRAError(f"{where}: {what} is not supported")
+    if settings.get("bias", "none") != "none":
+        raise LoRAError(f"{where}: bias={settings['bias']!r} is not supported (only 'none')")
+    if settings.get("fan_in_fan_out"):
+        raise LoRAError(f"{where}: fan_in_fan_out is not supported")
+    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAError(f"{where}: r must be a positive int, got {rank!r}")
+    if rank > max_rank:
+        raise LoRAError(f"{where}: rank {rank} is above max_lora_rank={max_rank}; raise max_lora_rank")
+    return rank, alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
