@@ -24,7 +24,8 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
              model: str | Path | None = None, llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
              sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
              truncate: str = "error", use_tqdm: bool = True, data_parallel_size: int = 1,
-             schema_column: str | None = None, parse_json: bool = False, **sampling_fields: Any) -> Any:
+             schema_column: str | None = None, parse_json: bool = False, lora_column: str | None = None,
+             loras: Mapping[str, str | Path] | None = None, **sampling_fields: Any) -> Any:
     """Generate a completion per row and return the same kind of object with output columns added.
 
         df.pipe(batchllm.generate, prompt_column="question", max_tokens=64, temperature=0)
@@ -61,6 +62,11 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     for pandas and lists of dicts, canonical JSON text for Arrow and datasets (per-row schemas have no
     common struct type); null where the row failed, finished with "length" (cut short) or does not parse.
 
+    Adapters (an engine with `enable_lora=True`, e.g. `engine_kwargs={"enable_lora": True, "max_loras": 4}`):
+    `loras={"name": "/path/to/peft/adapter", ...}` with `lora_column="adapter"`, a column naming each row's
+    adapter (null or empty: the base model). Every adapter is checked before generation (a bad one fails the
+    call, naming it); a row naming an adapter that is not in `loras` fails alone.
+
     A bad row (null / non-string / empty prompt, malformed messages, a null template field, an over-long
     prompt under truncate="error") gets an `error` and no text; every other row completes. A problem with
     the call itself (no or several prompt sources, an unknown column, a bad sampling value, an output
@@ -77,7 +83,8 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, system_prompt=system_prompt,
                               sampling_params=sampling_params, output_column=output_column, truncate=truncate,
-                              schema_column=schema_column, parse_json=parse_json, sampling_fields=sampling_fields)
+                              schema_column=schema_column, parse_json=parse_json, lora_column=lora_column,
+                              loras=loras, sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
     with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
         if options.prompt.chat or options.prompt.messages_column is not None:

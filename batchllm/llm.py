@@ -159,9 +159,12 @@ class LLM:
                 token_lists[i] = token_ids
         return self._run(texts, token_lists, params_list, use_tqdm, loras)
 
-    def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | None], *,
+    def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | tuple[K, Prompt, SamplingParams,
+                                                                                LoRARequest | None] | None], *,
                max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
         """Generate for an iterator of `(key, prompt, params)`, yielding `(key, output)` as each prompt finishes.
+        An item may name its adapter as a fourth element, `(key, prompt, params, lora_request)`; each adapter
+        is checked when first seen (`check_lora`).
 
         Results come in completion order, not input order: the key says which request a result belongs to.
         Requests are pulled lazily: before every engine step the stream admits requests until
@@ -178,15 +181,23 @@ class LLM:
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
         return self._stream(self._encoded(requests), max_in_flight)
 
-    def _encoded(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | None]
-                 ) -> Iterator[tuple[K, str | None, list[int], SamplingParams] | None]:
+    def _encoded(self, requests: Iterable[tuple | None]
+                 ) -> Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None]:
         """Tokenize lazily, as the stream pulls: an unbounded source is never materialized."""
         for index, item in enumerate(requests):
             if item is None:
                 yield None
-            else:
-                key, prompt, params = item
-                yield (key, *self._encode(prompt, index), params, None)
+                continue
+            key, prompt, params, *rest = item
+            lora = rest[0] if rest else None
+            if lora is not None:
+                self.check_lora(lora)
+            yield (key, *self._encode(prompt, index), params, lora)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (once per adapter); raises LoRAError (a ValueError) naming it, or
+        ValueError if the LLM was built without enable_lora=True."""
+        self._adapters.check_call(lora_request, 1)
 
     def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
                 max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import string
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from batchllm.sampling_params import SamplingParams
@@ -130,8 +131,15 @@ class MapOptions:
     truncate: str = "error"
     schema_column: str | None = None
     parse_json: bool = False
+    lora_column: str | None = None
+    loras: tuple[tuple[str, str], ...] = ()  # (name, adapter directory), sorted by name
 
     def __post_init__(self) -> None:
+        if self.lora_column is not None and (not isinstance(self.lora_column, str) or not self.lora_column):
+            raise ValueError(f"lora_column must be a non-empty string, got {self.lora_column!r}")
+        if (self.lora_column is None) != (not self.loras):
+            raise ValueError("lora_column= (each row's adapter name) and loras= ({name: adapter directory}) go "
+                             "together: pass both or neither")
         if self.schema_column is not None:
             if not isinstance(self.schema_column, str) or not self.schema_column:
                 raise ValueError(f"schema_column must be a non-empty string, got {self.schema_column!r}")
@@ -164,11 +172,11 @@ class MapOptions:
     def check_input_columns(self, available: Sequence[str]) -> list[str]:
         """Fail fast on unknown prompt columns or output columns that already exist; returns the needed ones."""
         needed = self.prompt.required_columns(available)
-        if self.schema_column is not None and self.schema_column not in needed:
-            if self.schema_column not in available:
-                raise ValueError(f"unknown column {self.schema_column!r} (schema_column=); the input has "
-                                 f"{list(available)}")
-            needed = [*needed, self.schema_column]
+        for option, column in (("schema_column", self.schema_column), ("lora_column", self.lora_column)):
+            if column is not None and column not in needed:
+                if column not in available:
+                    raise ValueError(f"unknown column {column!r} ({option}=); the input has {list(available)}")
+                needed = [*needed, column]
         clashes = [name for name in self.output_names() if name in available]
         if clashes:
             raise ValueError(f"the input already has column{'s' if len(clashes) > 1 else ''} "
@@ -184,6 +192,8 @@ class MapOptions:
             identity["schema_column"] = self.schema_column
         if self.parse_json:
             identity["parse_json"] = True
+        if self.lora_column is not None:
+            identity["lora_column"], identity["loras"] = self.lora_column, [list(pair) for pair in self.loras]
         return identity
 
 
@@ -191,6 +201,7 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
                     prompt_template: Template | None = None, chat: bool = False, system_prompt: str | None = None,
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", schema_column: str | None = None, parse_json: bool = False,
+                    lora_column: str | None = None, loras: Mapping[str, str | Path] | None = None,
                     sampling_fields: Mapping[str, Any] | None = None) -> MapOptions:
     """Validate the per-call options; `sampling_fields` are the caller's other keywords: SamplingParams fields,
     and `system_prompt` when the caller does not name it itself (the Parquet job and batchllm.ray pass their
@@ -201,7 +212,16 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
     system_prompt = fields.pop("system_prompt", system_prompt)
     return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt),
                       resolve_sampling_params(sampling_params, fields),
-                      OutputNames.for_column(output_column), truncate, schema_column, parse_json)
+                      OutputNames.for_column(output_column), truncate, schema_column, parse_json, lora_column,
+                      _lora_pairs(loras))
+
+
+def _lora_pairs(loras: Mapping[str, str | Path] | None) -> tuple[tuple[str, str], ...]:
+    if loras is None:
+        return ()
+    if not isinstance(loras, Mapping) or not all(isinstance(name, str) and name for name in loras):
+        raise ValueError(f"loras must map adapter names to PEFT adapter directories, got {loras!r}")
+    return tuple(sorted((name, str(path)) for name, path in loras.items()))
 
 
 def resolve_sampling_params(sampling_params: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:

@@ -11,10 +11,11 @@ import pyarrow as pa
 from batchllm.connectors.constraints import require_compiles, row_params
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.progress import RowProgress
-from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, Rendered, RowError, render_rows
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, Rendered, RowError, is_missing, render_rows
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
 from batchllm.llm import LLM
+from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 
 # Tables of at least this many rows are tokenized in chunks while the engine runs (`_streamed_requests`).
@@ -46,6 +47,7 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
     encoder = PromptEncoder.for_llm(llm, options)
     rendered = render_rows(columns, num_rows, options, encoder)
     params = row_params(columns, num_rows, options.sampling_params, options.schema_column, name_rows=True)
+    loras = row_loras(columns, num_rows, options, llm)
     outcomes: list[RowOutcome | None] = [RowOutcome(None, str(p)) if isinstance(p, RowError) else None
                                          for p in rendered]
     candidates = [i for i, o in enumerate(outcomes) if o is None]  # their prompts rendered; tokenized next
@@ -55,17 +57,21 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
         encoded = dict(zip(candidates, encoder.encode([rendered[i] for i in candidates],
                                                       [max_tokens] * len(candidates))))
         for i, prompt in encoded.items():
-            outcomes[i] = _failure(prompt, params[i])
+            outcomes[i] = _failure(prompt, params[i], loras[i])
     progress = RowProgress(num_rows, use_tqdm, done=sum(o is not None for o in outcomes))
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="batchllm-tokenize") as pool:
             if streamed:
-                requests = _streamed_requests(llm, encoder, pool, rendered, candidates, params, max_tokens,
+                requests = _streamed_requests(llm, encoder, pool, rendered, candidates, params, loras, max_tokens,
                                               outcomes, progress)
             else:
                 ok = [(i, prompt.token_ids) for i, prompt in encoded.items() if outcomes[i] is None]
-                order = llm.admission_order([token_ids for _, token_ids in ok])
-                requests = ((ok[j][0], ok[j][1], params[ok[j][0]]) for j in order)
+                token_lists = [token_ids for _, token_ids in ok]
+                if options.loras:  # one LLM (row_loras refuses a replica pool)
+                    order = llm.admission_order(token_lists, [loras[i] for i, _ in ok])
+                    requests = ((ok[j][0], ok[j][1], params[ok[j][0]], loras[ok[j][0]]) for j in order)
+                else:
+                    requests = ((ok[j][0], ok[j][1], params[ok[j][0]]) for j in llm.admission_order(token_lists))
             for index, output in llm.stream(requests):
                 outcomes[index] = RowOutcome.from_output(output, params[index])
                 progress.update(1, outcomes[index].completion_tokens)
@@ -82,19 +88,21 @@ def _reads_only(tokenizer: Any) -> bool:
     return backend.truncation is None and backend.padding is None
 
 
-def _failure(prompt: EncodedPrompt, params: SamplingParams | RowError) -> RowOutcome | None:
-    """The outcome of a row that cannot run (its prompt's or its parameters' error), else None."""
-    error = prompt.error if prompt.error is not None else str(params) if isinstance(params, RowError) else None
+def _failure(prompt: EncodedPrompt, params: SamplingParams | RowError,
+             lora: LoRARequest | RowError | None) -> RowOutcome | None:
+    """The outcome of a row that cannot run (its prompt's, its parameters' or its adapter's error), else None."""
+    error = prompt.error or next((str(e) for e in (params, lora) if isinstance(e, RowError)), None)
     return None if error is None else RowOutcome(None, error, prompt.num_tokens)
 
 
 def _streamed_requests(llm: LLM, encoder: PromptEncoder, pool: ThreadPoolExecutor, rendered: list[Rendered],
-                       candidates: list[int], params: list[SamplingParams | RowError], max_tokens: int | None,
+                       candidates: list[int], params: list[SamplingParams | RowError],
+                       loras: list[LoRARequest | RowError | None], max_tokens: int | None,
                        outcomes: list[RowOutcome | None], progress: RowProgress,
-                       ) -> Iterator[tuple[int, list[int], SamplingParams] | None]:
+                       ) -> Iterator[tuple[int, list[int], SamplingParams, LoRARequest | None] | None]:
     """The rows in prompt-text order, tokenized chunk by chunk on `pool` while the engine runs. A chunk not
     tokenized yet pauses admission for a step, unless the engine has nothing to run (then it is awaited)."""
-    order = sorted(candidates, key=lambda i: rendered[i].text)
+    order = sorted(candidates, key=lambda i: (_lora_key(loras[i]), rendered[i].text))
     bounds = [0, *range(min(FIRST_CHUNK_ROWS, len(order)), len(order), CHUNK_ROWS), len(order)]
     chunks = [order[start:end] for start, end in zip(bounds, bounds[1:])]
     futures: list[Future[list[EncodedPrompt]]] = [
@@ -103,8 +111,36 @@ def _streamed_requests(llm: LLM, encoder: PromptEncoder, pool: ThreadPoolExecuto
         if not future.done() and llm.engine.has_unfinished():
             yield None
         for i, prompt in zip(chunk, future.result()):
-            outcomes[i] = _failure(prompt, params[i])
+            outcomes[i] = _failure(prompt, params[i], loras[i])
             if outcomes[i] is None:
-                yield i, prompt.token_ids, params[i]
+                yield i, prompt.token_ids, params[i], loras[i]
             else:
                 progress.update(1)
+
+
+def row_loras(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions,
+              llm: LLM | ReplicaPool) -> list[LoRARequest | RowError | None]:
+    """Each row's adapter (None: the base model), or the error of a row naming one not in `loras`. The adapters
+    are checked first: one the engine cannot apply fails the call, naming it."""
+    if options.lora_column is None:
+        return [None] * num_rows
+    if not isinstance(llm, LLM):
+        raise NotImplementedError("lora_column with data_parallel_size > 1 is not built yet")
+    requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(options.loras)}
+    for request in requests.values():
+        llm.check_lora(request)
+    loras: list[LoRARequest | RowError | None] = []
+    for i, value in enumerate(columns[options.lora_column]):
+        if is_missing(value) or (isinstance(value, str) and not value):
+            loras.append(None)
+        elif isinstance(value, str) and value in requests:
+            loras.append(requests[value])
+        else:
+            loras.append(RowError(f"lora_column {options.lora_column!r} names {value!r}, which is not one of "
+                                  f"loras= ({', '.join(requests)})"))
+    return loras
+
+
+def _lora_key(lora: LoRARequest | RowError | None) -> tuple:
+    """Rows of one adapter go together (base rows first), so more adapters than device slots swap rarely."""
+    return (0, "") if not isinstance(lora, LoRARequest) else (1, lora.lora_name)

@@ -149,3 +149,23 @@ def test_adapters_the_engine_cannot_apply_fail_the_call_naming_them(adapter_dirs
         assert repr(lora.lora_name) in str(error.value)
     with pytest.raises(ValueError, match="enable_lora=True"):
         LLM().generate([prompts[0]], params, use_tqdm=False, lora_request=LoRARequest("qv", 1, "x"))
+
+
+def test_the_map_operator_takes_each_rows_adapter_from_a_column(adapter_dirs, prompts, tokenizer, peft_greedy):
+    import pandas as pd
+
+    import batchllm
+
+    llm = LLM(enable_lora=True, max_loras=3, max_lora_rank=16)
+    texts = [tokenizer.decode(p) for p in prompts]
+    names = [None, "qv", "all", "mlp", "", "nope"]
+    frame = pd.DataFrame({"q": [texts[i % len(texts)] for i in range(len(names))], "adapter": names})
+    out = batchllm.generate(frame, prompt_column="q", lora_column="adapter", llm=llm, use_tqdm=False,
+                            loras={name: str(path) for name, path in adapter_dirs.items()}, temperature=0,
+                            max_tokens=MAX_NEW)
+    expected = [tokenizer.decode(peft_greedy[(i % len(texts), name or None)], skip_special_tokens=True)
+                for i, name in enumerate(names[:5])]
+    assert out.generated_text[:5].tolist() == expected
+    assert "names 'nope', which is not one of loras= (all, mlp, qv)" in out.error[5]
+    with pytest.raises(ValueError, match="go together"):
+        batchllm.generate(frame, prompt_column="q", lora_column="adapter", llm=llm, use_tqdm=False)
