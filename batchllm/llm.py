@@ -50,6 +50,9 @@ class LLM:
     `structured_outputs_backend`: the grammar engine of structured outputs, "xgrammar" (default: the cheapest
     bitmask per step) or "llguidance" (compiles a schema 10-20x faster, for many distinct per-row schemas;
     takes Lark grammars). See batchllm/engine/grammar_xgrammar.py for how the two differ.
+
+    `enable_lora=True`: PEFT LoRA adapters per request (`generate(..., lora_request=...)`); `max_loras` of them
+    on the device at once, each of rank up to `max_lora_rank` (see batchllm/model/lora_adapter.py).
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
