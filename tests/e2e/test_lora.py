@@ -16,8 +16,6 @@ import torch
 from batchllm import LLM, LoRARequest, SamplingParams
 from batchllm.model.lora_adapter import LoRAError
 
-peft = pytest.importorskip("peft")
-
 MAX_NEW = 12
 ADAPTERS = {  # name: (rank, alpha, target modules, rslora)
     "qv": (8, 16, ["q_proj", "v_proj"], False),
@@ -29,6 +27,7 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Write on
 
 @pytest.fixture(scope="module")
 def adapter_dirs(model_path, tmp_path_factory):
+    import peft
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("adapters")
@@ -63,6 +62,7 @@ def prompts(tokenizer):
 @pytest.fixture(scope="module")
 def peft_greedy(model_path, adapter_dirs, prompts):
     """(prompt index, adapter name or None) → PEFT's greedy new tokens."""
+    import peft
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

@@ -1,6 +1,6 @@
 """The Triton kernels against their pure-torch references (`batchllm.kernels.reference`).
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors (see conftest.py) at small shapes; the
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py) at small shapes; the
 `gpu`-marked tests repeat the checks at real sizes. Inputs are fresh random tensors; outputs and unused cache
 slots are poisoned with NaN first, so an element a kernel fails to write, or a slot it reads but should
 not, shows up as a mismatch. bfloat16 attention is GPU-only: the interpreter multiplies the raw bit
