@@ -42,6 +42,8 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
     A call-wide constraint (`structured_outputs`) is compiled first and raises the engine's GrammarError;
     with `schema_column`, each row gets its own constraint; a malformed value fails its row (the error names
     the row's position: "row 3: ..."), and so does a schema the engine rejects (with the engine's message).
+
+    With `lora_column`, each row runs under the adapter its cell names (`row_loras`).
     """
     require_compiles(llm, options.sampling_params.structured_outputs)
     encoder = PromptEncoder.for_llm(llm, options)
@@ -136,8 +138,8 @@ def row_loras(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapO
         elif isinstance(value, str) and value in requests:
             loras.append(requests[value])
         else:
-            loras.append(RowError(f"lora_column {options.lora_column!r} names {value!r}, which is not one of "
-                                  f"loras= ({', '.join(requests)})"))
+            loras.append(RowError(f"row {i}: lora_column {options.lora_column!r} names {value!r}, which is not one "
+                                  f"of loras= ({', '.join(requests)})"))
     return loras
 
 
