@@ -164,6 +164,8 @@ def engine_script(directory: Path, then: str) -> Path:
         import os, signal
         from batchllm import LLM, SamplingParams, StructuredOutputsParams
         if __name__ == "__main__":
+            # As started from a terminal: Ctrl-C raises KeyboardInterrupt, whatever the test process inherited.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             llm = LLM({str(model)!r}, device="cpu", tensor_parallel_size=2, num_kv_blocks=64,
                       skip_tokenizer_init=True)
             print(*llm.runner.worker_pids, flush=True)
