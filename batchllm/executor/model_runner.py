@@ -201,9 +201,10 @@ class ModelRunner:
                 and num_seqs <= self.graphs.max_batch_size):
             graph_size = self.graphs.padded_size(num_seqs)
         block_rows = np.array(block_rows, dtype=np.int64)
+        sample_index = np.array(sample_rows, dtype=np.int64)
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
             token_ids, np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64),
-            self._block_tables.table, block_rows, np.array(sample_rows, dtype=np.int64), pad_to=graph_size)
+            self._block_tables.table, block_rows, sample_index, pad_to=graph_size)
         if placeholder_slots:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if graph_size is not None:
@@ -214,7 +215,7 @@ class ModelRunner:
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
-        table_rows = block_rows[sample_rows]
+        table_rows = block_rows[sample_index]
         # The step's sampling tensors are built now, while the forward pass runs, even when the sampling itself
         # must wait for a grammar bitmask: only the bitmask's upload is left for then.
         tensors, history = (None, []) if logits is None else self._sampling_tensors(logits, sampled_states,
