@@ -14,6 +14,10 @@ row (for an OpenAI batch file: every request without a response_format of its ow
 row's JSON schema from a column instead; `--parse-json` adds the `parsed` column. A constraint the grammar
 engine cannot compile exits with status 2 before anything is generated.
 
+Adapters: `--lora NAME=PATH` (repeatable) registers PEFT LoRA adapters; a table's `--lora-column` names each row's
+(empty: the base model), an OpenAI batch request's `model` names its own. An adapter the engine cannot apply
+exits with status 2 before anything is generated; a row naming an unknown one gets an error.
+
 Exit status: 0 done; 2 bad arguments or options, e.g. a model directory without a tokenizer (nothing
 generated); 128 + N after signal N (SIGINT: 130, SIGTERM: 143) with every finished row saved: run the
 same command again to resume; 1 when every data-parallel replica died (completed shards saved, resumable
@@ -27,27 +31,26 @@ import argparse
 import dataclasses
 import importlib.metadata
 import inspect
-import json
 import re
 import shlex
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from batchllm.cli_types import adapter, constraint_of, json_schema_file, token_ids
 from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.engine.structured_output import GRAMMAR_BACKENDS
 from batchllm.llm import LLM
 from batchllm.sampling_params import SamplingParams
-from batchllm.structured_outputs import StructuredOutputsParams
 
 # Sampling flags → SamplingParams fields. Each defaults to SamplingParams' own, except _CLI_SAMPLING_DEFAULTS.
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "seed": int, "n": int, "min_tokens": int, "presence_penalty": float,
                    "frequency_penalty": float, "repetition_penalty": float, "logprobs": int}
 _ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
-                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
+                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
+                 "max_loras": int, "max_lora_rank": int}
 _USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 # Batch jobs want complete, reproducible answers; see the module docstring.
 _CLI_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
@@ -58,7 +61,8 @@ _SAMPLING_HELP = {"max_tokens": "most tokens per completion", "temperature": "te
                   "n": "completions per row (list columns when > 1; with --temperature 0 they are equal)",
                   "seed": "seed (None: unseeded)", "top_k": "top_k (0: off)",
                   "logprobs": "top logprobs returned per generated token (None: none)"}
-_ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)"}
+_ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
+                "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank"}
 # Python argument names that differ from their flag's (the rest are the flag's dest).
 _PYTHON_NAMES = {"prompt_template": "template", "data_parallel_size": "data_parallel"}
 
@@ -98,12 +102,12 @@ def _parser() -> argparse.ArgumentParser:
                           "their own messages")
     run.add_argument("--output-column", default="generated_text", help="name of the generated-text column")
     constraint = run.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", type=_json_schema_file, metavar="FILE",
+    constraint.add_argument("--json-schema", type=json_schema_file, metavar="FILE",
                             help="structured outputs: every completion is JSON valid against the JSON schema in FILE "
                                  "(an OpenAI batch file: the requests without their own response_format)")
-    constraint.add_argument("--regex", metavar="PATTERN", type=_constraint("regex"),
+    constraint.add_argument("--regex", metavar="PATTERN", type=constraint_of("regex"),
                             help="structured outputs: every completion matches the regular expression (whole output)")
-    constraint.add_argument("--choice", metavar="A,B,...", type=_constraint("choice"),
+    constraint.add_argument("--choice", metavar="A,B,...", type=constraint_of("choice"),
                             help="structured outputs: every completion is one of the comma-separated strings (or of "
                                  "a JSON array of strings, for choices with commas)")
     constraint.add_argument("--schema-column", metavar="NAME",
@@ -112,6 +116,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--parse-json", action="store_true",
                      help="add a `parsed` column: the canonical JSON text of each JSON-constrained completion "
                           "(--json-schema or --schema-column); tables only")
+    run.add_argument("--lora", type=adapter, action="append", metavar="NAME=PATH",
+                     help="a PEFT LoRA adapter directory under a name (repeatable): rows name theirs in --lora-column; "
+                          "an OpenAI batch request's `model` names its adapter")
+    run.add_argument("--lora-column", metavar="NAME", help="column holding each row's adapter name (empty or null: "
+                                                           "the base model); tables only")
     run.add_argument("--truncate", choices=("error", "left", "right"), default="error",
                      help="what to do with a prompt that leaves no room for --max-tokens: error the row, or cut its "
                           "left or right end")
@@ -120,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         run.add_argument(_flag(name), type=kind, default=_SAMPLING_DEFAULTS[name],
                          help=f"sampling: {_SAMPLING_HELP.get(name, name)}")
     run.add_argument("--stop", action="append", help="sampling: a stop string (repeatable)")
-    run.add_argument("--stop-token-ids", type=_token_ids, metavar="ID,ID,...",
+    run.add_argument("--stop-token-ids", type=token_ids, metavar="ID,ID,...",
                      help="sampling: token ids that end a completion, comma-separated")
     run.add_argument("--ignore-eos", action="store_true", help="sampling: do not stop at EOS")
     run.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
@@ -164,11 +173,19 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, *job)
                                if getattr(args, name) is not None}
     # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
-    engine = {name: getattr(args, name) for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend")
-              if getattr(args, name) != _ENGINE_DEFAULTS[name]}
+    engine: dict[str, Any] = {name: getattr(args, name)
+                              for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend")
+                              if getattr(args, name) != _ENGINE_DEFAULTS[name]}
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
               "output_column": args.output_column}
+    if args.lora:
+        engine["enable_lora"] = True
+        options["loras"] = dict(args.lora)
+        if len(options["loras"]) < len(args.lora):
+            return _fail("--lora names an adapter twice")
+    elif args.lora_column is not None:
+        return _fail("--lora-column needs the adapters it names: --lora NAME=PATH (repeatable)")
     constraint = args.json_schema or args.regex or args.choice
     if constraint is not None:
         options["structured_outputs"] = constraint
@@ -178,9 +195,15 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if input_format != "openai-batch":
         options.update(prompt)
         options.update(schema_column=args.schema_column, parse_json=args.parse_json)
+        if args.lora:
+            if args.lora_column is None:
+                return _fail("--lora on a table needs --lora-column: the column naming each row's adapter")
+            options["lora_column"] = args.lora_column
     elif any(value for key, value in prompt.items() if key != "output_column"):
         return _fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
                      "an OpenAI batch file: each request carries its prompt")
+    elif args.lora_column is not None:
+        return _fail("--lora-column does not apply to an OpenAI batch file: a request's `model` names its adapter")
     elif args.schema_column is not None or args.parse_json:
         return _fail("--schema-column / --parse-json do not apply to an OpenAI batch file: a request's "
                      "response_format carries its schema (--json-schema / --regex / --choice set the default)")
@@ -220,59 +243,6 @@ def _os_error_message(exc: OSError) -> str:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _json_schema_file(path: str) -> StructuredOutputsParams:
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"cannot read the JSON schema file {path!r}: "
-                                         f"{getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{path!r} is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise argparse.ArgumentTypeError(f"{path!r} holds a JSON {type(schema).__name__}; a JSON schema is an "
-                                         f"object") from None
-    return StructuredOutputsParams(json=schema)
-
-
-def _choices(text: str) -> list[str]:
-    """`A,B,C`, or a JSON array of strings for choices that hold commas: `["Paris, France", "Rome"]`."""
-    if text.lstrip().startswith("["):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"{text!r} starts like a JSON array but is not valid JSON: {exc}") \
-                from None
-        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-            raise argparse.ArgumentTypeError(f"a JSON array of choices must hold non-empty strings; got {text!r}")
-        return value
-    value = text.split(",")
-    if not all(value):
-        raise argparse.ArgumentTypeError(f"expected comma-separated non-empty strings, e.g. yes,no (or a JSON array "
-                                         f"of strings); got {text!r}")
-    return value
-
-
-def _constraint(kind: str):
-    def parse(text: str) -> StructuredOutputsParams:
-        value: Any = _choices(text) if kind == "choice" else text
-        try:
-            return StructuredOutputsParams(**{kind: value})
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).replace("StructuredOutputsParams.", "")) from None
-
-    parse.__name__ = kind
-    return parse
-
-
-def _token_ids(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, e.g. 1,2; got {text!r}") from None
 
 
 def _flags_by_python_name(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
+from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.engine.detokenizer import Detokenizer
@@ -304,18 +305,9 @@ class LLM:
 
     def admission_order(self, token_lists: list[list[int]],
                         loras: Sequence[LoRARequest | None] | None = None) -> list[int]:
-        """Prefix-aware ordering: with the whole batch known up front, admit prompts in lexicographic token
-        order, so rows sharing a prefix run back to back and hit its blocks before they can be evicted.
-        With adapters, the rows of one adapter go together first (base rows ahead), so a job with more adapters
-        than device slots swaps each in about once. Results still come back in input order."""
-        if loras is not None and any(lora is not None for lora in loras):
-            def key(i: int) -> tuple:
-                lora = loras[i]
-                return ((0, "", 0) if lora is None else (1, *lora.cache_key), token_lists[i])
-            return sorted(range(len(token_lists)), key=key)
-        if not self.reorder_by_prefix:
-            return list(range(len(token_lists)))
-        return sorted(range(len(token_lists)), key=token_lists.__getitem__)
+        """The order a whole batch is admitted in (`batchllm/admission.py`): by prefix, and by adapter first.
+        Results still come back in input order."""
+        return admission_order(token_lists, loras, self.reorder_by_prefix)
 
     def _completion(self, index: int, finished: FinishedRequest) -> CompletionOutput:
         request = finished.request

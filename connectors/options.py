@@ -213,10 +213,11 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
     return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt),
                       resolve_sampling_params(sampling_params, fields),
                       OutputNames.for_column(output_column), truncate, schema_column, parse_json, lora_column,
-                      _lora_pairs(loras))
+                      lora_pairs(loras))
 
 
-def _lora_pairs(loras: Mapping[str, str | Path] | None) -> tuple[tuple[str, str], ...]:
+def lora_pairs(loras: Mapping[str, str | Path] | None) -> tuple[tuple[str, str], ...]:
+    """`loras={name: adapter directory}` as sorted pairs (hashable, and in the order adapter ids follow)."""
     if loras is None:
         return ()
     if not isinstance(loras, Mapping) or not all(isinstance(name, str) and name for name in loras):

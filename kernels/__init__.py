@@ -19,8 +19,8 @@ import torch
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["apply_rotary", "apply_token_bitmask_", "paged_attention", "rms_norm", "silu_and_mul", "triton_enabled",
-           "write_kv"]
+__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "paged_attention", "rms_norm", "silu_and_mul",
+           "triton_enabled", "write_kv"]
 
 
 def write_kv(
@@ -82,6 +82,14 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
     return reference.apply_token_bitmask_(logits, rows, bitmask)
 
 
+def add_lora_(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_tokens: torch.Tensor,
+              slot_starts: torch.Tensor) -> torch.Tensor:
+    """`out[t] += x[t] a[s]^T b[s]^T` for the tokens t of slot s's segment; in place, returns out (see reference)."""
+    if _use_triton(x):
+        return _triton().add_lora_(x, out, a, b, sorted_tokens, slot_starts)
+    return reference.add_lora_(x, out, a, b, sorted_tokens, slot_starts)
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and triton_enabled()
 
@@ -98,6 +106,7 @@ def _triton() -> SimpleNamespace:
     from batchllm.kernels.activation import silu_and_mul_triton
     from batchllm.kernels.attention import paged_attention_triton
     from batchllm.kernels.kv_write import write_kv_triton
+    from batchllm.kernels.lora import add_lora_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
     from batchllm.kernels.rotary import apply_rotary_triton
     from batchllm.kernels.token_bitmask import apply_token_bitmask_triton
@@ -105,5 +114,5 @@ def _triton() -> SimpleNamespace:
     return SimpleNamespace(
         write_kv=write_kv_triton, paged_attention=paged_attention_triton, rms_norm=rms_norm_triton,
         apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
-        apply_token_bitmask_=apply_token_bitmask_triton,
+        apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
     )

@@ -1,5 +1,5 @@
-"""Pure-torch reference implementations of the kernels: paged KV cache, RMSNorm, rotary, SiLU-and-mul, and
-the structured-output token bitmask.
+"""Pure-torch reference implementations of the kernels: paged KV cache, RMSNorm, rotary, SiLU-and-mul, the
+structured-output token bitmask, and the batched multi-LoRA delta.
 
 These are the CPU path and the ground truth the Triton kernels are tested against. They favour clarity, but
 avoid per-token Python loops: all decode rows of a batch share one gather and one attention call.
@@ -162,3 +162,25 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
         return logits.masked_fill_(~allowed, float("-inf"))
     logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def add_lora_(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_tokens: torch.Tensor,
+              slot_starts: torch.Tensor) -> torch.Tensor:
+    """In place: `out[t] += (x[t] a[s]^T) b[s]^T` for the tokens t of slot s's segment; returns `out`.
+
+    `x [T, in]`, `out [T, out_features]`, `a [S, W, in]`, `b [S, out_features, W]`. Slot s's tokens are
+    `sorted_tokens[slot_starts[s]:slot_starts[s + 1]]` (int32, `slot_starts [S + 1]`); a token is in at most
+    one segment, and the others (base-model tokens, padding) are left bit-identical. Rounding: both products
+    accumulate in float32; the intermediate `x a^T` is rounded to x's dtype (as a plain `x @ a.T` would be),
+    and `out + delta` is rounded once to out's dtype.
+    """
+    starts = slot_starts.tolist()  # the CPU path: a sync on a device is acceptable here
+    for slot in range(a.shape[0]):
+        start, end = starts[slot], starts[slot + 1]
+        if end <= start:
+            continue
+        tokens = sorted_tokens[start:end].long()
+        y = (x.index_select(0, tokens).float() @ a[slot].float().T).to(x.dtype)
+        delta = y.float() @ b[slot].float().T
+        out.index_copy_(0, tokens, (out.index_select(0, tokens).float() + delta).to(out.dtype))
+    return out

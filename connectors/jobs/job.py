@@ -51,6 +51,7 @@ from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome
 from batchllm.llm import LLM
+from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 
 DEFAULT_ROWS_PER_SHARD = 5000  # a few MB of Parquet per shard for typical prompts; little work lost on a kill
@@ -63,6 +64,7 @@ MAX_BATCH_ROWS = 1024
 class RowRequest:
     prompt: EncodedPrompt
     params: SamplingParams
+    lora: LoRARequest | None = None  # None: the base model
 
 
 class Source(Protocol):
@@ -187,7 +189,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
     def skip(first: int, end: int) -> bool:
         return all(s in resume.done_shards for s in range(first // rows_per_shard, (end - 1) // rows_per_shard + 1))
 
-    def feed(stop: StopOnSignal) -> Iterator[tuple[RowKey, list[int], SamplingParams] | None]:
+    def feed(stop: StopOnSignal) -> Iterator[tuple[RowKey, list[int], SamplingParams, LoRARequest | None] | None]:
         for start, batch in source.batches(batch_size, skip):
             result.peak_buffered_rows = max(result.peak_buffered_rows, tracker.buffered_rows + batch.num_rows)
             for shard, piece in shard_pieces(start, batch, rows_per_shard):
@@ -207,7 +209,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
                     else:
                         params = cap_max_tokens(request.params, settings.max_tokens_cap,
                                                 llm.max_model_len - len(prompt.token_ids))
-                        yield (shard, row, params), prompt.token_ids, params
+                        yield (shard, row, params), prompt.token_ids, params, request.lora
             # Rows wait here, not in memory: pause admission (the engine keeps stepping) while too many are held.
             # With nothing pending, the held rows are the current shard's: reading on is the only way forward.
             while tracker.buffered_rows >= max_buffered and tracker.pending_rows > 0:

@@ -14,8 +14,8 @@ and the output is cut back to the last good one (`jsonl_output.py`); recorded li
 the output exactly once. While a job runs it holds `OUTPUT.lock` (`lock.py`): a second job on the same
 output fails at once with `OutputInUse`. The fingerprint pins the input file's SHA-256, the model, the
 tokenizer and its chat template, `max_model_len`, the default sampling parameters (the default constraint
-among them, when there is one), `truncate`, `rows_per_shard` and `max_tokens_cap`. A request's max_tokens
-above the cap (or null) gets the cap.
+among them, when there is one), the adapters of `loras` (their files' SHA-256), `truncate`, `rows_per_shard`
+and `max_tokens_cap`. A request's max_tokens above the cap (or null) gets the cap.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from batchllm.connectors.adapters import adapter_requests, adapters_identity
 from batchllm.connectors.constraints import require_compiles
 from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
 from batchllm.connectors.jobs.job import (
@@ -43,14 +44,16 @@ from batchllm.connectors.jobs.jsonl_output import JsonlSink
 from batchllm.connectors.jobs.lock import output_lock
 from batchllm.connectors.jobs.manifest import Manifest
 from batchllm.connectors.jobs.openai_batch import CHAT_URL, parse_envelope, prompt_of, sampling_params
-from batchllm.connectors.options import TRUNCATE_MODES, params_dict, resolve_sampling_params
+from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, params_dict, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.llm import LLM
+from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 
-_SCHEMA = pa.schema([("line", pa.int64()), ("custom_id", pa.string()), ("url", pa.string()), ("request", pa.string())])
+_SCHEMA = pa.schema([("line", pa.int64()), ("custom_id", pa.string()), ("url", pa.string()), ("model", pa.string()),
+                     ("request", pa.string())])
 
 
 def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | None = None, llm: LLM | None = None,
@@ -59,14 +62,17 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
                   max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
                   data_parallel_size: int = 1, retry_errors: bool = False,
                   max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                  **sampling_fields: Any) -> JobResult:
+                  loras: Mapping[str, str | Path] | None = None, **sampling_fields: Any) -> JobResult:
     """Answer the OpenAI batch request file `input` into the JSONL file `output`.
 
     `sampling_params` / sampling keywords are the defaults for fields a request body does not set; a
     default `structured_outputs` constrains the requests without a `response_format` of their own, and is
     compiled before anything runs (GrammarError when it cannot be). The other options are those of
     `run_parquet_job`; prompts come from the requests themselves. Chat requests on a model without a chat
-    template raise ValueError before any generation.
+    template raise ValueError before any generation. `loras={name: PEFT directory}` registers adapters (the
+    engine needs enable_lora=True): a request whose `model` is one of the names runs under that adapter, and its
+    response names it; the base model's name (the model directory's), or no `model`, runs the base model; any
+    other `model` fails its line. Without `loras`, `model` is ignored.
     """
     check_data_parallel_size(data_parallel_size, llm)
     for name in ("prompt_column", "messages_column", "prompt_template", "chat", "output_column"):
@@ -77,6 +83,10 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
             raise ValueError(f"{name}= does not apply to an OpenAI batch file: a request's body.response_format "
                              f"carries its schema, and its answer is the JSON text")
         sampling_fields.pop(name, None)
+    if "lora_column" in sampling_fields:
+        raise ValueError("lora_column= does not apply to an OpenAI batch file: a request's body.model names its "
+                         "adapter among loras=")
+    adapter_dirs = lora_pairs(loras)
     defaults = resolve_sampling_params(sampling_params, sampling_fields)
     if truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
@@ -92,11 +102,11 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     output.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(output.with_name(output.name + ".lock"), output), \
             engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
-        return _run(source, output, manifest_path, engine, defaults, truncate, settings)
+        return _run(source, output, manifest_path, engine, defaults, truncate, settings, adapter_dirs)
 
 
 def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | ReplicaPool, defaults: SamplingParams,
-         truncate: str, settings: JobSettings) -> JobResult:
+         truncate: str, settings: JobSettings, adapter_dirs: tuple[tuple[str, str], ...]) -> JobResult:
     if source.chat_requests:
         require_chat_template(engine, f"the {source.chat_requests} {CHAT_URL} requests in {source.path.name}")
     require_compiles(engine, defaults.structured_outputs)
@@ -104,10 +114,14 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
                    "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
                    "defaults": params_dict(defaults), "truncate": truncate, "rows_per_shard": settings.rows_per_shard,
                    "max_tokens_cap": settings.max_tokens_cap}
+    adapters = adapter_requests(adapter_dirs, engine) if adapter_dirs else {}
+    if adapters:
+        fingerprint["adapters"] = adapters_identity(adapter_dirs)
     manifest = Manifest.open(manifest_path, fingerprint, output)
-    sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors)
+    sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors, frozenset(adapters))
     encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate)
-    planner = _planner(encoder, defaults, source.duplicates, settings.max_tokens_cap)
+    planner = _planner(encoder, defaults, source.duplicates, settings.max_tokens_cap,
+                       _AdapterOfModel(adapters, engine.model_path.name))
     return run_sharded_job(source, planner, sink, engine, settings)
 
 
@@ -168,13 +182,30 @@ class JsonlSource:
                     yield number, text
 
 
+class _AdapterOfModel:
+    """A request's adapter from its body's `model` (see `run_jsonl_job`)."""
+
+    def __init__(self, adapters: dict[str, LoRARequest], base_name: str) -> None:
+        self.adapters, self.base_name = adapters, base_name
+
+    def __call__(self, body: dict[str, Any]) -> LoRARequest | None:
+        model = body.get("model")
+        if not self.adapters or model is None or model == self.base_name:
+            return None
+        if model not in self.adapters:
+            raise RowError(f"model {model!r} is neither the base model ({self.base_name!r}) nor one of the "
+                           f"adapters ({', '.join(self.adapters)})")
+        return self.adapters[model]
+
+
 def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[int, tuple[str, int]],
-             max_tokens_cap: int) -> Callable[[pa.RecordBatch], list[RowRequest]]:
+             max_tokens_cap: int, adapter_of: _AdapterOfModel) -> Callable[[pa.RecordBatch], list[RowRequest]]:
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         rendered: list[Rendered | RowError] = []
         params: list[SamplingParams] = []
+        loras: list[LoRARequest | None] = []
         for line, raw in zip(batch.column("line").to_pylist(), batch.column("request").to_pylist()):
-            row_params = defaults
+            row_params, lora = defaults, None
             try:
                 envelope = parse_envelope(raw)
                 if envelope.error is not None:
@@ -183,14 +214,17 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[
                     custom_id, first = duplicates[line]
                     raise RowError(f"custom_id {custom_id!r} was already used on line {first}")
                 chat = envelope.url == CHAT_URL
+                lora = adapter_of(envelope.body)
                 row_params = _capped(sampling_params(envelope.body, defaults, chat), max_tokens_cap)
                 prompt = prompt_of(envelope.body, chat)
                 rendered.append(encoder.render_chat(prompt) if chat else Rendered(prompt, is_chat=False))
             except RowError as exc:
                 rendered.append(exc)
+                lora = None
             params.append(row_params)
+            loras.append(lora)
         encoded = encoder.encode(rendered, [p.max_tokens for p in params])
-        return [RowRequest(prompt, p) for prompt, p in zip(encoded, params)]
+        return [RowRequest(prompt, p, lora) for prompt, p, lora in zip(encoded, params, loras)]
 
     return plan
 
@@ -205,5 +239,7 @@ def _capped(params: SamplingParams, cap: int) -> SamplingParams:
 
 def _batch(lines: list[tuple[int, str | None]]) -> pa.RecordBatch:
     envelopes = [parse_envelope(raw) for _, raw in lines]
+    models = [e.body.get("model") if e.body is not None and isinstance(e.body.get("model"), str) else None
+              for e in envelopes]
     return pa.record_batch([[number for number, _ in lines], [e.custom_id for e in envelopes],
-                            [e.url for e in envelopes], [raw for _, raw in lines]], schema=_SCHEMA)
+                            [e.url for e in envelopes], models, [raw for _, raw in lines]], schema=_SCHEMA)

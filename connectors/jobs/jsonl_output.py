@@ -35,10 +35,12 @@ from batchllm.connectors.results import RowOutcome
 
 
 class JsonlSink:
-    def __init__(self, path: Path, manifest: Manifest, model_name: str, retry_errors: bool) -> None:
+    def __init__(self, path: Path, manifest: Manifest, model_name: str, retry_errors: bool,
+                 adapter_names: frozenset[str] = frozenset()) -> None:
         self.path = path
         self.manifest = manifest
         self.model_name = model_name
+        self.adapter_names = adapter_names  # a response names the adapter its request's `model` chose
         self._end = self._cut_back_to_verified()
         if retry_errors and any(r.error_rows for r in manifest.records):
             self._end = self._drop_error_lines()
@@ -53,9 +55,10 @@ class JsonlSink:
     def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome], offsets: list[int],
               complete: bool) -> None:
         columns = rows.to_pydict()
-        lines = [response_line(line, Envelope(custom_id, url, None), outcome, self.model_name)
-                 for line, custom_id, url, outcome in zip(columns["line"], columns["custom_id"], columns["url"],
-                                                          outcomes)]
+        lines = [response_line(line, Envelope(custom_id, url, None), outcome,
+                               model if model in self.adapter_names else self.model_name)
+                 for line, custom_id, url, model, outcome in zip(columns["line"], columns["custom_id"], columns["url"],
+                                                                 columns["model"], outcomes)]
         data = "".join(line + "\n" for line in lines).encode()
         if data:
             with open(self.path, "ab") as file:

@@ -20,8 +20,9 @@ pins the input (relative paths, sizes, row counts and a hash of each Parquet foo
 directory is fine but any rewrite is caught; a CSV / JSON file's name, size and SHA-256), the model
 (config hash and weight size), the tokenizer and its chat template (`identity.py`), `max_model_len`, the
 prompt options, the sampling parameters (a call-wide constraint's canonical text among them),
-`schema_column` and `parse_json` (when set), `truncate`, `output_column`, `rows_per_shard` and
-`max_tokens_cap`; a mismatch is refused. Per-row schemas are input data, pinned with the input.
+`schema_column` and `parse_json` (when set), `lora_column` and `loras` (with each adapter's files' SHA-256),
+`truncate`, `output_column`, `rows_per_shard` and `max_tokens_cap`; a mismatch is refused. Per-row schemas
+and adapter names are input data, pinned with the input.
 Engine-only options (device, dtype, batch limits, `max_in_flight`, `flush_seconds`) may change between runs.
 """
 
@@ -35,6 +36,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from batchllm.connectors.adapters import adapter_requests, adapters_identity, row_adapters
 from batchllm.connectors.constraints import SchemaColumn, require_compiles
 from batchllm.connectors.jobs.atomic import is_temporary, remove_stale_temporaries
 from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
@@ -72,7 +74,8 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
                     data_parallel_size: int = 1, input_format: str = "auto", retry_errors: bool = False,
                     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                    schema_column: str | None = None, parse_json: bool = False, **sampling_fields: Any) -> JobResult:
+                    schema_column: str | None = None, parse_json: bool = False, lora_column: str | None = None,
+                    loras: Mapping[str, str | Path] | None = None, **sampling_fields: Any) -> JobResult:
     """Generate for every row of the table `input` (read as `input_format`, see `sources.py`) into shards under
     the directory `output`.
 
@@ -80,8 +83,9 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     the unit of output and of resumption; `max_in_flight` the prompts kept in the engine (default: twice
     its max_num_seqs; with data_parallel_size > 1, in each replica's engine); `max_buffered_rows` the
     input rows held in memory (see `job.py`); `data_parallel_size` the engine processes
-    (`data_parallel.py`). `retry_errors` re-runs the rows saved with an error; `max_tokens_cap` bounds every
-    row's output tokens; `flush_seconds` is the checkpoint interval (see `job.py`). Raises `JobInterrupted`
+    (`data_parallel.py`). `lora_column` names each row's adapter among `loras` (see `batchllm.generate`;
+    the engine needs enable_lora=True). `retry_errors` re-runs the rows saved with an error; `max_tokens_cap`
+    bounds every row's output tokens; `flush_seconds` is the checkpoint interval (see `job.py`). Raises `JobInterrupted`
     after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job, `OutputInUse` while
     another job writes it, `ReplicaPoolError` when every replica died (finished rows are saved), and
     ValueError before generating when chat prompts are asked of a model without a chat template.
@@ -90,7 +94,8 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, schema_column=schema_column,
-                              parse_json=parse_json, sampling_fields=sampling_fields)
+                              parse_json=parse_json, lora_column=lora_column, loras=loras,
+                              sampling_fields=sampling_fields)
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
                            retry_errors)
     source = open_table_source(input, input_format)
@@ -111,10 +116,13 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
                                                                          settings.max_tokens_cap))
     require_compiles(engine, options.sampling_params.structured_outputs)
     encoder = PromptEncoder.for_llm(engine, capped)
+    adapters = adapter_requests(options.loras, engine) if options.lora_column is not None else {}
     fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
                    "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
                    "options": options.describe(), "rows_per_shard": settings.rows_per_shard,
                    "max_tokens_cap": settings.max_tokens_cap}
+    if adapters:
+        fingerprint["adapters"] = adapters_identity(options.loras)
     manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint, directory)
     sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
                        settings.retry_errors)
@@ -124,14 +132,18 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         columns = {name: batch.column(name).to_pylist() for name in needed}
         prompts = encode_rows(columns, batch.num_rows, capped, encoder)
-        if schemas is None:
-            return [RowRequest(p, capped.sampling_params) for p in prompts]
+        params_list = ([capped.sampling_params] * batch.num_rows if schemas is None
+                       else schemas.rows(columns[options.schema_column]))
+        loras = ([None] * batch.num_rows if not adapters
+                 else row_adapters(columns[options.lora_column], adapters, "lora_column", name_rows=False))
         requests = []
-        for prompt, params in zip(prompts, schemas.rows(columns[options.schema_column])):
-            if isinstance(params, RowError):  # a malformed schema value: the row fails, as a bad prompt would
-                prompt = prompt if prompt.error is not None else EncodedPrompt(prompt.token_ids, str(params))
-                params = capped.sampling_params
-            requests.append(RowRequest(prompt, params))
+        for prompt, params, lora in zip(prompts, params_list, loras):
+            # A malformed schema value or an unknown adapter: the row fails, as a bad prompt would.
+            error = next((str(e) for e in (params, lora) if isinstance(e, RowError)), None)
+            if error is not None:
+                prompt = prompt if prompt.error is not None else EncodedPrompt(prompt.token_ids, error)
+                params, lora = capped.sampling_params, None
+            requests.append(RowRequest(prompt, params, lora))
         return requests
 
     return run_sharded_job(source, plan, sink, engine, settings)

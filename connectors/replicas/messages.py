@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchllm.lora.request import LoRARequest
 from batchllm.outputs import RequestOutput
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
@@ -23,6 +24,7 @@ class WorkItem:
     seq: int
     token_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None
 
 
 @dataclass(slots=True)

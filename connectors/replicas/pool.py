@@ -39,6 +39,7 @@ from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from batchllm.admission import admission_order
 from batchllm.connectors.replicas.devices import Placement, plan_placements
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError, build_error
 from batchllm.connectors.replicas.messages import (
@@ -60,6 +61,8 @@ from batchllm.connectors.replicas.process import (
     start_replica,
 )
 from batchllm.connectors.replicas.replica import ReplicaSpec
+from batchllm.lora.registry import AdapterRegistry
+from batchllm.lora.request import LoRARequest
 from batchllm.outputs import RequestOutput
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
@@ -75,6 +78,7 @@ class _Row(Generic[K]):
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None
 
 
 class ReplicaPool:
@@ -120,6 +124,7 @@ class ReplicaPool:
 
                 self.tokenizer = load_tokenizer(kwargs.get("tokenizer") or self.model_path,
                                                 trust_remote_code=kwargs.get("trust_remote_code", False))
+            self._adapters = _adapter_registry(self.model_path, kwargs)
             self._wait_until_ready()
         except BaseException:
             self.close(ABORT_SECONDS)
@@ -138,11 +143,10 @@ class ReplicaPool:
         """Rows out at once that keep every engine full with a chunk in reserve."""
         return self.size * (self.max_in_flight_per_replica + self.chunk_rows)
 
-    def admission_order(self, token_lists: list[list[int]]) -> list[int]:
-        """The order `LLM.admission_order` would use: rows sharing a prefix go out together, to one replica."""
-        if not self.reorder_by_prefix:
-            return list(range(len(token_lists)))
-        return sorted(range(len(token_lists)), key=token_lists.__getitem__)
+    def admission_order(self, token_lists: list[list[int]],
+                        loras: list[LoRARequest | None] | None = None) -> list[int]:
+        """The order `LLM.admission_order` would use: rows sharing a prefix (or an adapter) go out together."""
+        return admission_order(token_lists, loras, self.reorder_by_prefix)
 
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """`LLM.check_structured_outputs` on a replica's engine: compile a call-wide constraint before any row goes
@@ -179,6 +183,11 @@ class ReplicaPool:
                     elif message is None:
                         self._lost(source)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """`LLM.check_lora`, here in the parent: reading and checking an adapter needs the model's config only, and
+        every replica's engine is built alike."""
+        self._adapters.check_call(lora_request, 1)
+
     def generate(self, prompts: list[list[int]] | list[str],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Outputs for `prompts` (token-id lists or text) in input order, like `LLM.generate`."""
@@ -191,13 +200,15 @@ class ReplicaPool:
             outputs[index] = output
         return outputs  # type: ignore[return-value]  (every slot is filled once the stream ends)
 
-    def stream(self, requests: Iterable[tuple[K, str | list[int], SamplingParams] | None], *,
+    def stream(self, requests: Iterable[tuple[K, str | list[int], SamplingParams]
+                                        | tuple[K, str | list[int], SamplingParams, LoRARequest | None] | None], *,
                max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
         """`LLM.stream` across the replicas: `(key, output)` as rows finish, in completion order.
 
-        `max_in_flight` bounds the rows out at once (queued here or held by replicas); None: no bound. The
-        source may yield None to pause admission, never while nothing is in flight. Rows still out when the
-        caller stops early are dropped; their late results are ignored.
+        An item may name its adapter as a fourth element, as for `LLM.stream`. `max_in_flight` bounds the rows
+        out at once (queued here or held by replicas); None: no bound. The source may yield None to pause
+        admission, never while nothing is in flight. Rows still out when the caller stops early are dropped;
+        their late results are ignored.
         """
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
@@ -233,11 +244,13 @@ class ReplicaPool:
             self._rows.clear()
             self._queue.clear()
 
-    def _add(self, key: Any, prompt: str | list[int], params: SamplingParams) -> None:
+    def _add(self, key: Any, prompt: str | list[int], params: SamplingParams, lora: LoRARequest | None = None) -> None:
         index = self._next_seq
         self._next_seq += 1
         text, token_ids = (prompt, self._tokenize(prompt, index)) if isinstance(prompt, str) else (None, prompt)
-        self._rows[index] = _Row(key, text, token_ids, params)
+        if lora is not None:
+            self.check_lora(lora)
+        self._rows[index] = _Row(key, text, token_ids, params, lora)
         self._queue.append(index)
 
     def _tokenize(self, prompt: str, index: int) -> list[int]:
@@ -256,7 +269,7 @@ class ReplicaPool:
             seqs = [self._queue.popleft() for _ in range(count)]
             rows = [self._rows[s] for s in seqs]
             try:
-                replica.tasks.send(Chunk([WorkItem(s, r.token_ids, r.params) for s, r in zip(seqs, rows)]))
+                replica.tasks.send(Chunk([WorkItem(s, r.token_ids, r.params, r.lora) for s, r in zip(seqs, rows)]))
             except OSError:  # it died: its sentinel reports that, and these rows go to the others
                 self._queue.extendleft(reversed(seqs))
                 replica.hungry = False
@@ -329,3 +342,11 @@ def _llm_default(name: str) -> Any:
     from batchllm.llm import LLM
 
     return inspect.signature(LLM.__init__).parameters[name].default
+
+
+def _adapter_registry(model_path: Path, kwargs: Mapping[str, Any]) -> AdapterRegistry:
+    from batchllm.model.config import ModelConfig, read_hf_config
+
+    return AdapterRegistry(ModelConfig.from_hf_dict(read_hf_config(model_path)),
+                           kwargs.get("max_lora_rank", _llm_default("max_lora_rank")),
+                           kwargs.get("enable_lora", _llm_default("enable_lora")))

@@ -126,7 +126,7 @@ def _serve(llm: Any, spec: ReplicaSpec, inbox: _Inbox, outbox: _Outbox) -> None:
             if state.buffered:
                 item = state.buffered.popleft()
                 state.in_flight += 1
-                yield item.seq, item.token_ids, item.params
+                yield item.seq, item.token_ids, item.params, item.lora
             elif state.in_flight:
                 yield None  # let the engine step; ask again before the next one
             else:

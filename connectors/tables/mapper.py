@@ -8,10 +8,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchllm.connectors.adapters import adapter_requests, row_adapters
 from batchllm.connectors.constraints import require_compiles, row_params
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.progress import RowProgress
-from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, Rendered, RowError, is_missing, render_rows
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, Rendered, RowError, render_rows
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
 from batchllm.llm import LLM
@@ -69,11 +70,8 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
             else:
                 ok = [(i, prompt.token_ids) for i, prompt in encoded.items() if outcomes[i] is None]
                 token_lists = [token_ids for _, token_ids in ok]
-                if options.loras:  # one LLM (row_loras refuses a replica pool)
-                    order = llm.admission_order(token_lists, [loras[i] for i, _ in ok])
-                    requests = ((ok[j][0], ok[j][1], params[ok[j][0]], loras[ok[j][0]]) for j in order)
-                else:
-                    requests = ((ok[j][0], ok[j][1], params[ok[j][0]]) for j in llm.admission_order(token_lists))
+                order = llm.admission_order(token_lists, [loras[i] for i, _ in ok])
+                requests = ((ok[j][0], ok[j][1], params[ok[j][0]], loras[ok[j][0]]) for j in order)
             for index, output in llm.stream(requests):
                 outcomes[index] = RowOutcome.from_output(output, params[index])
                 progress.update(1, outcomes[index].completion_tokens)
@@ -126,21 +124,8 @@ def row_loras(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapO
     are checked first: one the engine cannot apply fails the call, naming it."""
     if options.lora_column is None:
         return [None] * num_rows
-    if not isinstance(llm, LLM):
-        raise NotImplementedError("lora_column with data_parallel_size > 1 is not built yet")
-    requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(options.loras)}
-    for request in requests.values():
-        llm.check_lora(request)
-    loras: list[LoRARequest | RowError | None] = []
-    for i, value in enumerate(columns[options.lora_column]):
-        if is_missing(value) or (isinstance(value, str) and not value):
-            loras.append(None)
-        elif isinstance(value, str) and value in requests:
-            loras.append(requests[value])
-        else:
-            loras.append(RowError(f"row {i}: lora_column {options.lora_column!r} names {value!r}, which is not one "
-                                  f"of loras= ({', '.join(requests)})"))
-    return loras
+    requests = adapter_requests(options.loras, llm)
+    return row_adapters(columns[options.lora_column], requests, f"lora_column {options.lora_column!r}", True)
 
 
 def _lora_key(lora: LoRARequest | RowError | None) -> tuple:

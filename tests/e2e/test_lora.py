@@ -1,7 +1,7 @@
 """Multi-LoRA on the real default model against HF transformers + PEFT on the same float32 weights.
 
-Three adapters made with PEFT (random non-zero A and B; ranks 8, 4 and 16; different target modules; one with
-rslora), saved as PEFT writes them. One batch mixes rows of every adapter and base rows; each row's greedy
+Three adapters made with PEFT (conftest.py: random non-zero A and B; ranks 8, 4 and 16; different target modules;
+one with rslora), saved as PEFT writes them. One batch mixes rows of every adapter and base rows; each row's greedy
 tokens must be PEFT's for that adapter, also under preemption with a 16-token budget and with fewer device
 slots than adapters. The reference runs one prompt at a time, with PEFT's own LoRA layers.
 """
@@ -11,80 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from batchllm import LLM, LoRARequest, SamplingParams
 from batchllm.model.lora_adapter import LoRAError
-
-MAX_NEW = 12
-ADAPTERS = {  # name: (rank, alpha, target modules, rslora)
-    "qv": (8, 16, ["q_proj", "v_proj"], False),
-    "all": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
-    "mlp": (16, 32, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
-}
-QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Write one word about the sea."]
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(model_path, tmp_path_factory):
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("adapters")
-    dirs = {}
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                                 lora_dropout=0.0, task_type="CAUSAL_LM")
-        model = peft.get_peft_model(base, config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_" in param_name:  # B is zero at PEFT's init: both halves random, so every delta counts
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
-        model.save_pretrained(root / name)
-        dirs[name] = root / name
-    return dirs
-
-
-@pytest.fixture(scope="module")
-def loras(adapter_dirs):
-    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapter_dirs.items())}
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=False) for q in QUESTIONS]
-    return [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chat]
-
-
-@pytest.fixture(scope="module")
-def peft_greedy(model_path, adapter_dirs, prompts):
-    """(prompt index, adapter name or None) → PEFT's greedy new tokens."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    names = list(adapter_dirs)
-    model = peft.PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapter_dirs[name], adapter_name=name)
-    model.eval()
-    reference = {}
-    with torch.inference_mode():
-        for name in [None, *names]:
-            for i, prompt in enumerate(prompts):
-                ids = torch.tensor([prompt])
-                kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-                if name is None:
-                    with model.disable_adapter():
-                        out = model.generate(input_ids=ids, **kwargs)
-                else:
-                    model.set_adapter(name)
-                    out = model.generate(input_ids=ids, **kwargs)
-                reference[(i, name)] = out[0, len(prompt):].tolist()
-    return reference
+from tests.e2e.conftest import MAX_NEW
 
 
 def _rows(prompts, loras):
