@@ -75,7 +75,7 @@ class LLM:
 
         cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
                                    enable_prefix_caching)
-        check_lora_options(enable_lora, max_loras, max_lora_rank, tensor_parallel_size)
+        check_lora_options(enable_lora, max_loras, max_lora_rank)
         scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                            max_loras=max_loras if enable_lora else 0)
         cache_config.validate()

@@ -27,14 +27,15 @@ SHRINK_BLOCK_N = 64  # over W (16..192)
 SHRINK_BLOCK_K = 64  # over the input features
 SPLIT_K_CHUNK = 256  # input features per K split, at least ...
 MAX_SPLIT_K = 16  # ... and at most this many splits
+SPLIT_K_PROGRAMS = 256  # splitting K stops once the live shrink programs could be this many (about 2 per SM)
 EXPAND_BLOCK_N = 64  # over the output features
-EXPAND_BLOCK_K = 16  # over W
+EXPAND_MAX_BLOCK_K = 64  # over W: W itself (a power of two, at least 16) up to this; masked lanes read nothing
 
 
 def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
     """See `reference.add_lora_`. Rows of `x` and `out` may be strided; their last dimension must be dense.
-    `split_k` (the number of K splits of shrink) defaults to `choose_split_k(in_features)`."""
+    `split_k` (the number of K splits of shrink) defaults to `choose_split_k(...)`."""
     num_tokens, in_features = x.shape
     num_slots, width, _ = a.shape
     out_features = out.shape[1]
@@ -43,32 +44,35 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     assert x.stride(1) == 1 and out.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
     if num_tokens == 0 or num_slots == 0 or width == 0:
         return out
+    m_blocks, n_tiles = triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(width, SHRINK_BLOCK_N)
     if split_k is None:
-        split_k = choose_split_k(in_features)
+        split_k = choose_split_k(num_tokens, num_slots, in_features, n_tiles)
     # Split i covers input features [i * chunk, (i + 1) * chunk): whole BLOCK_K tiles but for the last.
     chunk = triton.cdiv(triton.cdiv(in_features, split_k), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
     split_k = triton.cdiv(in_features, chunk)
     partials = torch.empty(split_k, num_tokens, width, dtype=torch.float32, device=x.device)
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    m_blocks = triton.cdiv(num_tokens, BLOCK_M)
-    n_tiles = triton.cdiv(width, SHRINK_BLOCK_N)
     _shrink_kernel[(num_slots, m_blocks, n_tiles * split_k)](
         x, a, partials, sorted_tokens, slot_starts, in_features, width, n_tiles, chunk, partials.stride(0),
         x.stride(0), a.stride(0), a.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K, DOT_PRECISION=precision,
     )
     _expand_kernel[(num_slots, m_blocks, triton.cdiv(out_features, EXPAND_BLOCK_N))](
-        partials, b, out, sorted_tokens, slot_starts, width, out_features, split_k, partials.stride(0),
-        out.stride(0), b.stride(0), b.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=EXPAND_BLOCK_K, DOT_PRECISION=precision,
+        partials, b, out, sorted_tokens, slot_starts, width, out_features, partials.stride(0),
+        out.stride(0), b.stride(0), b.stride(1), SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
+        BLOCK_K=min(EXPAND_MAX_BLOCK_K, max(16, triton.next_power_of_2(width))), DOT_PRECISION=precision,
     )
     return out
 
 
-def choose_split_k(in_features: int) -> int:
-    """Shrink's K splits: one per SPLIT_K_CHUNK input features, at most MAX_SPLIT_K."""
-    return max(1, min(MAX_SPLIT_K, in_features // SPLIT_K_CHUNK))
+def choose_split_k(num_tokens: int, num_slots: int, in_features: int, n_tiles: int) -> int:
+    """Shrink's K splits, from the shapes alone: enough that the live programs (at most `cdiv(T, BLOCK_M) + S`
+    row blocks, whatever the segments) could number SPLIT_K_PROGRAMS, within the limits above. Decode steps
+    split, long prefills barely (their partials would cost more memory traffic than the split saves)."""
+    live_blocks = min(num_slots * triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_tokens, BLOCK_M) + num_slots)
+    wanted = triton.cdiv(SPLIT_K_PROGRAMS, live_blocks * n_tiles)
+    return max(1, min(wanted, MAX_SPLIT_K, in_features // SPLIT_K_CHUNK))
 
 
 @triton.jit
@@ -116,9 +120,8 @@ def _shrink_kernel(x_ptr, a_ptr, partials_ptr, sorted_tokens_ptr, slot_starts_pt
 
 @triton.jit
 def _expand_kernel(partials_ptr, b_ptr, out_ptr, sorted_tokens_ptr, slot_starts_ptr, width, out_features,
-                   split_k, stride_plane, stride_out, stride_b_slot, stride_b_row,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   stride_plane, stride_out, stride_b_slot, stride_b_row, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Grid `(S, cdiv(T, BLOCK_M), cdiv(out_features, BLOCK_N))`: `out[token, n] += y[row] . b[s, n]`, the sum
     rounded once to out's dtype, where `y` is the sum of shrink's partials rounded to b's dtype."""
     slot = tl.program_id(0)
@@ -137,7 +140,7 @@ def _expand_kernel(partials_ptr, b_ptr, out_ptr, sorted_tokens_ptr, slot_starts_
         y_mask = in_segment[:, None] & in_k[None, :]
         y_ptrs = y_rows + k[None, :]
         y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        for _ in range(1, split_k):  # the next split's plane
+        for _ in tl.static_range(1, SPLIT_K):  # the next split's plane; unrolled, so the loads overlap
             y_ptrs += stride_plane
             y_tile += tl.load(y_ptrs, mask=y_mask, other=0.0)
         y_tile = y_tile.to(b_ptr.dtype.element_ty)

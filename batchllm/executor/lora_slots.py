@@ -5,6 +5,8 @@ forward pass: an adapter already in a slot stays there; another is copied in fro
 once) over the least recently used adapter that no row of the step needs. The scheduler admits at most
 `max_loras` distinct adapters among the running requests, so a step always fits. Copies are queued on the
 device's stream behind the step in flight, so replacing a slot never changes a step already launched.
+Under tensor parallelism every rank holds its part of each adapter, split like the base weights
+(`_Linear.lora_shard`), and reads the adapter from disk itself.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from batchllm.distributed.parallel_state import get_tp
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.lora import LoRABatch, LoRASlots
@@ -24,24 +25,24 @@ from batchllm.model.lora_adapter import LoRAAdapter, load_adapter
 class LoRASlotManager:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype) -> None:
-        if get_tp().size > 1:
-            raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not built yet")
         self.config, self.max_loras, self.max_rank, self.device = config, max_loras, max_rank, device
-        self._targets: dict[tuple[int, str], tuple[LoRASlots, int]] = {}
+        # (layer, module) → (its linear layer, its sub-projection there, its HF shard id in the layer)
+        self._targets: dict[tuple[int, str], tuple[torch.nn.Module, int, object]] = {}
         for index, layer in enumerate(model.model.layers):
             qkv, o_proj = layer.self_attn.qkv_proj, layer.self_attn.o_proj
             gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
             q, kv = qkv.q_size, qkv.kv_size
-            layouts = [(qkv, [(0, q), (q, kv), (q + kv, kv)], ("q_proj", "k_proj", "v_proj")),
-                       (o_proj, [(0, o_proj.output_size)], ("o_proj",)),
-                       (gate_up, list(zip(gate_up.output_offsets, gate_up.output_sizes)), ("gate_proj", "up_proj")),
-                       (down, [(0, down.output_size)], ("down_proj",))]
+            layouts = [(qkv, [(0, q), (q, kv), (q + kv, kv)], {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
+                       (o_proj, [(0, o_proj.output_size)], {"o_proj": None}),
+                       (gate_up, list(zip(gate_up.output_offsets, gate_up.output_sizes)),
+                        {"gate_proj": 0, "up_proj": 1}),
+                       (down, [(0, down.output_size)], {"down_proj": None})]
             for linear, slices, modules in layouts:
                 linear.lora = LoRASlots(slices, linear.input_size, linear.output_size, max_loras, max_rank, dtype,
                                         device)
-                for slice_index, module in enumerate(modules):
-                    self._targets[(index, module)] = (linear.lora, slice_index)
-        self._layers = {slots for slots, _ in self._targets.values()}
+                for slice_index, (module, shard_id) in enumerate(modules.items()):
+                    self._targets[(index, module)] = (linear, slice_index, shard_id)
+        self._layers = {linear.lora for linear, _, _ in self._targets.values()}
         self._resident: OrderedDict[tuple[str, int], int] = OrderedDict()  # cache key → slot, oldest use first
         self._loaded: dict[tuple[str, int], LoRAAdapter] = {}
 
@@ -86,5 +87,5 @@ class LoRASlotManager:
         for layer in self._layers:
             layer.clear(slot)
         for key, (a, b) in adapter.weights.items():
-            layer, slice_index = self._targets[key]
-            layer.write(slot, slice_index, a, b)
+            linear, slice_index, shard_id = self._targets[key]
+            linear.lora.write(slot, slice_index, *linear.lora_shard(shard_id, a, b))  # this rank's part, under TP

@@ -8,14 +8,12 @@ from typing import Any
 from batchllm.lora.request import LoRARequest
 
 
-def check_lora_options(enable_lora: Any, max_loras: Any, max_lora_rank: Any, tensor_parallel_size: Any) -> None:
+def check_lora_options(enable_lora: Any, max_loras: Any, max_lora_rank: Any) -> None:
     if not isinstance(enable_lora, bool):
         raise ValueError(f"LLM argument enable_lora must be True or False, got {enable_lora!r}")
     for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"LLM argument {name} must be an int >= 1, got {value!r}")
-    if enable_lora and tensor_parallel_size != 1:
-        raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not built yet")
 
 
 class AdapterRegistry:

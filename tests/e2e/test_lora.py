@@ -45,6 +45,17 @@ def test_preemption_a_tiny_budget_and_fewer_slots_than_adapters(prompts, loras, 
     assert llm.stats.num_preemptions > 0
 
 
+def test_tensor_parallel_3_equals_peft_for_every_row(prompts, loras, peft_greedy):
+    # The default model has 9 query and 3 KV heads: each rank holds its third of every adapter's B (q, k, v,
+    # gate, up) or A (o, down), split like the base weights.
+    llm = LLM(device="cpu", enable_lora=True, max_loras=3, max_lora_rank=16, tensor_parallel_size=3)
+    rows = _rows(prompts, loras)
+    try:
+        assert _run(llm, prompts, loras, rows) == {row: peft_greedy[row] for row in rows}
+    finally:
+        llm.shutdown()
+
+
 def test_the_prefix_cache_never_shares_blocks_across_adapters(prompts, loras):
     llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=16)
     params = SamplingParams(temperature=0, max_tokens=2)

@@ -41,6 +41,11 @@ class _Linear(nn.Module):
             self.lora.add_delta(x, out)
         return out
 
+    def lora_shard(self, shard_id: Hashable, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA delta `x A^T B^T` on the weight's HF shard `shard_id`: B `[out, r]` is split
+        like the weight's output features, A `[r, in]` like its input features."""
+        return a, b
+
 
 class RowLinear(_Linear):
     """`y = x W^T + b`, sharded along the input features; the partial products are summed across ranks."""
@@ -57,6 +62,9 @@ class RowLinear(_Linear):
             self.lora.add_delta(x, partial)  # a partial sum too: it joins the all-reduce
         out = all_reduce(partial)
         return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
+
+    def lora_shard(self, shard_id: Hashable, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a.narrow(1, self.tp.rank * self.input_size, self.input_size), b
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
         if param.dim() == 2:
@@ -77,6 +85,10 @@ class MergedColumnLinear(_Linear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
         offset, size = self.output_offsets[shard_id], self.output_sizes[shard_id]
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp.rank * size, size))
+
+    def lora_shard(self, shard_id: Hashable, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.output_sizes[shard_id]
+        return a, b.narrow(0, self.tp.rank * size, size)
 
 
 class QKVLinear(_Linear):
@@ -99,12 +111,19 @@ class QKVLinear(_Linear):
         _set_checkpoint_shapes(self, {"q": num_heads * head_dim, "k": full_kv, "v": full_kv}, hidden_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
-        if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
-        else:
-            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size, start = self.kv_size, self.kv_shard * self.kv_size
+        offset, size, start = self._shard(shard_id)
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
+
+    def lora_shard(self, shard_id: Hashable, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, size, start = self._shard(shard_id)
+        return a, b.narrow(0, start, size)
+
+    def _shard(self, shard_id: Hashable) -> tuple[int, int, int]:
+        """(offset in this rank's output, size, start in the full HF tensor) of shard "q", "k" or "v"."""
+        if shard_id == "q":
+            return 0, self.q_size, self.tp.rank * self.q_size
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        return offset, self.kv_size, self.kv_shard * self.kv_size
 
 
 def _divide(size: int, parts: int, what: str) -> int:
