@@ -14,6 +14,7 @@ import torch
 
 from batchllm.executor.input_batch import InputBatch
 from batchllm.forward_context import set_forward_context
+from batchllm.model.layers.lora import LoRABatch, set_lora_batch
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -25,7 +26,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, inputs: InputBatch, max_num_seqs: int, max_seq_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, inputs: InputBatch, max_num_seqs: int, max_seq_len: int,
+                 lora_batch: LoRABatch | None = None) -> None:
+        """`lora_batch`: the adapter segments' fixed buffers, when the engine runs adapters: the graphs then hold
+        the LoRA kernels too, and a replay applies whatever segments the step uploaded (none: base rows only)."""
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -33,7 +37,7 @@ class DecodeGraphs:
         # Largest first: later (smaller) graphs fit into the memory the first one reserved in the shared pool.
         for size in reversed(self.sizes):
             input_ids, positions, metadata = inputs.graph_inputs(size, max_seq_len)
-            with set_forward_context(metadata):
+            with set_forward_context(metadata), set_lora_batch(lora_batch):
                 model(input_ids, positions)  # warm-up: Triton autotuning and lazy init happen outside capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()

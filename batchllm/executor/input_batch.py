@@ -19,13 +19,15 @@ from batchllm.forward_context import AttentionMetadata
 
 
 @dataclass(slots=True)
-class _Buffer:
+class StagedBuffer:
+    """A host staging array (pinned memory on CUDA, with a numpy view) and its device twin of the same shape."""
+
     host: torch.Tensor
     device: torch.Tensor
     np: np.ndarray
 
     @classmethod
-    def create(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> _Buffer:
+    def create(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> StagedBuffer:
         pin = device.type == "cuda"
         host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         dev = host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
@@ -43,15 +45,15 @@ class InputBatch:
                  device: torch.device) -> None:
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
-        self.input_ids = _Buffer.create((max_num_tokens,), torch.int64, device)
-        self.positions = _Buffer.create((max_num_tokens,), torch.int64, device)
-        self.slot_mapping = _Buffer.create((max_num_tokens,), torch.int64, device)
-        self.query_start_loc = _Buffer.create((max_num_seqs + 1,), torch.int32, device)
-        self.seq_lens = _Buffer.create((max_num_seqs,), torch.int32, device)
-        self.block_tables = _Buffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
-        self.logits_indices = _Buffer.create((max_num_seqs,), torch.int64, device)
-        self.placeholder_slots = _Buffer.create((max_num_seqs,), torch.int64, device)
-        self.placeholder_rows = _Buffer.create((max_num_seqs,), torch.int64, device)
+        self.input_ids = StagedBuffer.create((max_num_tokens,), torch.int64, device)
+        self.positions = StagedBuffer.create((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = StagedBuffer.create((max_num_tokens,), torch.int64, device)
+        self.query_start_loc = StagedBuffer.create((max_num_seqs + 1,), torch.int32, device)
+        self.seq_lens = StagedBuffer.create((max_num_seqs,), torch.int32, device)
+        self.block_tables = StagedBuffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        self.logits_indices = StagedBuffer.create((max_num_seqs,), torch.int64, device)
+        self.placeholder_slots = StagedBuffer.create((max_num_seqs,), torch.int64, device)
+        self.placeholder_rows = StagedBuffer.create((max_num_seqs,), torch.int64, device)
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
         self._copied = None if device.type == "cpu" else torch.cuda.Event()
 

@@ -1,8 +1,9 @@
 """Which adapter sits in which device slot, and the step's `LoRABatch`.
 
 The layers hold `max_loras` slots (`model/layers/lora.py`). A step's adapters are made resident before its
-forward pass: an adapter already in a slot stays there; another is copied in from the CPU (read from disk
-once) over the least recently used adapter that no row of the step needs. The scheduler admits at most
+forward pass, and its segments (which flat tokens run under which slot) are uploaded into fixed buffers
+that the CUDA graphs read. An adapter already in a slot stays there; another is copied in from the CPU
+(read from disk once) over the least recently used adapter that no row of the step needs. The scheduler admits at most
 `max_loras` distinct adapters among the running requests, so a step always fits. Copies are queued on the
 device's stream behind the step in flight, so replacing a slot never changes a step already launched.
 Under tensor parallelism every rank holds its part of each adapter, split like the base weights
@@ -16,6 +17,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from batchllm.executor.input_batch import StagedBuffer
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.lora import LoRABatch, LoRASlots
@@ -24,8 +26,14 @@ from batchllm.model.lora_adapter import LoRAAdapter, load_adapter
 
 class LoRASlotManager:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 max_num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         self.config, self.max_loras, self.max_rank, self.device = config, max_loras, max_rank, device
+        # The step's segments, in fixed buffers (`batch`); an event guards the host side as in InputBatch.
+        self._tokens = StagedBuffer.create((max_num_tokens,), torch.int32, device)
+        self._starts = StagedBuffer.create((max_loras + 1,), torch.int32, device)
+        self._arange = np.arange(max_num_tokens, dtype=np.int32)
+        self._copied = None if device.type == "cpu" else torch.cuda.Event()
+        self.step_batch = LoRABatch(self._tokens.device, self._starts.device)
         # (layer, module) → (its linear layer, its sub-projection there, its HF shard id in the layer)
         self._targets: dict[tuple[int, str], tuple[torch.nn.Module, int, object]] = {}
         for index, layer in enumerate(model.model.layers):
@@ -47,20 +55,32 @@ class LoRASlotManager:
         self._loaded: dict[tuple[str, int], LoRAAdapter] = {}
 
     def batch(self, rows: list[tuple[LoRARequest, int, int]]) -> LoRABatch | None:
-        """The step's groups, given `(adapter, first flat token, number of tokens)` per row under an adapter."""
-        if not rows:
-            return None
-        spans: dict[int, list[np.ndarray]] = {}
+        """The step's segments, given `(adapter, first flat token, number of tokens)` per row under an adapter:
+        uploaded into the fixed buffers of `self.step_batch` (all segments empty when `rows` is), which the
+        decode CUDA graphs read. Returns that batch, or None for a step without adapter rows (an eager step
+        then skips the LoRA kernels)."""
+        spans: dict[int, list[tuple[int, int]]] = {}
         needed = {lora.cache_key for lora, _, _ in rows}
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step uses {len(needed)} adapters, more than max_loras={self.max_loras}; "
                                f"this is a scheduler bug")
         for lora, first, count in rows:
-            slot = self._slot(lora, needed)
-            spans.setdefault(slot, []).append(np.arange(first, first + count))
-        groups = [(slot, torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True))
-                  for slot, parts in spans.items()]
-        return LoRABatch(groups)
+            spans.setdefault(self._slot(lora, needed), []).append((first, count))
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
+        starts, tokens = self._starts.np, self._tokens.np
+        end = 0
+        for slot in range(self.max_loras):
+            starts[slot] = end
+            for first, count in spans.get(slot, ()):
+                tokens[end:end + count] = self._arange[first:first + count]
+                end += count
+        starts[self.max_loras] = end
+        self._tokens.upload(end)
+        self._starts.upload(self.max_loras + 1)
+        if self._copied is not None:
+            self._copied.record()
+        return self.step_batch if rows else None
 
     def _slot(self, lora: LoRARequest, needed: set[tuple[str, int]]) -> int:
         key = lora.cache_key

@@ -88,8 +88,9 @@ class ModelRunner:
                                                    load_format=config.load_format, seed=config.seed)
         self.model.eval()
         # Adapter slots are allocated before the KV pool is sized from what memory is left.
-        self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, device,
-                                     self.dtype) if config.max_loras else None)
+        self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
+                                     self.scheduler_config.max_num_batched_tokens, device, self.dtype)
+                     if config.max_loras else None)
         self.sampler = Sampler()
         self.eos_token_ids = config.eos_token_ids
 
@@ -119,7 +120,8 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if not triton_enabled():
             return None  # the reference KV write syncs with the host: it cannot be captured
-        return DecodeGraphs(self.model, self.inputs, self.scheduler_config.max_num_seqs, self.max_model_len)
+        return DecodeGraphs(self.model, self.inputs, self.scheduler_config.max_num_seqs, self.max_model_len,
+                            None if self.lora is None else self.lora.step_batch)
 
     def _resolve_max_model_len(self, requested: int | None, num_blocks: int) -> int:
         model_limit = self.model_config.max_model_len
@@ -196,8 +198,7 @@ class ModelRunner:
 
         graph_size = None
         lora_batch = self.lora.batch(lora_rows) if self.lora is not None else None
-        # A step with adapter rows runs eagerly: the captured graphs hold the base model only.
-        if (self.graphs is not None and lora_batch is None and len(token_ids) == num_seqs
+        if (self.graphs is not None and len(token_ids) == num_seqs
                 and num_seqs <= self.graphs.max_batch_size):
             graph_size = self.graphs.padded_size(num_seqs)
         block_rows = np.array(block_rows, dtype=np.int64)

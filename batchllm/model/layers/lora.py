@@ -4,10 +4,12 @@ Each LoRA-enabled linear layer holds `max_loras` slots. A slot's A stacks the la
 of the fused QKV; gate, up; or one) along the rank axis, `[slices * max_rank, in]`, and its B is block-diagonal
 to match, `[out, slices * max_rank]`, zero outside each sub-projection's rows and its adapter's rank. One
 `x A^T B^T` per slot then adds every sub-projection's delta at once. The step says which tokens run under
-which slot (`LoRABatch`, set by the runner around the forward pass); tokens of the base model are in no group.
+which slot (`LoRABatch`, set by the runner around the forward pass); tokens of the base model are in no segment.
 
-This is the torch path (CPU, and eager GPU steps). Under tensor parallelism a row layer's delta on its input
-shard is a partial sum like its base product, so it joins the same all-reduce.
+`kernels.add_lora_` applies every slot's segment in two launches per layer (Triton on CUDA, the torch
+reference on the CPU). The batch's tensors are fixed device buffers refilled each step, so a captured CUDA
+graph replays any mix of adapters. Under tensor parallelism a row layer's delta on its input shard is a
+partial sum like its base product, so it joins the same all-reduce.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
+from batchllm import kernels
+
 
 @dataclass(slots=True)
 class LoRABatch:
-    """This step's tokens under an adapter: `(slot, flat token indices [n] long, on the device)` per slot."""
+    """Which tokens run under which slot: slot s's flat token indices are
+    `sorted_tokens[slot_starts[s]:slot_starts[s + 1]]` (int32 device tensors, `slot_starts` of `max_loras + 1`)."""
 
-    groups: list[tuple[int, torch.Tensor]]
+    sorted_tokens: torch.Tensor
+    slot_starts: torch.Tensor
 
 
 _current: LoRABatch | None = None
@@ -62,9 +68,6 @@ class LoRASlots:
         self.b[slot, offset:offset + size, column:column + rank].copy_(b)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """`out[t] += x[t] A^T B^T` under token t's slot, for the tokens of the current step's groups."""
-        if _current is None:
-            return
-        for slot, tokens in _current.groups:
-            rows = x.index_select(0, tokens)
-            out.index_add_(0, tokens, (rows @ self.a[slot].T) @ self.b[slot].T)
+        """`out[t] += x[t] A^T B^T` under token t's slot, for the tokens of the current step's segments."""
+        if _current is not None:
+            kernels.add_lora_(x, out, self.a, self.b, _current.sorted_tokens, _current.slot_starts)
