@@ -53,6 +53,7 @@ class LoRASlotManager:
         self._layers = {linear.lora for linear, _, _ in self._targets.values()}
         self._resident: OrderedDict[tuple[str, int], int] = OrderedDict()  # cache key → slot, oldest use first
         self._loaded: dict[tuple[str, int], LoRAAdapter] = {}
+        self.slot_loads = 0  # adapters copied into a slot so far (a measure of swapping)
 
     def batch(self, rows: list[tuple[LoRARequest, int, int]]) -> LoRABatch | None:
         """The step's segments, given `(adapter, first flat token, number of tokens)` per row under an adapter:
@@ -94,6 +95,7 @@ class LoRASlotManager:
             victim = next(k for k in self._resident if k not in needed)
             slot = self._resident.pop(victim)
         self._write(slot, self._adapter(lora))
+        self.slot_loads += 1
         self._resident[key] = slot
         return slot
 
