@@ -11,9 +11,9 @@ walk all of K. It splits K instead: split i writes its float32 partial sums into
 `[split_k, T, W]`, and expand sums the planes as it loads `y` (in a fixed order: deterministic).
 
 Rounding follows the reference: float32 accumulation, `y` rounded to x's dtype (so expand's `tl.dot` takes two
-operands of the model's dtype), `out + delta` rounded once to out's dtype. Block sizes are fixed (no
-autotuning: CUDA graphs, and one summation order per shape). BLOCK_M = 16, the smallest `tl.dot` tile, suits
-decode, where a slot has a few tokens.
+operands of the model's dtype), `out + delta` rounded once to out's dtype. Block sizes and splits follow from
+the shapes alone (no autotuning: CUDA graphs, and one summation order per shape). BLOCK_M = 16, the smallest
+`tl.dot` tile, suits decode, where a slot has a few tokens.
 """
 
 from __future__ import annotations
