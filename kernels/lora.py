@@ -7,7 +7,8 @@ reads the segment sizes, and a program whose row block lies past its segment ret
 most one segment, so every `out` row has one writer and no atomics are needed.
 
 Shrink's N (W) is small and its K (the input features, thousands) long, so at decode a few programs would each
-walk all of K. It splits K instead: split i writes its float32 partial sums into scratch plane i
+walk all of K. It splits K instead (by the layer's width alone: batch invariance, see `choose_split_k`):
+split i writes its float32 partial sums into scratch plane i
 `[split_k, T, W]`, and expand sums the planes as it loads `y` (in a fixed order: deterministic).
 
 Rounding follows the reference: float32 accumulation, `y` rounded to x's dtype (so expand's `tl.dot` takes two
@@ -26,8 +27,8 @@ BLOCK_M = 16
 SHRINK_BLOCK_N = 64  # over W (16..192)
 SHRINK_BLOCK_K = 64  # over the input features
 SPLIT_K_CHUNK = 256  # input features per K split, at least ...
-MAX_SPLIT_K = 16  # ... and at most this many splits
-SPLIT_K_PROGRAMS = 256  # splitting K stops once the live shrink programs could be this many (about 2 per SM)
+MAX_SPLIT_K = 4  # ... and at most this many splits (more were slower on an H200: expand re-sums them per N tile)
+SPLIT_K_PROGRAMS = 128  # splitting K stops once the live shrink programs could be this many (about 1 per SM)
 EXPAND_BLOCK_N = 64  # over the output features
 EXPAND_MAX_BLOCK_K = 64  # over W: W itself (a power of two, at least 16) up to this; masked lanes read nothing
 
@@ -46,7 +47,7 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
         return out
     m_blocks, n_tiles = triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(width, SHRINK_BLOCK_N)
     if split_k is None:
-        split_k = choose_split_k(num_tokens, num_slots, in_features, n_tiles)
+        split_k = choose_split_k(in_features)
     # Split i covers input features [i * chunk, (i + 1) * chunk): whole BLOCK_K tiles but for the last.
     chunk = triton.cdiv(triton.cdiv(in_features, split_k), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
     split_k = triton.cdiv(in_features, chunk)
@@ -66,13 +67,11 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     return out
 
 
-def choose_split_k(num_tokens: int, num_slots: int, in_features: int, n_tiles: int) -> int:
-    """Shrink's K splits, from the shapes alone: enough that the live programs (at most `cdiv(T, BLOCK_M) + S`
-    row blocks, whatever the segments) could number SPLIT_K_PROGRAMS, within the limits above. Decode steps
-    split, long prefills barely (their partials would cost more memory traffic than the split saves)."""
-    live_blocks = min(num_slots * triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_tokens, BLOCK_M) + num_slots)
-    wanted = triton.cdiv(SPLIT_K_PROGRAMS, live_blocks * n_tiles)
-    return max(1, min(wanted, MAX_SPLIT_K, in_features // SPLIT_K_CHUNK))
+def choose_split_k(in_features: int) -> int:
+    """Shrink's K splits: one per SPLIT_K_CHUNK input features, at most MAX_SPLIT_K. From the layer's width
+    alone, not the batch's size, so a row's delta is summed in the same order whatever batch it is in (a
+    CUDA-graph step padded to its captured size equals the same step run eagerly)."""
+    return max(1, min(MAX_SPLIT_K, in_features // SPLIT_K_CHUNK))
 
 
 @triton.jit

@@ -62,8 +62,8 @@ def adapter_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("adapters")
     dirs = {}
+    base = AutoModelForCausalLM.from_pretrained(_default_model(), dtype=torch.float32)
     for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        base = AutoModelForCausalLM.from_pretrained(_default_model(), dtype=torch.float32)
         config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
                                  lora_dropout=0.0, task_type="CAUSAL_LM")
         model = peft.get_peft_model(base, config)
@@ -74,6 +74,7 @@ def adapter_dirs(tmp_path_factory):
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
         model.save_pretrained(root / name)
         dirs[name] = root / name
+        base = model.unload()  # the base model again, without this adapter's layers
     return dirs
 
 
