@@ -3,7 +3,7 @@
     python benchmarks/lora.py --shape llama3-8b              # GPU, random bf16 weights and adapters, W1 200 x 128
     python benchmarks/lora.py --shape tiny-host --rows 32    # a CPU smoke run of the same passes
 
-Two engines on one device, built alike (same KV pool, CUDA graphs): the base model without LoRA, and one with
+Two engines on one device, built alike (same KV pool, CUDA graphs, no prefix caching): the base model without LoRA, and one with
 `enable_lora=True, max_loras=4, max_lora_rank=16`. Passes over W1's first `--rows` prompts (random token ids),
 every row writing exactly `--max-tokens` tokens (ignore_eos): the base engine; the LoRA engine with no adapter;
 one adapter on every row; 4 adapters spread uniformly; 16 adapters spread uniformly (so 16 adapters share 4
@@ -79,8 +79,10 @@ def main() -> None:
     adapters = [LoRARequest(f"a{i}", i + 1, str(make_adapter(root / f"a{i}", config, i))) for i in range(16)]
     prompts = make_prompts(WORKLOADS["W1"], args.rows, SHAPES[args.shape]["vocab_size"])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    # Prefix caching off: every pass runs the same prompts, and the warm-up would otherwise leave the base engine
+    # (and only it: the cache keys K/V by adapter) every prompt's K/V to hit.
     common = dict(model=str(directory), load_format="dummy", skip_tokenizer_init=True,
-                  num_kv_blocks=args.num_kv_blocks)
+                  num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engines = {"base": LLM(**common), "lora": LLM(**common, enable_lora=True, max_loras=4, max_lora_rank=RANK)}
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

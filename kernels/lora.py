@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
+BLOCK_M = 16  # rows per program at decode sizes ...
+PREFILL_BLOCK_M = 64  # ... and from PREFILL_TOKENS on: a quarter of the programs and of the re-reads of a and b
+PREFILL_TOKENS = 512
 SHRINK_BLOCK_N = 64  # over W (16..192)
 SHRINK_BLOCK_K = 64  # over the input features
 SPLIT_K_CHUNK = 256  # input features per K split, at least ...
@@ -44,7 +46,8 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     assert x.stride(1) == 1 and out.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
     if num_tokens == 0 or num_slots == 0 or width == 0:
         return out
-    m_blocks, n_tiles = triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(width, SHRINK_BLOCK_N)
+    block_m = BLOCK_M if num_tokens < PREFILL_TOKENS else PREFILL_BLOCK_M
+    m_blocks, n_tiles = triton.cdiv(num_tokens, block_m), triton.cdiv(width, SHRINK_BLOCK_N)
     if split_k is None:
         split_k = choose_split_k(in_features)
     # Split i covers input features [i * chunk, (i + 1) * chunk): whole BLOCK_K tiles but for the last.
@@ -56,11 +59,11 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     _shrink_kernel[(num_slots, m_blocks, n_tiles * split_k)](
         x, a, partials, sorted_tokens, slot_starts, in_features, width, n_tiles, chunk, partials.stride(0),
         x.stride(0), a.stride(0), a.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K, DOT_PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K, DOT_PRECISION=precision,
     )
     _expand_kernel[(num_slots, m_blocks, triton.cdiv(out_features, EXPAND_BLOCK_N))](
         partials, b, out, sorted_tokens, slot_starts, width, out_features, partials.stride(0),
-        out.stride(0), b.stride(0), b.stride(1), SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
+        out.stride(0), b.stride(0), b.stride(1), SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N,
         BLOCK_K=min(EXPAND_MAX_BLOCK_K, max(16, triton.next_power_of_2(width))), DOT_PRECISION=precision,
     )
     return out
