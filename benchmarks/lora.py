@@ -3,13 +3,13 @@
     python benchmarks/lora.py --shape llama3-8b              # GPU, random bf16 weights and adapters, W1 200 x 128
     python benchmarks/lora.py --shape tiny-host --rows 32    # a CPU smoke run of the same passes
 
-Two engines on one device, built alike (same KV pool, CUDA graphs, no prefix caching): the base model without LoRA, and one with
-`enable_lora=True, max_loras=4, max_lora_rank=16`. Passes over W1's first `--rows` prompts (random token ids),
-every row writing exactly `--max-tokens` tokens (ignore_eos): the base engine; the LoRA engine with no adapter;
-one adapter on every row; 4 adapters spread uniformly; 16 adapters spread uniformly (so 16 adapters share 4
+Two engines on one device, built alike (same KV pool, CUDA graphs, no prefix caching): the base model without
+LoRA, and one with `enable_lora=True, max_loras=4, max_lora_rank=16`. Passes over W1's first `--rows` prompts
+(random token ids), every row writing exactly `--max-tokens` tokens (ignore_eos): the base engine; the LoRA
+engine with no adapter; one adapter on every row; 4 adapters spread uniformly; 16 adapters spread uniformly (so 16 adapters share 4
 device slots: the engine groups rows by adapter and swaps slots in LRU order; the number of slot loads is
 reported). Adapters are PEFT-format directories of rank 16 on all seven projections, random A and B. Reported:
-output tokens per second and the ratio to the base engine's pass in the same run (targets: one adapter >= 0.90,
+total (prompt + output) and output tokens per second, and the total's ratio to the base engine's pass in the same run (targets: one adapter >= 0.90,
 4 adapters >= 0.85).
 """
 
@@ -17,40 +17,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from shapes import SHAPES, make_shape_dir
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 
 from batchllm import LLM, LoRARequest, SamplingParams
 from batchllm.model.config import ModelConfig, read_hf_config
-from batchllm.model.lora_adapter import MODULES, module_shapes
+from batchllm.model.lora_adapter import write_random_adapter
 
 RANK = 16
-
-
-def make_adapter(directory: Path, config: ModelConfig, seed: int) -> Path:
-    """A PEFT LoRA directory of rank RANK on every projection, with random A and B small enough that the
-    random model's activations stay finite."""
-    directory.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module, (out_size, in_size) in module_shapes(config).items():
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, in_size, generator=gen) * 0.01).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_size, RANK, generator=gen) * 0.01).bfloat16()
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    settings = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": list(MODULES),
-                "bias": "none", "task_type": "CAUSAL_LM"}
-    (directory / "adapter_config.json").write_text(json.dumps(settings))
-    return directory
 
 
 def run_pass(llm: LLM, prompts, params, loras) -> dict:
@@ -76,7 +55,9 @@ def main() -> None:
     directory = make_shape_dir(args.shape)
     config = ModelConfig.from_hf_dict(read_hf_config(directory))
     root = Path(tempfile.mkdtemp(prefix="batchllm-adapters-"))
-    adapters = [LoRARequest(f"a{i}", i + 1, str(make_adapter(root / f"a{i}", config, i))) for i in range(16)]
+    # Small A and B: the random model's activations stay finite.
+    adapters = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(root / f"a{i}", config, RANK, i, 0.01)))
+                for i in range(16)]
     prompts = make_prompts(WORKLOADS["W1"], args.rows, SHAPES[args.shape]["vocab_size"])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     # Prefix caching off: every pass runs the same prompts, and the warm-up would otherwise leave the base engine

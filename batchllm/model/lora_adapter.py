@@ -107,3 +107,25 @@ def _check_settings(settings: dict, where: str, max_rank: int) -> tuple[int, flo
     if rank > max_rank:
         raise LoRAError(f"{where}: rank {rank} is above max_lora_rank={max_rank}; raise max_lora_rank")
     return rank, alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+
+
+def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int, scale: float,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A PEFT LoRA directory of `rank` on every projection of `config`'s model, A and B drawn from
+    N(0, scale²): the adapters of random-weight runs (`load_format="dummy"`), for benchmarks and GPU tests."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, (out_size, in_size) in module_shapes(config).items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_size, generator=gen) * scale).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_size, rank, generator=gen) * scale).to(dtype)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES),
+                "bias": "none", "task_type": "CAUSAL_LM"}
+    (directory / "adapter_config.json").write_text(json.dumps(settings))
+    return directory

@@ -24,28 +24,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def shape_dir(tmp_path_factory):
-    from safetensors.torch import save_file
-
     from batchllm.model.config import ModelConfig, read_hf_config
-    from batchllm.model.lora_adapter import MODULES, module_shapes
+    from batchllm.model.lora_adapter import write_random_adapter
 
     directory = tmp_path_factory.mktemp("shape")  # SmolLM2-135M's shape, random weights (load_format="dummy")
     (directory / "config.json").write_text(json.dumps(SHAPE))
     config = ModelConfig.from_hf_dict(read_hf_config(directory))
     for seed in range(3):
-        gen = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for layer in range(config.num_layers):
-            for module, (out_size, in_size) in module_shapes(config).items():
-                part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
-                tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, in_size, generator=gen) * 0.05
-                tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_size, 8, generator=gen) * 0.05
-        adapter = directory / f"adapter{seed}"
-        adapter.mkdir()
-        save_file(tensors, str(adapter / "adapter_model.safetensors"))
-        (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16,
-                                                                 "target_modules": list(MODULES)}))
+        write_random_adapter(directory / f"adapter{seed}", config, rank=8, seed=seed, scale=0.05,
+                             dtype=torch.float32)
     return directory
 
 
