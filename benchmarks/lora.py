@@ -6,11 +6,11 @@
 Two engines on one device, built alike (same KV pool, CUDA graphs, no prefix caching): the base model without
 LoRA, and one with `enable_lora=True, max_loras=4, max_lora_rank=16`. Passes over W1's first `--rows` prompts
 (random token ids), every row writing exactly `--max-tokens` tokens (ignore_eos): the base engine; the LoRA
-engine with no adapter; one adapter on every row; 4 adapters spread uniformly; 16 adapters spread uniformly (so 16 adapters share 4
-device slots: the engine groups rows by adapter and swaps slots in LRU order; the number of slot loads is
-reported). Adapters are PEFT-format directories of rank 16 on all seven projections, random A and B. Reported:
-total (prompt + output) and output tokens per second, and the total's ratio to the base engine's pass in the same run (targets: one adapter >= 0.90,
-4 adapters >= 0.85).
+engine with no adapter; one adapter on every row; 4 adapters spread uniformly; 16 adapters spread uniformly
+(16 adapters share 4 device slots: the engine groups rows by adapter and swaps slots in LRU order; the number
+of slot loads is reported). Adapters are PEFT-format directories of rank 16 on all seven projections, random
+A and B. Reported: total (prompt + output) and output tokens per second, and the total's ratio to the base
+engine's pass in the same run (targets: one adapter >= 0.90, 4 adapters >= 0.85).
 """
 
 from __future__ import annotations
