@@ -84,14 +84,14 @@ class FakeEngine:
         self.checked.append(params)
         self.compiler.compile(params)
 
-    def admission_order(self, token_lists):
+    def admission_order(self, token_lists, loras=None):
         return list(range(len(token_lists)))
 
     def stream(self, requests, *, max_in_flight=None):
         for item in requests:
             if item is None:
                 continue
-            key, token_ids, params = item
+            key, token_ids, params, *_ = item  # a fourth element: the row's adapter (None here)
             self.rows.append(params)
             prompt = self.tokenizer.decode(token_ids)
             reply, error = canned(params, prompt), None

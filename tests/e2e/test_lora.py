@@ -38,8 +38,10 @@ def test_a_mixed_batch_equals_peft_for_every_row(prompts, loras, peft_greedy):
 
 def test_preemption_a_tiny_budget_and_fewer_slots_than_adapters(prompts, loras, peft_greedy):
     # Two slots for three adapters: the scheduler holds back the third adapter's rows until a slot frees up.
+    # Asynchronous scheduling (the CPU's default is synchronous, which the other tests run): the next step is
+    # scheduled while this one runs, slot writes included.
     llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=16, max_num_batched_tokens=16, num_kv_blocks=8,
-              max_num_seqs=4)
+              max_num_seqs=4, async_scheduling=True)
     rows = _rows(prompts, loras)
     assert _run(llm, prompts, loras, rows) == {row: peft_greedy[row] for row in rows}
     assert llm.stats.num_preemptions > 0
