@@ -2,8 +2,9 @@
 
 Two kernels over the step's segments (`sorted_tokens` grouped by slot, `slot_starts [S + 1]`): shrink computes
 `y = x a^T` `[T, W]` (rows in sorted order, W = slices * max_rank), expand adds `y b^T` into `out`. Both grids
-are `(S, cdiv(T, BLOCK_M), tiles)`, fixed by the shapes alone so a CUDA graph can capture them: the host never
-reads the segment sizes, and a program whose row block lies past its segment returns at once. A token is in at
+are `(cdiv(T, BLOCK_M) + S, tiles)`, fixed by the shapes alone so a CUDA graph can capture them: the host never
+reads the segment sizes; each program finds its row block by scanning `slot_starts`, and one past the last block
+returns at once. A token is in at
 most one segment, so every `out` row has one writer and no atomics are needed.
 
 Shrink's N (W) is small and its K (the input features, thousands) long, so at decode a few programs would each
@@ -56,14 +57,16 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     partials = torch.empty(split_k, num_tokens, width, dtype=torch.float32, device=x.device)
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _shrink_kernel[(num_slots, m_blocks, n_tiles * split_k)](
+    _shrink_kernel[(m_blocks + num_slots, n_tiles * split_k)](
         x, a, partials, sorted_tokens, slot_starts, in_features, width, n_tiles, chunk, partials.stride(0),
         x.stride(0), a.stride(0), a.stride(1),
-        BLOCK_M=block_m, BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K, DOT_PRECISION=precision,
+        NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K,
+        DOT_PRECISION=precision,
     )
-    _expand_kernel[(num_slots, m_blocks, triton.cdiv(out_features, EXPAND_BLOCK_N))](
+    _expand_kernel[(m_blocks + num_slots, triton.cdiv(out_features, EXPAND_BLOCK_N))](
         partials, b, out, sorted_tokens, slot_starts, width, out_features, partials.stride(0),
-        out.stride(0), b.stride(0), b.stride(1), SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N,
+        out.stride(0), b.stride(0), b.stride(1), SPLIT_K=split_k, NUM_SLOTS=num_slots, BLOCK_M=block_m,
+        BLOCK_N=EXPAND_BLOCK_N,
         BLOCK_K=min(EXPAND_MAX_BLOCK_K, max(16, triton.next_power_of_2(width))), DOT_PRECISION=precision,
     )
     return out
@@ -77,32 +80,41 @@ def choose_split_k(in_features: int) -> int:
 
 
 @triton.jit
-def _segment_rows(sorted_tokens_ptr, slot_starts_ptr, slot, BLOCK_M: tl.constexpr):
-    """This program's rows of slot `slot`'s segment (positions in `sorted_tokens`), whether each is in the
-    segment, their token indices (int64), and whether the block starts past the segment's end."""
-    start = tl.load(slot_starts_ptr + slot)
-    end = tl.load(slot_starts_ptr + slot + 1)
-    first = start + tl.program_id(1) * BLOCK_M
+def _segment_rows(sorted_tokens_ptr, slot_starts_ptr, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block `program_id(0)` of the step: the segments' blocks are numbered slot after slot (slot s has
+    `cdiv(len_s, BLOCK_M)`), so the grid needs `cdiv(T, BLOCK_M) + S` programs whatever the segments, not
+    `S * cdiv(T, BLOCK_M)`. Returns the block's slot, its rows (positions in `sorted_tokens`), whether each is
+    in the segment, their token indices (int64), and whether the program has no block (past the last)."""
+    block = tl.program_id(0)
+    slot, first, end, blocks_before = -1, 0, 0, 0
+    for s in tl.static_range(NUM_SLOTS):  # a handful of slots, scanned here: the host builds no list of blocks
+        start_s = tl.load(slot_starts_ptr + s)
+        end_s = tl.load(slot_starts_ptr + s + 1)
+        blocks_s = (end_s - start_s + BLOCK_M - 1) // BLOCK_M
+        mine = (block >= blocks_before) & (block < blocks_before + blocks_s)
+        slot = tl.where(mine, s, slot)
+        first = tl.where(mine, start_s + (block - blocks_before) * BLOCK_M, first)
+        end = tl.where(mine, end_s, end)
+        blocks_before += blocks_s
     rows = first + tl.arange(0, BLOCK_M)
     in_segment = rows < end
     tokens = tl.load(sorted_tokens_ptr + rows, mask=in_segment, other=0).to(tl.int64)
-    return rows.to(tl.int64), in_segment, tokens, first >= end
+    return slot, rows.to(tl.int64), in_segment, tokens, slot < 0
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, partials_ptr, sorted_tokens_ptr, slot_starts_ptr, in_features, width,
                    n_tiles, chunk, stride_plane, stride_x, stride_a_slot, stride_a_row,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """Grid `(S, cdiv(T, BLOCK_M), n_tiles * split_k)`: `partials[split, row, n] = x[token] . a[s, n]` over the
+    """Grid `(cdiv(T, BLOCK_M) + S, n_tiles * split_k)`: `partials[split, row, n] = x[token] . a[s, n]` over the
     split's `chunk` input features, for the block's rows; partials is contiguous `[split_k, T, W]`, its rows
     indexed by position in `sorted_tokens`."""
-    slot = tl.program_id(0)
-    rows, in_segment, tokens, past_end = _segment_rows(sorted_tokens_ptr, slot_starts_ptr, slot, BLOCK_M)
-    if past_end:
+    slot, rows, in_segment, tokens, no_block = _segment_rows(sorted_tokens_ptr, slot_starts_ptr, NUM_SLOTS, BLOCK_M)
+    if no_block:
         return
-    split = tl.program_id(2) // n_tiles
-    cols = (tl.program_id(2) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1) // n_tiles
+    cols = (tl.program_id(1) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_width = cols < width
     ks = tl.arange(0, BLOCK_K)
     k_end = tl.minimum(in_features, (split + 1) * chunk)
@@ -122,14 +134,14 @@ def _shrink_kernel(x_ptr, a_ptr, partials_ptr, sorted_tokens_ptr, slot_starts_pt
 @triton.jit
 def _expand_kernel(partials_ptr, b_ptr, out_ptr, sorted_tokens_ptr, slot_starts_ptr, width, out_features,
                    stride_plane, stride_out, stride_b_slot, stride_b_row, SPLIT_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Grid `(S, cdiv(T, BLOCK_M), cdiv(out_features, BLOCK_N))`: `out[token, n] += y[row] . b[s, n]`, the sum
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Grid `(cdiv(T, BLOCK_M) + S, cdiv(out_features, BLOCK_N))`: `out[token, n] += y[row] . b[s, n]`, the sum
     rounded once to out's dtype, where `y` is the sum of shrink's partials rounded to b's dtype."""
-    slot = tl.program_id(0)
-    rows, in_segment, tokens, past_end = _segment_rows(sorted_tokens_ptr, slot_starts_ptr, slot, BLOCK_M)
-    if past_end:
+    slot, rows, in_segment, tokens, no_block = _segment_rows(sorted_tokens_ptr, slot_starts_ptr, NUM_SLOTS, BLOCK_M)
+    if no_block:
         return
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_out = cols < out_features
     ks = tl.arange(0, BLOCK_K)
     y_rows = partials_ptr + rows[:, None] * width
