@@ -54,6 +54,12 @@ class LLM:
 
     `enable_lora=True`: PEFT LoRA adapters per request (`generate(..., lora_request=...)`); `max_loras` of them
     on the device at once, each of rank up to `max_lora_rank` (see batchllm/model/lora_adapter.py).
+
+    `quantization="fp8"`: FP8 (E4M3) weights with per-channel scales, quantized on load from a bf16/fp16/fp32
+    checkpoint; FP8 checkpoints (compressed-tensors `float-quantized`, HF `quant_method: "fp8"`) are detected
+    from config.json without it. `kv_cache_dtype="fp8"`: an E4M3 KV cache with per-layer scales (the
+    checkpoint's `k_scale`/`v_scale`, else 1.0), twice the tokens in the same memory. On a GPU both need FP8
+    tensor cores (Ada, Hopper); the CPU runs the same arithmetic, slowly. See batchllm/model/quantization/.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -65,9 +71,10 @@ class LLM:
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  trust_remote_code: bool = False, tensor_parallel_size: int = 1,
                  async_scheduling: bool | None = None, structured_outputs_backend: str = "xgrammar",
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16) -> None:
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
-        from batchllm.executor.build import build_executor, resolve_device, resolve_dtype
+        from batchllm.executor.build import build_executor, check_quantization, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
@@ -92,13 +99,15 @@ class LLM:
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
+        kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device)
         # skip_tokenizer_init: token ids in, token ids out (no text, no stop strings), e.g. random-weight shapes.
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
                                                                          trust_remote_code=trust_remote_code)
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
         runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
                                      max_model_len, seed, eos_token_ids, load_format, enforce_eager,
-                                     async_scheduling, scheduler_config.max_loras, max_lora_rank)
+                                     async_scheduling, scheduler_config.max_loras, max_lora_rank, quantization,
+                                     kv_cache_dtype)
         runner = build_executor(runner_config, tensor_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)

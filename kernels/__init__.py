@@ -19,8 +19,8 @@ import torch
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "paged_attention", "rms_norm", "silu_and_mul",
-           "triton_enabled", "write_kv"]
+__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "paged_attention", "quantize_fp8_per_token",
+           "rms_norm", "silu_and_mul", "triton_enabled", "write_kv"]
 
 
 def write_kv(
@@ -29,12 +29,15 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V `[T, num_kv_heads, head_dim]` into its cache slot (negative slots are skipped)."""
+    """Write each token's K/V `[T, num_kv_heads, head_dim]` into its cache slot (negative slots are skipped);
+    FP8 caches hold `key / k_scale`, `value / v_scale`."""
     if _use_triton(key):
-        _triton().write_kv(key, value, k_cache, v_cache, slot_mapping)
+        _triton().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -43,11 +46,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of a flat mixed batch of queries `[T, num_heads, head_dim]` over the paged KV cache."""
+    """Causal attention of a flat mixed batch of queries `[T, num_heads, head_dim]` over the paged KV cache
+    (FP8 caches are read as `cache * k_scale`, `cache * v_scale`)."""
     if _use_triton(query):
-        return _triton().paged_attention(query, k_cache, v_cache, metadata, scale)
-    return reference.paged_attention(query, k_cache, v_cache, metadata, scale)
+        return _triton().paged_attention(query, k_cache, v_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
 
 
 def rms_norm(
@@ -90,6 +96,13 @@ def add_lora_(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tens
     return reference.add_lora_(x, out, a, b, sorted_tokens, slot_starts)
 
 
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 quantization of activations `[T, K]` → `(q float8_e4m3fn, scale [T, 1] float32)`."""
+    if _use_triton(x):
+        return _triton().quantize_fp8_per_token(x)
+    return reference.quantize_fp8_per_token(x)
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and triton_enabled()
 
@@ -105,6 +118,7 @@ def _triton() -> SimpleNamespace:
     """The Triton implementations, imported on first use (importing them imports and initialises Triton)."""
     from batchllm.kernels.activation import silu_and_mul_triton
     from batchllm.kernels.attention import paged_attention_triton
+    from batchllm.kernels.fp8 import quantize_fp8_per_token_triton
     from batchllm.kernels.kv_write import write_kv_triton
     from batchllm.kernels.lora import add_lora_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
@@ -115,4 +129,5 @@ def _triton() -> SimpleNamespace:
         write_kv=write_kv_triton, paged_attention=paged_attention_triton, rms_norm=rms_norm_triton,
         apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
         apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
+        quantize_fp8_per_token=quantize_fp8_per_token_triton,
     )

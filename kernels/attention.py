@@ -24,6 +24,9 @@ Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one of NUM_SP
 query block's keys and writes its unnormalised partial `(max, sum, acc)`; a second kernel merges the slices.
 Slices are cut on the device from `seq_lens`, so the result does not depend on NUM_SPLITS: a CUDA graph
 captured with one value stays correct for any sequence lengths. No host syncs happen anywhere here.
+
+FP8 caches (float8_e4m3fn, per-layer scales): K/V tiles are converted to the query dtype in registers, which
+is exact; `k_scale` folds into the score scale and `v_scale` into the output, so no per-element multiply.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import triton
 import triton.language as tl
 
 from batchllm.forward_context import AttentionMetadata
+from batchllm.kernels.reference import FP8_DTYPE
 
 # Split-KV heuristic. Below SPLIT_TARGET_PROGRAMS_PER_SM * SMs programs the GPU is not full; each slice keeps
 # at least MIN_SPLIT_TOKENS keys so the partials' extra traffic stays small next to the K/V reads.
@@ -99,6 +103,8 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     workspace: SplitKVWorkspace | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention of `query [T, num_heads, head_dim]`; returns `out` (allocated if not given).
 
@@ -130,11 +136,11 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile_n, NUM_SPLITS=num_splits,
         # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
     )
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-              num_seqs, num_tokens, scale * math.log2(math.e), query.stride(0), query.stride(1),
+              num_seqs, num_tokens, scale * k_scale * math.log2(math.e), v_scale, query.stride(0), query.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0))
     if num_splits == 1:
         _attention_kernel[grid](*common, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
@@ -194,13 +200,13 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.conste
 @triton.jit
 def _attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, qk_scale,
+    num_seqs, num_tokens, qk_scale, v_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     out_ptr, stride_ot, stride_oh,
     acc_ptr, max_ptr, sum_ptr, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`; see the module docstring."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
@@ -259,6 +265,8 @@ def _attention_kernel(
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        if KV_FP8:
+            k_t = k_t.to(q.dtype)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -269,8 +277,12 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * v_scale  # linear in V: scaling the sum equals scaling every value
 
     store_ok = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:

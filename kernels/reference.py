@@ -1,11 +1,12 @@
-"""Pure-torch reference implementations of the kernels: paged KV cache, RMSNorm, rotary, SiLU-and-mul, the
-structured-output token bitmask, and the batched multi-LoRA delta.
+"""Pure-torch reference implementations of the kernels: paged KV cache (model dtype or FP8), RMSNorm, rotary,
+SiLU-and-mul, the structured-output token bitmask, the batched multi-LoRA delta and per-token FP8 quantization.
 
 These are the CPU path and the ground truth the Triton kernels are tested against. They favour clarity, but
 avoid per-token Python loops: all decode rows of a batch share one gather and one attention call.
 
 Cache layout (one tensor per layer, for K and for V): `[num_blocks, block_size, num_kv_heads, head_dim]`.
-A flat slot `s` is `block * block_size + offset`.
+A flat slot `s` is `block * block_size + offset`. An FP8 cache (float8_e4m3fn) holds `x / scale`, saturated
+to ±448, with one scale per layer for K and one for V; readers multiply by the scale.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 
 from batchllm.forward_context import AttentionMetadata
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1e-12  # keeps an all-zero row's scale positive: its values quantize to 0 and come back as 0
+
 
 def write_kv(
     key: torch.Tensor,
@@ -24,16 +29,35 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store token t's key/value `[T, num_kv_heads, head_dim]` at flat slot `slot_mapping[t]`.
 
-    Negative slots mark padding tokens (e.g. a batch padded up to a CUDA-graph size) and are skipped.
+    Negative slots mark padding tokens (e.g. a batch padded up to a CUDA-graph size) and are skipped. FP8
+    caches store `key / k_scale` and `value / v_scale`; other caches ignore the scales.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = new[keep]
+        if cache.dtype == FP8_DTYPE:
+            # torch has no index_copy_ for float8 dtypes: copy the bytes.
+            rows = quantize_fp8(rows, scale).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
+
+
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """`x / scale` saturated to the float8_e4m3fn range and rounded to nearest even."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row FP8 quantization of activations `[T, K]`: `(q [T, K] float8_e4m3fn, scale [T, 1] float32)`
+    with `scale = max(amax / 448, FP8_MIN_SCALE)` over each row, so `q * scale` approximates `x`."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    return quantize_fp8(x, scale), scale
 
 
 def paged_attention(
@@ -42,13 +66,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a flat mixed batch `[T, num_heads, head_dim]` over the paged KV cache.
 
     Every query token's own K/V must already be in the cache (`write_kv` runs first). Query token j of
     sequence i sits at absolute position `seq_lens[i] - query_len_i + j` and attends to the keys at
     positions `<=` its own. Heads are grouped (GQA): query head h reads KV head `h // (num_heads // num_kv_heads)`.
-    Rows past `query_start_loc[-1]` (batch padding) come back as zeros.
+    Rows past `query_start_loc[-1]` (batch padding) come back as zeros. FP8 caches are read as
+    `cache * k_scale` / `cache * v_scale`, in the query dtype.
     """
     # One attention call per sequence over exactly its own keys: no padding to the longest sequence and no
     # masking copies, which on the CPU cost far more than the per-sequence call overhead.
@@ -58,7 +85,7 @@ def paged_attention(
         start, end = starts[i], starts[i + 1]
         if end > start:
             output[start:end] = _sequence_attention(query[start:end], k_cache, v_cache, metadata.block_tables[i],
-                                                    seq_len, scale)
+                                                    seq_len, scale, k_scale, v_scale)
     return output
 
 
@@ -69,12 +96,14 @@ def _sequence_attention(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    k_scale: float,
+    v_scale: float,
 ) -> torch.Tensor:
     """One sequence's `query_len` newest tokens attending over its first `seq_len` cached tokens. Only those
     tokens are gathered, so whatever the rest of the cache holds (NaN included) is never read."""
     query_len = query.shape[0]
-    keys = _gather_sequence(k_cache, block_table, seq_len)
-    values = _gather_sequence(v_cache, block_table, seq_len)
+    keys = _gather_sequence(k_cache, block_table, seq_len, k_scale, query.dtype)
+    values = _gather_sequence(v_cache, block_table, seq_len, v_scale, query.dtype)
     num_context = seq_len - query_len
     if query_len == 1:
         mask, is_causal = None, False  # a decode row sees every key
@@ -92,11 +121,13 @@ def _sequence_attention(
     return out.transpose(0, 1)
 
 
-def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence: `[seq_len, num_kv_heads, head_dim]`."""
+def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence: `[seq_len, num_kv_heads, head_dim]`, dequantized to `dtype`."""
     block_size = cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    tokens = cache[blocks].flatten(0, 1)[:seq_len]
+    return (tokens.float() * scale).to(dtype) if cache.dtype == FP8_DTYPE else tokens
 
 
 def rms_norm(

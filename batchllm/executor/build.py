@@ -10,6 +10,8 @@ from batchllm.distributed.parallel_state import check_tensor_parallel_shape
 from batchllm.executor.model_runner import ModelRunner, RunnerConfig
 from batchllm.executor.multiproc_executor import MultiprocExecutor
 from batchllm.model.config import ModelConfig, read_hf_config
+from batchllm.model.quantization import resolve_kv_cache_dtype, resolve_quantization
+from batchllm.model.quantization.fp8 import check_fp8_device
 
 
 def build_executor(config: RunnerConfig, tensor_parallel_size: int) -> Any:
@@ -56,3 +58,15 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"LLM argument dtype={dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
     return names[dtype]
+
+
+def check_quantization(model_path: Any, quantization: str | None, kv_cache_dtype: str, device: torch.device) -> str:
+    """Validate `quantization` and `kv_cache_dtype` against the checkpoint and the device before anything loads;
+    returns the KV dtype's canonical name ('auto' or 'fp8')."""
+    quant = resolve_quantization(read_hf_config(model_path), quantization)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
+    if quant is not None:
+        check_fp8_device(device, "FP8 weights" if quantization is None else f"quantization={quantization!r}")
+    if kv_dtype == "fp8":
+        check_fp8_device(device, f"kv_cache_dtype={kv_cache_dtype!r}")
+    return kv_dtype

@@ -17,10 +17,12 @@ class KVCache:
     tensor: torch.Tensor
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src → block dst in every layer, K and V, in one indexed copy."""
+        """Copy-on-write: block src → block dst in every layer, K and V, in one indexed copy (of the bytes:
+        torch has no index_copy_ for FP8 caches)."""
         src = torch.tensor([s for s, _ in copies], device=self.tensor.device)
         dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
-        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+        data = self.tensor.view(torch.uint8)
+        data.index_copy_(2, dst, data.index_select(2, src))
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

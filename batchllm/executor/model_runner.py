@@ -40,6 +40,7 @@ from batchllm.model.layers.lora import set_lora_batch
 from batchllm.model.layers.sampler import Sampler
 from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, keeps_token_history, make_generator
 from batchllm.model.loader import load_model
+from batchllm.model.quantization.fp8 import FP8_DTYPE
 from batchllm.sampling_params import SamplingParams
 
 
@@ -72,6 +73,8 @@ class RunnerConfig:
     async_scheduling: bool = False
     max_loras: int = 0  # adapter slots on the device; 0: no LoRA
     max_lora_rank: int = 16
+    quantization: str | None = None  # "fp8"; a quantized checkpoint is detected from its config.json
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8"
 
 
 class ModelRunner:
@@ -82,10 +85,12 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         device = self.device = config.device
         self.dtype = config.dtype
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.cache.block_size
         self.scheduler_config = config.scheduler
         self.model, self.model_config = load_model(config.model_path, device, self.dtype,
-                                                   load_format=config.load_format, seed=config.seed)
+                                                   load_format=config.load_format, seed=config.seed,
+                                                   quantization=config.quantization)
         self.model.eval()
         # Adapter slots are allocated before the KV pool is sized from what memory is left.
         self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
@@ -97,7 +102,7 @@ class ModelRunner:
         # Ranks may see different free memory: the pool is as large as the smallest rank can hold.
         num_blocks = all_reduce_min(config.cache.num_blocks or self._blocks_from_memory(config.cache))
         self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
-                                                   device, self.dtype)
+                                                   device, self.kv_dtype)
         self.num_blocks = num_blocks
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, num_blocks)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -130,7 +135,7 @@ class ModelRunner:
         return min(requested or model_limit, num_blocks * self.block_size)
 
     def _blocks_from_memory(self, cache_config: CacheConfig) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory(cache_config.gpu_memory_utilization)
         else:
@@ -144,7 +149,7 @@ class ModelRunner:
     def _profile_free_gpu_memory(self, utilization: float) -> int:
         """Run one forward pass at the full token budget and return the bytes the KV pool may take."""
         return profile_peak_memory(self.model, self.model_config, self.scheduler_config, self.block_size, self.device,
-                                   self.dtype, utilization)
+                                   self.kv_dtype, utilization)
 
     # ----------------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

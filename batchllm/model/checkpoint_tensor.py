@@ -13,6 +13,7 @@ class CheckpointSlice:
     def __init__(self, source) -> None:  # safetensors' PySafeSlice
         self._source = source
         self.shape = torch.Size(source.get_shape())
+        self.is_fp8 = source.get_dtype().startswith("F8")
 
     def dim(self) -> int:
         return len(self.shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -16,6 +16,9 @@ from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
 from batchllm.model.layers.norm import RMSNorm
+from batchllm.model.quantization import QuantConfig, building_with, resolve_quantization
+from batchllm.model.quantization.checkpoint import SCALE_SUFFIXES, fp8_weight, kv_scale_target
+from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
 from batchllm.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -49,12 +52,16 @@ def load_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for the checkpoint at `path` on `device` in `dtype`, with its weights loaded.
 
     `load_format="auto"` reads `*.safetensors` (memory-mapped; pickled checkpoints are never opened).
     `load_format="dummy"` needs only config.json and fills the weights with seeded random values
     (normal(0, 0.02), norms 1): right shapes and speed, meaningless text.
+
+    `quantization="fp8"` quantizes the decoder's linear layers on load (see `batchllm.model.quantization`);
+    a checkpoint whose config.json carries a `quantization_config` is read in its own format either way.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -62,14 +69,15 @@ def load_model(
     hf_config = read_hf_config(path)
     model_class = get_model_class(architecture_of(hf_config))  # before parsing, so the error is about support
     config = ModelConfig.from_hf_dict(hf_config)
+    quant = resolve_quantization(hf_config, quantization)
     # Parameters are created uninitialised, directly on the device and in the target dtype.
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), building_with(quant):
         model = model_class(config)
     with torch.no_grad():
         if load_format == "dummy":
-            _fill_dummy_weights(model, seed)
+            _fill_dummy_weights(model, seed, dtype)
         else:
-            _load_safetensors(model, path, config)
+            _load_safetensors(model, path, config, quant)
     return model.eval(), config
 
 
@@ -78,21 +86,39 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     copy_checked(param.data, loaded_weight)
 
 
-def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig) -> None:
+def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: QuantConfig | None) -> None:
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     loaded: set[tuple[str, Hashable]] = set()
     unexpected: list[str] = []
-    for file in _checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as checkpoint:
+    files = _checkpoint_files(path)
+    with ExitStack() as stack:
+        checkpoints = [stack.enter_context(safe_open(file, framework="pt", device="cpu")) for file in files]
+        # Any tensor by name, whichever file holds it: a weight's scales may sit in another shard.
+        holder = {name: checkpoint for checkpoint in checkpoints for name in checkpoint.keys()}
+
+        def read(name: str) -> torch.Tensor:
+            if name not in holder:
+                raise ValueError(f"needs the tensor {name}, which the checkpoint does not have")
+            return holder[name].get_tensor(name)
+
+        for file, checkpoint in zip(files, checkpoints, strict=True):
             for name in checkpoint.keys():
                 if name.endswith(_UNUSED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if quant is not None and name.endswith(SCALE_SUFFIXES):
+                    continue  # read with their weights
+                kv_scale = kv_scale_target(name)
+                if kv_scale is not None and kv_scale[0] in modules:
+                    setattr(modules[kv_scale[0]], kv_scale[1], float(read(name)))
                     continue
                 target, shard_id = _param_name_for(name, packed)
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)
                     continue
+                scale_param = params.get(target + "_scale") if target.endswith(".weight") else None
                 weight_loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     # Checked here, against the full shape: a tensor-parallel loader only sees its slice.
@@ -100,7 +126,16 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig) -> None
                     expected = tuple(getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
                     if tuple(tensor.shape) != expected:
                         raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {expected}")
-                    weight_loader(param, tensor, shard_id)
+                    if scale_param is not None:
+                        weight, scale = fp8_weight(name, tensor.read(), read, quant)
+                        weight_loader(param, weight, shard_id)
+                        weight_loader(scale_param, scale, shard_id)
+                        loaded.add((target + "_scale", shard_id))
+                    elif tensor.is_fp8:
+                        raise ValueError("is an FP8 tensor, but config.json has no quantization_config saying how it "
+                                         "is scaled")
+                    else:
+                        weight_loader(param, tensor, shard_id)
                 except ValueError as exc:
                     raise ValueError(f"{file.name}: {name}: {exc}") from None
                 loaded.add((target, shard_id))
@@ -149,22 +184,31 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
     return ".".join([*prefix, module, kind])
 
 
-def _fill_dummy_weights(model: nn.Module, seed: int) -> None:
+def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     """normal(0, 0.02) weights and unit norms, generated per checkpoint tensor from a seed derived from its
     name, then sliced by the parameter's own loader: every tensor-parallel size (and every data-parallel
-    replica) gets the same model, and a rank only ever holds one full tensor at a time."""
+    replica) gets the same model, and a rank only ever holds one full tensor at a time. FP8 layers get the
+    same values as the unquantized model, quantized per channel, so the two can be compared."""
     norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
+        if name.endswith(".weight_scale"):
+            continue  # filled with its weight
+        scale_param = params.get(name + "_scale")
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in getattr(param, "checkpoint_shapes", {None: param.shape}).items():
             generator = torch.Generator(device=param.device)
             generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}:{shard_id}".encode()))
-            full = torch.empty(shape, dtype=param.dtype, device=param.device).normal_(0.0, _DUMMY_STD,
-                                                                                       generator=generator)
-            weight_loader(param, full, shard_id)
+            full = torch.empty(shape, dtype=dtype, device=param.device).normal_(0.0, _DUMMY_STD, generator=generator)
+            if scale_param is None:
+                weight_loader(param, full, shard_id)
+            else:
+                weight, scale = quantize_fp8_per_channel(full)
+                weight_loader(param, weight, shard_id)
+                weight_loader(scale_param, scale, shard_id)
 
 
 @contextmanager

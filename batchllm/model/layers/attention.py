@@ -16,6 +16,10 @@ class Attention(nn.Module):
     parameters or buffers, so they are never saved, loaded or moved with the model: the model runner
     allocates them once the model is loaded and assigns them to each layer. Paging metadata comes from the
     forward context (`batchllm.forward_context`).
+
+    With an FP8 cache, `k_scale` and `v_scale` are the layer's KV scales (the cache holds `k / k_scale`): the
+    checkpoint's when it has them, otherwise 1.0, the default vLLM also uses (E4M3 holds ±448 with 3 mantissa
+    bits, ample for the keys and values of the models we run; see README's FP8 section for the measured cost).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -24,6 +28,7 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.k_scale = self.v_scale = 1.0
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -32,6 +37,7 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             raise RuntimeError("Attention layer has no KV cache: the model runner must assign k_cache/v_cache first")
         metadata = get_attention_metadata()
-        kernels.write_kv(key, value, self.k_cache, self.v_cache, metadata.slot_mapping)
-        out = kernels.paged_attention(query, self.k_cache, self.v_cache, metadata, self.scale)
+        kernels.write_kv(key, value, self.k_cache, self.v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        out = kernels.paged_attention(query, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale,
+                                      self.v_scale)
         return out.flatten(1)

@@ -10,6 +10,11 @@ tensor (or a lazily read `CheckpointSlice` of it) and copies this rank's slice o
 `checkpoint_shapes` (shard id → full HF shape), which the random initialiser uses to build
 rank-independent weights. Fused layers (QKV, gate/up) are filled from several HF tensors, one `shard_id`
 each.
+
+Under FP8 quantization (`batchllm.model.quantization`, read while the model is built) `weight` is E4M3 and a
+`weight_scale [out]` float32 parameter holds its per-output-channel scales; the scales shard like a bias
+(with the output features of a column layer, whole on every rank of a row layer). The loader hands the
+weight loader FP8 tensors and their per-channel scales, whatever the checkpoint's own format.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import nn
 from batchllm.distributed.parallel_state import all_reduce, get_tp, kv_heads_per_rank
 from batchllm.model.checkpoint_tensor import copy_checked
 from batchllm.model.layers.lora import LoRASlots
+from batchllm.model.quantization import current_quantization
+from batchllm.model.quantization.fp8 import FP8_DTYPE, fp8_linear
 
 
 class _Linear(nn.Module):
@@ -30,16 +37,25 @@ class _Linear(nn.Module):
         super().__init__()
         self.tp = get_tp()
         self.input_size, self.output_size = input_size, output_size  # this rank's sizes
+        fp8 = current_quantization() is not None
         # torch.empty: the checkpoint (or the dummy initialiser) fills the values, so random init is wasted work.
-        self.weight = _loadable(torch.empty(output_size, input_size), self.weight_loader)
+        weight = torch.empty(output_size, input_size, dtype=FP8_DTYPE if fp8 else None)
+        self.weight = _loadable(weight, self.weight_loader)
+        self.weight_scale = (_loadable(torch.empty(output_size, dtype=torch.float32), self.weight_loader)
+                             if fp8 else None)
         self.bias = _loadable(torch.empty(output_size), self.weight_loader) if bias else None
         self.lora: LoRASlots | None = None  # set when the engine runs adapters (`executor/lora_slots.py`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self._matmul(x, self.bias)
         if self.lora is not None:
             self.lora.add_delta(x, out)
         return out
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
 
     def lora_shard(self, shard_id: Hashable, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a LoRA delta `x A^T B^T` on the weight's HF shard `shard_id`: B `[out, r]` is split
@@ -53,11 +69,12 @@ class RowLinear(_Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__(_divide(input_size, get_tp().size, "input features"), output_size, bias)
         self.weight.checkpoint_shapes = {None: (output_size, input_size)}
-        if self.bias is not None:
-            self.bias.checkpoint_shapes = {None: (output_size,)}
+        for vector in (self.bias, self.weight_scale):
+            if vector is not None:
+                vector.checkpoint_shapes = {None: (output_size,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self._matmul(x, None)
         if self.lora is not None:
             self.lora.add_delta(x, partial)  # a partial sum too: it joins the all-reduce
         out = all_reduce(partial)
@@ -141,5 +158,6 @@ def _loadable(data: torch.Tensor, weight_loader: Callable[..., None]) -> nn.Para
 def _set_checkpoint_shapes(layer: _Linear, output_sizes: dict[Hashable, int], input_size: int) -> None:
     """Record the full HF tensor shapes behind a column layer's weight (and bias), one per shard id."""
     layer.weight.checkpoint_shapes = {shard: (size, input_size) for shard, size in output_sizes.items()}
-    if layer.bias is not None:
-        layer.bias.checkpoint_shapes = {shard: (size,) for shard, size in output_sizes.items()}
+    for vector in (layer.bias, layer.weight_scale):
+        if vector is not None:
+            vector.checkpoint_shapes = {shard: (size,) for shard, size in output_sizes.items()}

@@ -1,0 +1,64 @@
+"""FP8 (E4M3) linear layers: per-output-channel weight scales, activations quantized per token on the fly.
+
+The GEMM on the GPU is `torch._scaled_mm` with row-wise scales (Hopper and Ada FP8 tensor cores):
+`out[t, o] = (sum_k qx[t, k] qw[o, k]) * sx[t] * sw[o]`, accumulated in float32. The CPU runs the same
+arithmetic as a dequantize-then-matmul reference: the same quantized operands and the same scales, the
+products in float32, so CI tests the math and an FP8 checkpoint loads (slowly, correctly) on a laptop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchllm import kernels
+from batchllm.kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, quantize_fp8
+
+# FP8 tensor cores: Ada (8.9) and Hopper (9.0) and later.
+MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight [out, in]` → `(q [out, in] float8_e4m3fn, scale [out] float32)`, one absmax / 448 scale per row."""
+    scale = (weight.float().abs().amax(dim=1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    return quantize_fp8(weight, scale[:, None]), scale
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """Float32 `weight * scale_inv` with one scale per `block_shape` block (the edge blocks may be partial)."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block_shape[0]), -(-cols // block_shape[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for a "
+                         f"{rows} x {cols} weight in {block_shape[0]} x {block_shape[1]} blocks")
+    scales = scale_inv.float().repeat_interleave(block_shape[0], 0)[:rows].repeat_interleave(block_shape[1], 1)
+    return weight.float() * scales[:, :cols]
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x W^T + b` for an FP8 `weight [out, in]` with per-row `weight_scale [out]`; the output is in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, x_scale = kernels.quantize_fp8_per_token(rows)
+    if x.is_cuda:
+        # weight.t() is column-major, the layout the FP8 GEMM wants for its second operand.
+        out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    else:
+        out = (F.linear(q.float(), weight.float()) * x_scale * weight_scale).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def check_fp8_device(device: torch.device, what: str) -> None:
+    """FP8 on CUDA needs FP8 tensor cores; the CPU always runs the reference arithmetic."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CUDA_CAPABILITY:
+        raise ValueError(f"{what} needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
+                         f"Blackwell); {torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}. "
+                         f"Supported here: quantization=None and kv_cache_dtype='auto'.")
+
+
+__all__ = ["FP8_DTYPE", "check_fp8_device", "dequantize_blocks", "fp8_linear", "quantize_fp8_per_channel"]
