@@ -50,15 +50,19 @@ def save_tiny_checkpoint(hf_config, directory: Path, max_shard_size: str | None 
 
 
 class PagedRunner:
-    """A minimal stand-in for the model runner: a NaN-poisoned KV pool, shuffled block tables, flat steps."""
+    """A minimal stand-in for the model runner: a NaN-poisoned KV pool (in the model dtype, or `kv_dtype`),
+    shuffled block tables, flat steps."""
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int = 64, block_size: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int = 64, block_size: int = 8,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.block_size = model, block_size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype
         for layer in model.attention_layers():
-            layer.k_cache = torch.full(shape, float("nan"), dtype=dtype)
-            layer.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+            # float8_e4m3fn has no NaN fill on the CPU: 0x7F is its NaN bit pattern.
+            layer.k_cache, layer.v_cache = (torch.full(shape, float("nan")).to(dtype) if dtype.is_floating_point
+                                            and dtype.itemsize > 1 else
+                                            torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype) for _ in range(2))
         self.free_blocks = list(range(num_blocks))
         random.Random(0).shuffle(self.free_blocks)
         self.block_ids: dict[int, list[int]] = {}
