@@ -27,12 +27,13 @@ MATMUL_FLOPS = 793e12
 COPY_BYTES_PER_S = 4.24e12
 
 
-def run_batchllm(directory, prompts, max_tokens: int, args, async_scheduling: bool | None = None) -> dict:
+def run_batchllm(directory, prompts, max_tokens: int, args, async_scheduling: bool | None = None,
+                 **llm_options) -> dict:
     times = {}
     start = time.perf_counter()
     llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, **llm_options)
     times["load_s"] = time.perf_counter() - start  # engine ready: weights, profiling, KV pool, graphs
     start = time.perf_counter()
     # Warm-up on the workload's own first rows: Triton compiles its kernels for the prefill and mixed-step

@@ -25,8 +25,10 @@ query block's keys and writes its unnormalised partial `(max, sum, acc)`; a seco
 Slices are cut on the device from `seq_lens`, so the result does not depend on NUM_SPLITS: a CUDA graph
 captured with one value stays correct for any sequence lengths. No host syncs happen anywhere here.
 
-FP8 caches (float8_e4m3fn, per-layer scales): K/V tiles are converted to the query dtype in registers, which
-is exact; `k_scale` folds into the score scale and `v_scale` into the output, so no per-element multiply.
+FP8 caches (float8_e4m3fn, per-layer scales): K/V tiles are converted in registers (exact) to float16 for
+16-bit queries, one instruction per pair on Hopper where E4M3 → bfloat16 takes a detour through float32,
+and the queries and probabilities with them (float32 queries stay float32); `k_scale` folds into the score
+scale and `v_scale` into the output, so no per-element multiply.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = metadata.seq_lens.shape[0]
+    if k_cache.dtype != FP8_DTYPE:
+        k_scale = v_scale = 1.0  # the scales belong to FP8 caches; a model-dtype cache holds the values themselves
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0:
@@ -137,6 +141,7 @@ def paged_attention_triton(
         HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile_n, NUM_SPLITS=num_splits,
         # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
+        KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
     )
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -206,7 +211,7 @@ def _attention_kernel(
     acc_ptr, max_ptr, sum_ptr, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
 ):
     """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`; see the module docstring."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
@@ -241,6 +246,8 @@ def _attention_kernel(
     row_ok = (q_index < query_len) & (rows % GROUP_P2 < GROUP)
     q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if KV_FP8:
+        q = q.to(KV_DOT_DTYPE)
     context_len = tl.load(seq_lens_ptr + seq) - query_len
     q_pos = context_len + q_index  # absolute position: sees keys at positions <= q_pos
     # Keys visible to the block's last row; later keys are skipped, not just masked.
@@ -264,9 +271,15 @@ def _attention_kernel(
         # and a NaN times a zero softmax weight is still NaN.
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
         if KV_FP8:
-            k_t = k_t.to(q.dtype)
+            # Loaded the way it lies in memory (head dims contiguous), converted, then transposed: a byte-wide
+            # tile loaded transposed would be converted in a layout that wastes most of each load.
+            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                        other=0.0)
+            k_t = tl.trans(k.to(KV_DOT_DTYPE))
+        else:
+            k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
+                          other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -278,7 +291,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         if KV_FP8:
-            v = v.to(q.dtype)
+            v = v.to(KV_DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     if KV_FP8:
