@@ -73,6 +73,11 @@ def _checkpoint_quantization(stored: Mapping[str, Any]) -> QuantConfig:
 
 
 def _check_compressed_tensors(stored: Mapping[str, Any]) -> None:
+    kv_scheme = stored.get("kv_cache_scheme")
+    if kv_scheme is not None and (kv_scheme.get("type") != "float" or kv_scheme.get("num_bits") != 8):
+        raise ValueError(f"compressed-tensors kv_cache_scheme has {kv_scheme.get('num_bits')}-bit "
+                         f"{kv_scheme.get('type')} KV; supported: 8-bit float (E4M3) KV scales, used with "
+                         f"kv_cache_dtype='fp8'")
     groups = stored.get("config_groups") or {}
     if not groups:
         raise ValueError(f"compressed-tensors quantization_config has no config_groups; supported: {_SUPPORTED}")
