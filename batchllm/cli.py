@@ -42,6 +42,7 @@ from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKE
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.engine.structured_output import GRAMMAR_BACKENDS
 from batchllm.llm import LLM
+from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from batchllm.sampling_params import SamplingParams
 
 # Sampling flags → SamplingParams fields. Each defaults to SamplingParams' own, except _CLI_SAMPLING_DEFAULTS.
@@ -140,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
                          help=f"engine: {_ENGINE_HELP.get(name, name)}")
     run.add_argument("--load-format", choices=("auto", "dummy"), default=_ENGINE_DEFAULTS["load_format"],
                      help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
+    run.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=_ENGINE_DEFAULTS["quantization"],
+                     help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales; an FP8 "
+                          "checkpoint is detected without it)")
+    run.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_ENGINE_DEFAULTS["kv_cache_dtype"],
+                     help="engine: the KV cache's dtype (auto: the model's; fp8: E4M3, twice the tokens)")
     run.add_argument("--structured-outputs-backend", choices=tuple(GRAMMAR_BACKENDS),
                      default=_ENGINE_DEFAULTS["structured_outputs_backend"],
                      help="engine: the grammar engine of structured outputs (llguidance: compiles schemas 10-20x "
@@ -174,7 +180,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
                                if getattr(args, name) is not None}
     # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
     engine: dict[str, Any] = {name: getattr(args, name)
-                              for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend")
+                              for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend",
+                                           "quantization", "kv_cache_dtype")
                               if getattr(args, name) != _ENGINE_DEFAULTS[name]}
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,

@@ -100,6 +100,7 @@ class LLM:
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
         kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device)
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype  # as asked: job manifests pin them
         # skip_tokenizer_init: token ids in, token ids out (no text, no stop strings), e.g. random-weight shapes.
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
                                                                          trust_remote_code=trust_remote_code)

@@ -23,6 +23,15 @@ def model_identity(model_path: Path) -> dict[str, Any]:
             "weights_bytes": sum(f.stat().st_size for f in model_path.glob("*.safetensors"))}
 
 
+def quantization_identity(engine: Any) -> dict[str, Any] | None:
+    """The engine's weight quantization and KV-cache dtype when not the defaults (they change the outputs, so a
+    job resumes only under the same ones); None otherwise, which keeps older manifests resumable."""
+    quantization, kv_cache_dtype = getattr(engine, "quantization", None), getattr(engine, "kv_cache_dtype", "auto")
+    if quantization is None and kv_cache_dtype == "auto":
+        return None
+    return {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+
+
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
     """Hashes of the tokenizer's definition (vocabulary, merges, normalization, special tokens) and of its
     chat template; None for an engine built without a tokenizer."""

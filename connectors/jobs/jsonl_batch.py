@@ -29,7 +29,12 @@ import pyarrow as pa
 
 from batchllm.connectors.adapters import adapter_requests, adapters_identity
 from batchllm.connectors.constraints import require_compiles
-from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
+from batchllm.connectors.jobs.identity import (
+    model_identity,
+    quantization_identity,
+    require_chat_template,
+    tokenizer_identity,
+)
 from batchllm.connectors.jobs.job import (
     DEFAULT_FLUSH_SECONDS,
     DEFAULT_MAX_TOKENS_CAP,
@@ -117,6 +122,8 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
     adapters = adapter_requests(adapter_dirs, engine) if adapter_dirs else {}
     if adapters:
         fingerprint["adapters"] = adapters_identity(adapter_dirs)
+    if quantization_identity(engine) is not None:
+        fingerprint["quantization"] = quantization_identity(engine)
     manifest = Manifest.open(manifest_path, fingerprint, output)
     sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors, frozenset(adapters))
     encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate)

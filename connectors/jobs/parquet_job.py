@@ -39,7 +39,12 @@ import pyarrow as pa
 from batchllm.connectors.adapters import adapter_requests, adapters_identity, row_adapters
 from batchllm.connectors.constraints import SchemaColumn, require_compiles
 from batchllm.connectors.jobs.atomic import is_temporary, remove_stale_temporaries
-from batchllm.connectors.jobs.identity import model_identity, require_chat_template, tokenizer_identity
+from batchllm.connectors.jobs.identity import (
+    model_identity,
+    quantization_identity,
+    require_chat_template,
+    tokenizer_identity,
+)
 from batchllm.connectors.jobs.job import (
     DEFAULT_FLUSH_SECONDS,
     DEFAULT_MAX_TOKENS_CAP,
@@ -123,6 +128,8 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
                    "max_tokens_cap": settings.max_tokens_cap}
     if adapters:
         fingerprint["adapters"] = adapters_identity(options.loras)
+    if quantization_identity(engine) is not None:
+        fingerprint["quantization"] = quantization_identity(engine)
     manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint, directory)
     sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
                        settings.retry_errors)

@@ -92,6 +92,7 @@ class ReplicaPool:
     def __init__(self, size: int, model: str | Path | None = None, engine_kwargs: Mapping[str, Any] | None = None,
                  *, max_in_flight_per_replica: int | None = None, chunk_rows: int | None = None) -> None:
         from batchllm.model.loader import resolve_model_path
+        from batchllm.model.quantization import resolve_kv_cache_dtype
 
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {size!r}")
@@ -102,6 +103,9 @@ class ReplicaPool:
         self.reorder_by_prefix = bool(kwargs.get("reorder_by_prefix", _llm_default("reorder_by_prefix"))
                                       and kwargs.get("enable_prefix_caching", _llm_default("enable_prefix_caching")))
         self.model_path = resolve_model_path(model)  # converts the default model once, here, not in every replica
+        # As an LLM reports them (job manifests pin them); the replicas check them against the checkpoint.
+        self.quantization = kwargs.get("quantization")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kwargs.get("kv_cache_dtype", "auto"))
         self.failures: list[ReplicaFailure] = []
         self.tokenizer: Any = None
         self.max_model_len = 0

@@ -2,8 +2,8 @@
 
 The GEMM on the GPU is `torch._scaled_mm` with row-wise scales (Hopper and Ada FP8 tensor cores):
 `out[t, o] = (sum_k qx[t, k] qw[o, k]) * sx[t] * sw[o]`, accumulated in float32. The CPU runs the same
-arithmetic as a dequantize-then-matmul reference: the same quantized operands and the same scales, the
-products in float32, so CI tests the math and an FP8 checkpoint loads (slowly, correctly) on a laptop.
+arithmetic as a dequantize-then-matmul reference: the same quantized operands and the same scales, the sum
+exact in float64, so CI tests the math and an FP8 checkpoint loads (slowly, correctly) on a laptop.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # weight.t() is column-major, the layout the FP8 GEMM wants for its second operand.
         out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     else:
-        out = (F.linear(q.float(), weight.float()) * x_scale * weight_scale).to(x.dtype)
+        # In float64 the sum is exact (a product of two E4M3 values is a multiple of 2**-18 below 2**18, so a sum
+        # of up to 2**17 of them fits 53 bits): the CPU result depends on the operands only, not on the batch.
+        out = (F.linear(q.double(), weight.double()) * x_scale.double() * weight_scale.double()).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
