@@ -127,6 +127,8 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: 
                     if tuple(tensor.shape) != expected:
                         raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {expected}")
                     if scale_param is not None:
+                        # Whole, not this rank's slice: a row's scale needs the full row, and a fused
+                        # layer's shards are converted one HF tensor at a time.
                         weight, scale = fp8_weight(name, tensor.read(), read, quant)
                         weight_loader(param, weight, shard_id)
                         weight_loader(scale_param, scale, shard_id)

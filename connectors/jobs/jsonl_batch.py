@@ -122,8 +122,9 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
     adapters = adapter_requests(adapter_dirs, engine) if adapter_dirs else {}
     if adapters:
         fingerprint["adapters"] = adapters_identity(adapter_dirs)
-    if quantization_identity(engine) is not None:
-        fingerprint["quantization"] = quantization_identity(engine)
+    numerics = quantization_identity(engine)
+    if numerics is not None:
+        fingerprint["quantization"] = numerics
     manifest = Manifest.open(manifest_path, fingerprint, output)
     sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors, frozenset(adapters))
     encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate)

@@ -128,8 +128,9 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
                    "max_tokens_cap": settings.max_tokens_cap}
     if adapters:
         fingerprint["adapters"] = adapters_identity(options.loras)
-    if quantization_identity(engine) is not None:
-        fingerprint["quantization"] = quantization_identity(engine)
+    numerics = quantization_identity(engine)
+    if numerics is not None:
+        fingerprint["quantization"] = numerics
     manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint, directory)
     sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
                        settings.retry_errors)
