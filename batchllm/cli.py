@@ -142,8 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--load-format", choices=("auto", "dummy"), default=_ENGINE_DEFAULTS["load_format"],
                      help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
     run.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=_ENGINE_DEFAULTS["quantization"],
-                     help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales; an FP8 "
-                          "checkpoint is detected without it)")
+                     help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales), or name a "
+                          "quantized checkpoint's format (gptq, awq, compressed-tensors; FP8 and integer "
+                          "checkpoints are detected without it)")
     run.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_ENGINE_DEFAULTS["kv_cache_dtype"],
                      help="engine: the KV cache's dtype (auto: the model's; fp8: E4M3, twice the tokens)")
     run.add_argument("--structured-outputs-backend", choices=tuple(GRAMMAR_BACKENDS),

@@ -59,7 +59,12 @@ class LLM:
     checkpoint; FP8 checkpoints (compressed-tensors `float-quantized`, HF `quant_method: "fp8"`) are detected
     from config.json without it. `kv_cache_dtype="fp8"`: an E4M3 KV cache with per-layer scales (the
     checkpoint's `k_scale`/`v_scale`, else 1.0), twice the tokens in the same memory. On a GPU both need FP8
-    tensor cores (Ada, Hopper); the CPU runs the same arithmetic, slowly. See batchllm/model/quantization/.
+    tensor cores (Ada, Hopper); the CPU runs the same arithmetic, slowly.
+
+    4- and 8-bit integer checkpoints (GPTQ, AWQ GEMM, compressed-tensors `pack-quantized` such as
+    llm-compressor's W4A16) are detected from config.json too; `quantization="gptq"` / `"awq"` /
+    `"compressed-tensors"` may name the format, and must then match it. On a GPU they run a Triton W4A16 GEMM;
+    the CPU dequantizes them once on load. See batchllm/model/quantization/.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -99,7 +104,7 @@ class LLM:
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
-        kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device)
+        kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device, load_format)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype  # as asked: job manifests pin them
         # skip_tokenizer_init: token ids in, token ids out (no text, no stop strings), e.g. random-weight shapes.
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,

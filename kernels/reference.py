@@ -1,5 +1,6 @@
 """Pure-torch reference implementations of the kernels: paged KV cache (model dtype or FP8), RMSNorm, rotary,
-SiLU-and-mul, the structured-output token bitmask, the batched multi-LoRA delta and per-token FP8 quantization.
+SiLU-and-mul, the structured-output token bitmask, the batched multi-LoRA delta, per-token FP8 quantization and
+the packed-integer (4- or 8-bit, W4A16) weight matmul.
 
 These are the CPU path and the ground truth the Triton kernels are tested against. They favour clarity, but
 avoid per-token Python loops: all decode rows of a batch share one gather and one attention call.
@@ -215,3 +216,33 @@ def add_lora_(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tens
         delta = y.float() @ b[slot].float().T
         out.index_copy_(0, tokens, (out.index_select(0, tokens).float() + delta).to(out.dtype))
     return out
+
+
+def unpack_int(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes `[K, N]` (int32, 0 .. 2**bits - 1) of a K-packed `qweight [K * bits // 32, N]` int32: row k of the
+    codes is bits `bits * (k % pack)` upwards of word row `k // pack`, with `pack = 32 // bits`."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, device=qweight.device, dtype=torch.int32) * bits
+    codes = (qweight[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return codes.reshape(qweight.shape[0] * pack, qweight.shape[1])
+
+
+def dequantize_int(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+                   g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 `w [K, N]` of a packed-integer weight: `w[k, n] = (code[k, n] - zeros[g, n]) * scales[g, n]`.
+
+    The layout every 4-/8-bit checkpoint format is converted to on load: `qweight` K-packed (`unpack_int`),
+    `scales [G, N]` float32 and `zeros [G, N]` uint8 (unsigned zero points, 2**(bits-1) for symmetric
+    weights). Row k is in group `k // group_size`, or `g_idx[k]` (int32 `[K]`) when given (act-order rows
+    whose groups are not contiguous).
+    """
+    codes = unpack_int(qweight, bits)
+    groups = (torch.arange(codes.shape[0], device=codes.device) // group_size if g_idx is None else g_idx.long())
+    return (codes - zeros.long().index_select(0, groups)).float() * scales.float().index_select(0, groups)
+
+
+def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ dequantize_int(...)` → `[M, N]` in x's dtype, the product accumulated in float32."""
+    w = dequantize_int(qweight, scales, zeros, bits, group_size, g_idx)
+    return (x.float() @ w).to(x.dtype)

@@ -10,7 +10,7 @@ from batchllm.distributed.parallel_state import check_tensor_parallel_shape
 from batchllm.executor.model_runner import ModelRunner, RunnerConfig
 from batchllm.executor.multiproc_executor import MultiprocExecutor
 from batchllm.model.config import ModelConfig, read_hf_config
-from batchllm.model.quantization import resolve_kv_cache_dtype, resolve_quantization
+from batchllm.model.quantization import FP8, check_on_load, resolve_kv_cache_dtype, resolve_quantization
 from batchllm.model.quantization.fp8 import check_fp8_device
 
 
@@ -60,12 +60,14 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
-def check_quantization(model_path: Any, quantization: str | None, kv_cache_dtype: str, device: torch.device) -> str:
+def check_quantization(model_path: Any, quantization: str | None, kv_cache_dtype: str, device: torch.device,
+                       load_format: str = "auto") -> str:
     """Validate `quantization` and `kv_cache_dtype` against the checkpoint and the device before anything loads;
     returns the KV dtype's canonical name ('auto' or 'fp8')."""
     quant = resolve_quantization(read_hf_config(model_path), quantization)
+    check_on_load(quant, quantization, load_format)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
-    if quant is not None:
+    if quant is not None and quant.method == FP8:
         check_fp8_device(device, "FP8 weights" if quantization is None else f"quantization={quantization!r}")
     if kv_dtype == "fp8":
         check_fp8_device(device, f"kv_cache_dtype={kv_cache_dtype!r}")

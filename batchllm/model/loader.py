@@ -16,9 +16,11 @@ from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
 from batchllm.model.layers.norm import RMSNorm
-from batchllm.model.quantization import QuantConfig, building_with, resolve_quantization
+from batchllm.model.quantization import INT, QuantConfig, building_with, check_on_load, resolve_quantization
 from batchllm.model.quantization.checkpoint import SCALE_SUFFIXES, fp8_weight, kv_scale_target
 from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
+from batchllm.model.quantization.int_checkpoint import COMPONENT_SUFFIXES, PRIMARY_SUFFIXES, Reader, int_weight
+from batchllm.model.quantization.int_packed import PackedInt, quantize_int_rtn
 from batchllm.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -61,7 +63,9 @@ def load_model(
     (normal(0, 0.02), norms 1): right shapes and speed, meaningless text.
 
     `quantization="fp8"` quantizes the decoder's linear layers on load (see `batchllm.model.quantization`);
-    a checkpoint whose config.json carries a `quantization_config` is read in its own format either way.
+    a checkpoint whose config.json carries a `quantization_config` (FP8, GPTQ, AWQ, compressed-tensors) is read
+    in its own format either way. Random weights may also be "gptq" / "awq" / "compressed-tensors": 4-bit,
+    groups of 128, the normal values above rounded to nearest.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -70,6 +74,7 @@ def load_model(
     model_class = get_model_class(architecture_of(hf_config))  # before parsing, so the error is about support
     config = ModelConfig.from_hf_dict(hf_config)
     quant = resolve_quantization(hf_config, quantization)
+    check_on_load(quant, quantization, load_format)
     # Parameters are created uninitialised, directly on the device and in the target dtype.
     with torch.device(device), _default_dtype(dtype), building_with(quant):
         model = model_class(config)
@@ -78,6 +83,9 @@ def load_model(
             _fill_dummy_weights(model, seed, dtype)
         else:
             _load_safetensors(model, path, config, quant)
+        for module in model.modules():
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
     return model.eval(), config
 
 
@@ -98,8 +106,10 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: 
         # Any tensor by name, whichever file holds it: a weight's scales may sit in another shard.
         holder = {name: checkpoint for checkpoint in checkpoints for name in checkpoint.keys()}
 
-        def read(name: str) -> torch.Tensor:
+        def read(name: str, required: bool = True) -> torch.Tensor | None:
             if name not in holder:
+                if not required:
+                    return None
                 raise ValueError(f"needs the tensor {name}, which the checkpoint does not have")
             return holder[name].get_tensor(name)
 
@@ -107,15 +117,26 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: 
             for name in checkpoint.keys():
                 if name.endswith(_UNUSED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                if quant is not None and name.endswith(SCALE_SUFFIXES):
+                if quant is not None and name.endswith(COMPONENT_SUFFIXES if quant.method == INT else SCALE_SUFFIXES):
                     continue  # read with their weights
                 kv_scale = kv_scale_target(name)
                 if kv_scale is not None and kv_scale[0] in modules:
                     setattr(modules[kv_scale[0]], kv_scale[1], float(read(name)))
                     continue
+                if quant is not None and quant.method == INT and name.endswith(PRIMARY_SUFFIXES):
+                    try:
+                        loaded |= _load_int_weight(name, read, quant, packed, modules)
+                    except ValueError as exc:
+                        raise ValueError(f"{file.name}: {name}: {exc}") from None
+                    continue
                 target, shard_id = _param_name_for(name, packed)
                 param = params.get(target)
                 if param is None:
+                    owner = modules.get(target.rsplit(".", 1)[0])
+                    if getattr(owner, "int_quant", None) is not None:
+                        raise ValueError(f"{file.name}: {name}: is stored unquantized in a {quant.checkpoint_format} "
+                                         f"checkpoint; batchllm reads checkpoints whose decoder linear layers are all "
+                                         f"quantized (an ignore list other than lm_head is not supported)")
                     unexpected.append(name)
                     continue
                 scale_param = params.get(target + "_scale") if target.endswith(".weight") else None
@@ -149,6 +170,30 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: 
             + (f"missing tensors: {', '.join(missing)}. " if missing else "")
             + (f"unexpected tensors: {', '.join(sorted(unexpected))}." if unexpected else "")
         )
+
+
+def _load_int_weight(name: str, read: Reader, quant: QuantConfig, packed: dict[str, tuple[str, Hashable]],
+                     modules: dict[str, nn.Module]) -> set[tuple[str, Hashable]]:
+    """Convert one quantized HF linear (its primary tensor `name`) and hand its parts to our layer's loaders."""
+    target, shard_id = _param_name_for(name.rsplit(".", 1)[0] + ".weight", packed)
+    module_name = target.removesuffix(".weight")
+    layer = modules.get(module_name)
+    if getattr(layer, "int_quant", None) is None:
+        raise ValueError(f"is a quantized tensor, but {module_name} is not a quantized linear layer of this model")
+    word_rows, out_features = layer.qweight.checkpoint_shapes[shard_id]
+    weight = int_weight(name, read, quant, (out_features, word_rows * quant.pack))
+    return _load_int_parts(layer, module_name, weight, shard_id)
+
+
+def _load_int_parts(layer: nn.Module, module_name: str, weight: PackedInt, shard_id: Hashable
+                    ) -> set[tuple[str, Hashable]]:
+    loaded = set()
+    for part in ("qweight", "scales", "zeros", "g_idx"):
+        param = getattr(layer, part)
+        if param is not None:
+            param.weight_loader(param, getattr(weight, part), shard_id)
+            loaded.add((f"{module_name}.{part}", shard_id))
+    return loaded
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -193,12 +238,18 @@ def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None
     same values as the unquantized model, quantized per channel, so the two can be compared."""
     norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    int_parts = {id(getattr(m, part)) for m in modules.values() if getattr(m, "int_quant", None) is not None
+                 for part in ("scales", "zeros", "g_idx")}
     for name, param in params.items():
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
-        if name.endswith(".weight_scale"):
+        if name.endswith(".weight_scale") or id(param) in int_parts:
             continue  # filled with its weight
+        if name.endswith(".qweight"):
+            _fill_dummy_int(modules[name.removesuffix(".qweight")], name.removesuffix(".qweight"), seed, dtype)
+            continue
         scale_param = params.get(name + "_scale")
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in getattr(param, "checkpoint_shapes", {None: param.shape}).items():
@@ -211,6 +262,22 @@ def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None
                 weight, scale = quantize_fp8_per_channel(full)
                 weight_loader(param, weight, shard_id)
                 weight_loader(scale_param, scale, shard_id)
+
+
+def _fill_dummy_int(layer: nn.Module, module_name: str, seed: int, dtype: torch.dtype) -> None:
+    """The unquantized model's random values (same seeds), rounded to the layer's integer grid."""
+    quant = layer.int_quant
+    for shard_id, (word_rows, out_features) in layer.qweight.checkpoint_shapes.items():
+        generator = torch.Generator(device=layer.qweight.device)
+        generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{module_name}.weight:{shard_id}".encode()))
+        full = torch.empty(out_features, word_rows * quant.pack, dtype=dtype, device=layer.qweight.device)
+        weight = quantize_int_rtn(full.normal_(0.0, _DUMMY_STD, generator=generator), quant.bits, quant.group_size)
+        if layer.g_idx is not None:  # act-order layout, trivially ordered
+            in_features = word_rows * quant.pack
+            size = in_features if quant.group_size == -1 else quant.group_size
+            g_idx = torch.arange(in_features, dtype=torch.int32, device=full.device) // size
+            weight = PackedInt(weight.qweight, weight.scales, weight.zeros, g_idx)
+        _load_int_parts(layer, module_name, weight, shard_id)
 
 
 @contextmanager

@@ -58,15 +58,15 @@ def test_the_cli_flags_reach_both_replicas_and_the_manifest_pins_them(fp8_texts,
 
 def test_bad_flag_values_name_the_flag_and_what_is_supported(tmp_path, capsys):
     pq.write_table(pa.table({"q": ["hi"]}), tmp_path / "in.parquet")
-    for flags, message in ((["--quantization", "awq"], "--quantization: invalid choice: 'awq'"),
+    for flags, message in ((["--quantization", "bitsandbytes"], "--quantization: invalid choice: 'bitsandbytes'"),
                            (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: invalid choice: 'int8'")):
         with pytest.raises(SystemExit) as exit_info:
             main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q", *flags])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported; supported: 'auto'"):
         LLM(kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="quantization='awq' is not supported; supported: fp8"):
-        LLM(quantization="awq")
+    with pytest.raises(ValueError, match="quantization='bitsandbytes' is not supported; supported: quantization='fp8'"):
+        LLM(quantization="bitsandbytes")
 
 
 def test_an_openai_batch_file_and_a_pandas_frame_take_engine_kwargs(fp8_texts, tmp_path):

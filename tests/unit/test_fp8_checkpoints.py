@@ -474,9 +474,7 @@ def compressed_tensors_config(fmt: str, weights: dict, input_activations: dict |
 
 FP8_TOKEN_ACTIVATIONS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
 UNSUPPORTED: dict[str, Callable[[], dict]] = {
-    "awq": lambda: {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "bitsandbytes": lambda: {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-    "gptq": lambda: {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
     "ct-int8-w8a8": lambda: compressed_tensors_config(
         "int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
         {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
@@ -486,8 +484,6 @@ UNSUPPORTED: dict[str, Callable[[], dict]] = {
     "ct-fp8-group": lambda: compressed_tensors_config(
         "float-quantized", {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 64},
         FP8_TOKEN_ACTIVATIONS),
-    "ct-w4a16-packed": lambda: compressed_tensors_config(
-        "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, None),
     "ct-fp8-int8-kv": lambda: {**compressed_tensors_config(
         "float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}, FP8_TOKEN_ACTIVATIONS),
         "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True}},

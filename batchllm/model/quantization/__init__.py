@@ -1,13 +1,15 @@
 """Which quantization a model runs with: asked for by the user, or detected from a checkpoint's config.json.
 
-One method today, FP8 (E4M3) weights with per-output-channel scales and activations quantized per token on
-the fly (`fp8.py`). Checkpoints already quantized to FP8 are read in the formats users have:
+Two kinds of quantized weights:
 
-- llm-compressor / compressed-tensors `float-quantized` (e.g. FP8_DYNAMIC): `weight` E4M3 and `weight_scale`
-  per channel `[out, 1]` or per tensor;
-- HF / vLLM `quant_method: "fp8"` with a per-tensor `weight_scale`;
-- HF fine-grained `quant_method: "fp8"` with `weight_block_size` (128 x 128 blocks), `weight_scale_inv` per
-  block: dequantized and quantized again per output channel on load.
+- FP8 (E4M3) weights with per-output-channel scales and activations quantized per token on the fly
+  (`fp8.py`): quantized on load from a bf16/fp16/fp32 checkpoint (`quantization="fp8"`), or read from
+  llm-compressor / compressed-tensors `float-quantized` (e.g. FP8_DYNAMIC), HF / vLLM `quant_method: "fp8"`
+  with a per-tensor `weight_scale`, or HF fine-grained FP8 with 128 x 128 `weight_scale_inv` blocks
+  (dequantized and quantized again per output channel on load).
+- 4- and 8-bit integer weights with 16-bit activations (W4A16, `int_packed.py`), read from GPTQ (AutoGPTQ /
+  GPTQModel), AWQ (AutoAWQ GEMM) and compressed-tensors `pack-quantized` checkpoints (`formats.py` parses
+  their quantization_config, `int_checkpoint.py` their tensors).
 
 The layers read the configuration while the model is built (`building_with`), the way they read the
 tensor-parallel group: the model classes stay free of quantization arguments.
@@ -20,31 +22,64 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8, INT = "fp8", "int"  # QuantConfig.method
 # checkpoint_format values
 ON_LOAD, COMPRESSED_TENSORS, FP8_PER_TENSOR, FP8_BLOCK = None, "compressed-tensors", "fp8-per-tensor", "fp8-block"
-_SUPPORTED = ("fp8 (quantize a bf16/fp16/fp32 checkpoint on load), and FP8 checkpoints in the compressed-tensors "
-              "'float-quantized' format (8-bit float weights, channel or tensor strategy) or HF's quant_method "
-              "'fp8' (per-tensor weight_scale or weight_block_size blocks)")
+GPTQ, AWQ = "gptq", "awq"
+SUPPORTED = ("quantization='fp8' (quantize a bf16/fp16/fp32 checkpoint on load); FP8 checkpoints: compressed-tensors "
+             "'float-quantized' (8-bit float weights, channel or tensor strategy) or HF quant_method 'fp8' (per-tensor "
+             "weight_scale or weight_block_size blocks); 4- and 8-bit integer weight-only checkpoints: GPTQ "
+             "(checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), AWQ version 'gemm' (4-bit), and "
+             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not)")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
-    method: str  # "fp8"
+    method: str  # FP8 or INT
     checkpoint_format: str | None = ON_LOAD  # how quantized tensors are stored; None: the checkpoint is not
     block_shape: tuple[int, int] | None = None  # FP8_BLOCK: (rows, cols) of one weight_scale_inv entry
+    # INT weights:
+    bits: int = 4
+    group_size: int = 128  # input features per scale; -1: one group over all of them (per output channel)
+    act_order: bool = False  # groups given per input feature by a g_idx tensor, not contiguous
+    zero_plus_one: bool = False  # GPTQ v1 checkpoints store zero point - 1
+
+    @property
+    def pack(self) -> int:
+        """Integer codes per int32 word."""
+        return 32 // self.bits
 
 
 def resolve_quantization(hf_config: Mapping[str, Any], requested: str | None) -> QuantConfig | None:
     """The quantization for `LLM(quantization=requested)` on a checkpoint with this config.json; a clear
     ValueError naming what is supported for anything else."""
+    from batchllm.model.quantization.formats import checkpoint_quantization
+
     if requested is not None and requested not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={requested!r} is not supported; supported: {_SUPPORTED}")
+        raise ValueError(f"quantization={requested!r} is not supported; supported: {SUPPORTED}")
     stored = hf_config.get("quantization_config")
     if stored is None:
-        return QuantConfig(requested) if requested else None
-    return _checkpoint_quantization(stored)
+        if requested in (None, "fp8"):
+            return QuantConfig(FP8) if requested else None
+        # Only random weights can be "quantized" as GPTQ etc. without a checkpoint (benchmarks): real weights
+        # need the producer's calibration, so `check_on_load` refuses this for load_format="auto".
+        return QuantConfig(INT)  # 4-bit, groups of 128, symmetric
+    quant = checkpoint_quantization(stored)
+    stored_method = stored.get("quant_method")
+    if requested not in (None, stored_method) and not (requested == "fp8" and quant.method == FP8):
+        raise ValueError(f"quantization={requested!r}, but the checkpoint's config.json says quant_method="
+                         f"{stored_method!r}; pass quantization=None (detected) or {stored_method!r}")
+    return quant
+
+
+def check_on_load(quant: QuantConfig | None, requested: str | None, load_format: str) -> None:
+    """Integer weights come from a quantized checkpoint (or are random, for benchmarks): never from a bf16 one."""
+    if quant is not None and quant.method == INT and quant.checkpoint_format is ON_LOAD and load_format != "dummy":
+        raise ValueError(f"quantization={requested!r} reads {requested} checkpoints (config.json with a "
+                         f"quantization_config), and this checkpoint is not quantized; quantizing on load is "
+                         f"supported for quantization='fp8' only")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -53,52 +88,6 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; supported: 'auto' (the model "
                          f"dtype) and 'fp8' (alias 'fp8_e4m3': E4M3 with per-layer scales)")
     return "auto" if kv_cache_dtype == "auto" else "fp8"
-
-
-def _checkpoint_quantization(stored: Mapping[str, Any]) -> QuantConfig:
-    method = stored.get("quant_method")
-    if method == "fp8":
-        block = stored.get("weight_block_size")
-        if block is None:
-            return QuantConfig("fp8", FP8_PER_TENSOR)
-        if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                           for b in block)):
-            raise ValueError(f"config.json quantization_config.weight_block_size={block!r} must be two positive ints")
-        return QuantConfig("fp8", FP8_BLOCK, (block[0], block[1]))
-    if method == "compressed-tensors":
-        _check_compressed_tensors(stored)
-        return QuantConfig("fp8", COMPRESSED_TENSORS)
-    raise ValueError(f"the checkpoint's config.json has quantization_config.quant_method={method!r}, which batchllm "
-                     f"does not read; supported: {_SUPPORTED}")
-
-
-def _check_compressed_tensors(stored: Mapping[str, Any]) -> None:
-    kv_scheme = stored.get("kv_cache_scheme")
-    if kv_scheme is not None and (kv_scheme.get("type") != "float" or kv_scheme.get("num_bits") != 8):
-        raise ValueError(f"compressed-tensors kv_cache_scheme has {kv_scheme.get('num_bits')}-bit "
-                         f"{kv_scheme.get('type')} KV; supported: 8-bit float (E4M3) KV scales, used with "
-                         f"kv_cache_dtype='fp8'")
-    groups = stored.get("config_groups") or {}
-    if not groups:
-        raise ValueError(f"compressed-tensors quantization_config has no config_groups; supported: {_SUPPORTED}")
-    for name, group in groups.items():
-        weights = group.get("weights") or {}
-        fmt = group.get("format") or stored.get("format")
-        problems = []
-        if fmt != "float-quantized":
-            problems.append(f"format {fmt!r}")
-        if weights.get("type") != "float" or weights.get("num_bits") != 8:
-            problems.append(f"{weights.get('num_bits')}-bit {weights.get('type')} weights")
-        if weights.get("strategy") not in ("channel", "tensor"):
-            problems.append(f"weight strategy {weights.get('strategy')!r}")
-        if not weights.get("symmetric", True):
-            problems.append("asymmetric weights")
-        activations = group.get("input_activations")
-        if activations is not None and (activations.get("type") != "float" or activations.get("num_bits") != 8):
-            problems.append(f"{activations.get('num_bits')}-bit {activations.get('type')} activations")
-        if problems:
-            raise ValueError(f"compressed-tensors config group {name!r} has {', '.join(problems)}; supported: "
-                             f"{_SUPPORTED}")
 
 
 _building: QuantConfig | None = None

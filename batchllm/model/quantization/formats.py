@@ -1,0 +1,149 @@
+"""A quantized checkpoint's `quantization_config` (config.json) → `QuantConfig`, refusing what we do not read.
+
+Each producer's keys, as written:
+- HF / vLLM FP8: `quant_method: "fp8"`, optional `weight_block_size`.
+- GPTQ (AutoGPTQ, GPTQModel, optimum): `bits`, `group_size` (-1: per channel), `desc_act`, `sym`,
+  `checkpoint_format` ("gptq": zero points stored minus one, the default of older checkpoints; "gptq_v2").
+- AWQ (AutoAWQ): `bits` / `w_bit`, `group_size` / `q_group_size`, `zero_point`, `version` ("gemm").
+- compressed-tensors (llm-compressor): `config_groups` of `weights` / `input_activations` schemes, a `format`
+  per group or for all; `float-quantized` (FP8) or `pack-quantized` (integer, weight-only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from batchllm.model.quantization import (
+    AWQ,
+    COMPRESSED_TENSORS,
+    FP8,
+    FP8_BLOCK,
+    FP8_PER_TENSOR,
+    GPTQ,
+    INT,
+    SUPPORTED,
+    QuantConfig,
+)
+
+_INT_BITS = (4, 8)
+
+
+def checkpoint_quantization(stored: Mapping[str, Any]) -> QuantConfig:
+    method = stored.get("quant_method")
+    if method == "fp8":
+        return _fp8(stored)
+    if method == "gptq":
+        return _gptq(stored)
+    if method == "awq":
+        return _awq(stored)
+    if method == "compressed-tensors":
+        return _compressed_tensors(stored)
+    raise ValueError(f"the checkpoint's config.json has quantization_config.quant_method={method!r}, which batchllm "
+                     f"does not read; supported: {SUPPORTED}")
+
+
+def _fp8(stored: Mapping[str, Any]) -> QuantConfig:
+    block = stored.get("weight_block_size")
+    if block is None:
+        return QuantConfig(FP8, FP8_PER_TENSOR)
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"config.json quantization_config.weight_block_size={block!r} must be two positive ints")
+    return QuantConfig(FP8, FP8_BLOCK, (block[0], block[1]))
+
+
+def _refuse(what: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{what} has {', '.join(problems)}; supported: {SUPPORTED}")
+
+
+def _int_problems(bits: Any, group_size: Any) -> list[str]:
+    problems = []
+    if bits not in _INT_BITS:
+        problems.append(f"bits={bits!r} (4 and 8 are read)")
+    if not (isinstance(group_size, int) and (group_size == -1 or (group_size > 0 and group_size % 8 == 0))):
+        problems.append(f"group_size={group_size!r} (-1 or a positive multiple of 8)")
+    return problems
+
+
+def _gptq(stored: Mapping[str, Any]) -> QuantConfig:
+    bits, group_size = stored.get("bits"), stored.get("group_size", -1)
+    problems = _int_problems(bits, group_size)
+    layout = stored.get("checkpoint_format", "gptq")
+    if layout not in ("gptq", "gptq_v2"):
+        problems.append(f"checkpoint_format={layout!r} (an exllama / marlin / bitblas-only layout)")
+    if stored.get("lm_head"):
+        problems.append("a quantized lm_head")
+    if stored.get("dynamic"):
+        problems.append("per-module 'dynamic' overrides")
+    _refuse("the GPTQ quantization_config", problems)
+    return QuantConfig(INT, GPTQ, bits=bits, group_size=group_size, act_order=bool(stored.get("desc_act")),
+                       zero_plus_one=layout == "gptq")
+
+
+def _awq(stored: Mapping[str, Any]) -> QuantConfig:
+    bits = stored.get("bits", stored.get("w_bit"))
+    group_size = stored.get("group_size", stored.get("q_group_size", -1))
+    problems = _int_problems(bits, group_size)
+    if bits == 8:
+        problems.append("8-bit weights (AutoAWQ's GEMM layout is 4-bit)")
+    version = str(stored.get("version", "gemm")).lower()
+    if version != "gemm":
+        problems.append(f"version={version!r} (only the 'gemm' packing is read)")
+    if not stored.get("zero_point", True):
+        problems.append("zero_point=false")
+    _refuse("the AWQ quantization_config", problems)
+    return QuantConfig(INT, AWQ, bits=bits, group_size=group_size)
+
+
+def _compressed_tensors(stored: Mapping[str, Any]) -> QuantConfig:
+    kv_scheme = stored.get("kv_cache_scheme")
+    if kv_scheme is not None and (kv_scheme.get("type") != "float" or kv_scheme.get("num_bits") != 8):
+        raise ValueError(f"compressed-tensors kv_cache_scheme has {kv_scheme.get('num_bits')}-bit "
+                         f"{kv_scheme.get('type')} KV; supported: 8-bit float (E4M3) KV scales, used with "
+                         f"kv_cache_dtype='fp8'")
+    groups = stored.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"compressed-tensors quantization_config has no config_groups; supported: {SUPPORTED}")
+    configs = {_compressed_tensors_group(name, group, group.get("format") or stored.get("format"))
+               for name, group in groups.items()}
+    if len(configs) > 1:
+        raise ValueError(f"compressed-tensors config_groups {sorted(groups)} quantize layers differently; supported: "
+                         f"one scheme for every quantized layer")
+    return configs.pop()
+
+
+def _compressed_tensors_group(name: str, group: Mapping[str, Any], fmt: Any) -> QuantConfig:
+    weights = group.get("weights") or {}
+    activations = group.get("input_activations")
+    what = f"compressed-tensors config group {name!r}"
+    if fmt == "pack-quantized":
+        strategy = weights.get("strategy")
+        group_size = weights.get("group_size") if strategy == "group" else -1
+        problems = _int_problems(weights.get("num_bits"), group_size)
+        if weights.get("type") != "int":
+            problems.append(f"{weights.get('type')} weights")
+        if strategy not in ("group", "channel"):
+            problems.append(f"weight strategy {strategy!r}")
+        if activations is not None:
+            problems.append("quantized activations (weight-only schemes such as W4A16 are read)")
+        actorder = weights.get("actorder")
+        if actorder not in (None, "static", "weight", "group", "dynamic"):
+            problems.append(f"actorder={actorder!r}")
+        _refuse(what, problems)
+        # Only "group" (alias "dynamic") act-order stores a per-feature g_idx; "weight" keeps groups contiguous.
+        return QuantConfig(INT, COMPRESSED_TENSORS, bits=weights["num_bits"], group_size=group_size,
+                           act_order=actorder in ("group", "dynamic"))
+    problems = []
+    if fmt != "float-quantized":
+        problems.append(f"format {fmt!r}")
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        problems.append(f"{weights.get('num_bits')}-bit {weights.get('type')} weights")
+    if weights.get("strategy") not in ("channel", "tensor"):
+        problems.append(f"weight strategy {weights.get('strategy')!r}")
+    if not weights.get("symmetric", True):
+        problems.append("asymmetric weights")
+    if activations is not None and (activations.get("type") != "float" or activations.get("num_bits") != 8):
+        problems.append(f"{activations.get('num_bits')}-bit {activations.get('type')} activations")
+    _refuse(what, problems)
+    return QuantConfig(FP8, COMPRESSED_TENSORS)
