@@ -83,6 +83,7 @@ class LLM:
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
+        from batchllm.model.quantization import pinned_quantization
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
 
         cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
@@ -105,7 +106,9 @@ class LLM:
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
         kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device, load_format)
-        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype  # as asked: job manifests pin them
+        # Job manifests pin these (see connectors/jobs/identity.py).
+        self.quantization = pinned_quantization(read_hf_config(self.model_path), quantization)
+        self.kv_cache_dtype = kv_cache_dtype
         # skip_tokenizer_init: token ids in, token ids out (no text, no stop strings), e.g. random-weight shapes.
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
                                                                          trust_remote_code=trust_remote_code)

@@ -91,8 +91,9 @@ class ReplicaPool:
 
     def __init__(self, size: int, model: str | Path | None = None, engine_kwargs: Mapping[str, Any] | None = None,
                  *, max_in_flight_per_replica: int | None = None, chunk_rows: int | None = None) -> None:
+        from batchllm.model.config import read_hf_config
         from batchllm.model.loader import resolve_model_path
-        from batchllm.model.quantization import resolve_kv_cache_dtype
+        from batchllm.model.quantization import pinned_quantization, resolve_kv_cache_dtype
 
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {size!r}")
@@ -104,7 +105,7 @@ class ReplicaPool:
                                       and kwargs.get("enable_prefix_caching", _llm_default("enable_prefix_caching")))
         self.model_path = resolve_model_path(model)  # converts the default model once, here, not in every replica
         # As an LLM reports them (job manifests pin them); the replicas check them against the checkpoint.
-        self.quantization = kwargs.get("quantization")
+        self.quantization = pinned_quantization(read_hf_config(self.model_path), kwargs.get("quantization"))
         self.kv_cache_dtype = resolve_kv_cache_dtype(kwargs.get("kv_cache_dtype", "auto"))
         self.failures: list[ReplicaFailure] = []
         self.tokenizer: Any = None

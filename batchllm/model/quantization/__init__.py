@@ -82,6 +82,12 @@ def check_on_load(quant: QuantConfig | None, requested: str | None, load_format:
                          f"supported for quantization='fp8' only")
 
 
+def pinned_quantization(hf_config: Mapping[str, Any], requested: str | None) -> str | None:
+    """What a job manifest pins of `quantization=requested`: the method that quantizes on load, or None for a
+    quantized checkpoint (its config.json, which the manifest hashes, says how; naming it changes nothing)."""
+    return None if hf_config.get("quantization_config") is not None else requested
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
     """'auto' (the model dtype) or 'fp8' (E4M3 with per-layer scales); 'fp8_e4m3' is an alias of 'fp8'."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
