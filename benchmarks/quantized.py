@@ -1,4 +1,4 @@
-"""FP8 weights and FP8 KV cache against bf16 on the GPU: throughput in one run, and logprob quality.
+"""FP8 weights, 4-bit weights and FP8 KV cache against bf16 on the GPU: throughput in one run, and logprob quality.
 
     python benchmarks/quantized.py --shape llama3-8b --workload W5 --max-num-seqs 512
     python benchmarks/quantized.py --shape llama3-8b --quality     # |Δ logprob| vs an fp32 HF reference
@@ -7,7 +7,8 @@ Throughput: the same random weights (the loader's seeded dummy values; the FP8 e
 values per channel) and the same prompts, one engine after another in one process, each built alike
 (`gpu_throughput.run_batchllm`: CUDA graphs, async loop, warm-up on the workload's first rows, every row
 writing exactly `max_tokens` tokens). Configurations: `bf16`, `fp8` (FP8 weights, bf16 KV), `fp8-kv` (FP8
-weights and FP8 KV cache). Reported: output and total tok/s, the ratio to bf16, the KV pool and its peak use,
+weights and FP8 KV cache), `kv` (FP8 KV cache only), `w4` (4-bit GPTQ-layout weights, symmetric, groups of
+128: the same values rounded to nearest, through the Triton W4A16 GEMM), `w4-kv` (and FP8 KV cache). Reported: output and total tok/s, the ratio to bf16, the KV pool and its peak use,
 preemptions. `--profile` adds, per configuration, the top CUDA kernels of a short eager run
 (`--profile-rows` rows x 16 tokens after a prefill), the breakdown asked for when a target is missed.
 
@@ -30,7 +31,8 @@ from shapes import SHAPES, make_shape_dir
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 
 CONFIGS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-           "kv": {"kv_cache_dtype": "fp8"}}
+           "kv": {"kv_cache_dtype": "fp8"}, "w4": {"quantization": "gptq"},
+           "w4-kv": {"quantization": "gptq", "kv_cache_dtype": "fp8"}}
 
 
 def throughput(args) -> dict:
@@ -123,6 +125,7 @@ def quality(args) -> dict:
     results = {"bf16": bf16}
     _, results["fp8"] = our_logprobs("fp8", None)
     _, results["fp8-kv"] = our_logprobs("fp8", torch.float8_e4m3fn)
+    _, results["w4"] = our_logprobs("gptq", None)
     figures = {}
     for name, logprobs in results.items():
         delta = torch.cat([(ours - ref).abs() for ours, ref in zip(logprobs, reference, strict=True)])
@@ -184,7 +187,7 @@ def main() -> None:
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "hardware": hw, **figures}
     kind = "quality" if args.quality else f"{args.workload}-seqs{args.max_num_seqs}"
-    save_record(f"{record['date']}-fp8-{kind}-{args.shape}-h200{args.tag}.json", record, args.out)
+    save_record(f"{record['date']}-quant-{kind}-{args.shape}-h200{args.tag}.json", record, args.out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ The loader meets each quantized linear at its primary tensor (`qweight`, or `wei
 Each packing, as its producer writes it (`out = N` output features, `in = K` input features, `pack = 32 / bits`):
 
 - GPTQ: `qweight [K / pack, N]` int32 packed along K (our layout as is); `qzeros [G, N / pack]` packed along N,
-  holding `zero - 1` in the "gptq" (v1) checkpoint_format and `zero` in "gptq_v2"; `scales [G, N]` fp16;
+  holding `zero - 1` in the "gptq" (v1) checkpoint_format (subtracted from whole words, as GPTQModel does) and `zero`
+  in "gptq_v2"; `scales [G, N]` fp16;
   `g_idx [K]` the group of each input feature (trivial, `k // group_size`, without desc_act).
 - AWQ GEMM: `qweight [K, N / 8]` packed along N in AutoAWQ's interleaved order (nibble i of word j holds column
   `8 j + _AWQ_ORDER[i]`); `qzeros [G, N / 8]` the same way; `scales [G, N]`.
@@ -62,11 +63,14 @@ def int_weight(name: str, read: Reader, config: QuantConfig,
 
 
 def _gptq(prefix: str, read: Reader, config: QuantConfig) -> PackedInt:
-    zeros = _unpack_columns(read(prefix + "qzeros"), config.bits)
+    qzeros = read(prefix + "qzeros")
     if config.zero_plus_one:
-        zeros = zeros + 1  # v1 stores zero - 1 (a zero point of 0 is written as 2**bits - 1 and reads as 2**bits)
-        if int(zeros.max()) > 255:
-            raise ValueError("has an 8-bit v1 zero point of 256 (a stored -1), which batchllm does not read")
+        # v1 stores zero - 1, subtracted from whole words (0x11111111 for 4 bits, borrows included): adding it
+        # back to the word, modulo 2**32, is the exact inverse, a zero point of 0 included.
+        ones = sum(1 << (config.bits * i) for i in range(config.pack))
+        words = (qzeros.to(torch.int64) + ones) % 2**32
+        qzeros = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    zeros = _unpack_columns(qzeros, config.bits)
     return PackedInt(read(prefix + "qweight"), read(prefix + "scales").float(), zeros.to(torch.uint8),
                      read(prefix + "g_idx", required=False))
 
