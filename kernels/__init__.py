@@ -19,8 +19,8 @@ import torch
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "paged_attention", "quantize_fp8_per_token",
-           "rms_norm", "silu_and_mul", "triton_enabled", "write_kv"]
+__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "int_matmul", "paged_attention",
+           "quantize_fp8_per_token", "rms_norm", "silu_and_mul", "triton_enabled", "write_kv"]
 
 
 def write_kv(
@@ -103,6 +103,14 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return reference.quantize_fp8_per_token(x)
 
 
+def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ w` → `[M, N]` in x's dtype, w a K-packed 4- or 8-bit weight (see `reference.int_matmul`)."""
+    if _use_triton(x):
+        return _triton().int_matmul(x, qweight, scales, zeros, bits, group_size, g_idx)
+    return reference.int_matmul(x, qweight, scales, zeros, bits, group_size, g_idx)
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and triton_enabled()
 
@@ -119,6 +127,7 @@ def _triton() -> SimpleNamespace:
     from batchllm.kernels.activation import silu_and_mul_triton
     from batchllm.kernels.attention import paged_attention_triton
     from batchllm.kernels.fp8 import quantize_fp8_per_token_triton
+    from batchllm.kernels.int_gemm import int_matmul_triton
     from batchllm.kernels.kv_write import write_kv_triton
     from batchllm.kernels.lora import add_lora_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
@@ -129,5 +138,5 @@ def _triton() -> SimpleNamespace:
         write_kv=write_kv_triton, paged_attention=paged_attention_triton, rms_norm=rms_norm_triton,
         apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
         apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
-        quantize_fp8_per_token=quantize_fp8_per_token_triton,
+        quantize_fp8_per_token=quantize_fp8_per_token_triton, int_matmul=int_matmul_triton,
     )
