@@ -157,3 +157,9 @@ def test_the_gpu_w4a16_gemm_follows_the_dense_weights(pair):
     expected, got = ([out.outputs[0] for out in LLM(model, device="cuda", dtype="bfloat16").generate(
         TEXTS, params, use_tqdm=False)] for model in (pair[1], pair[0]))
     assert_same_path(expected, got)
+
+
+def test_naming_an_integer_format_for_a_float_checkpoint_is_refused_before_loading():
+    for method in ("gptq", "awq", "compressed-tensors"):
+        with pytest.raises(ValueError, match=f"quantization='{method}' reads {method} checkpoints.*fp8"):
+            LLM(quantization=method)
