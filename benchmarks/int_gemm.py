@@ -115,12 +115,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="also time a few block configurations per (shape, M)")
-    parser.add_argument("--unpack", choices=("word-rows", "by-row"), default=None,
-                        help="how tiles are unpacked (int_gemm.UNPACK_BY_ROW; default: the module's choice)")
     parser.add_argument("--out", default=None, help="a folder for a copy of the JSON record (the device's $OUT)")
     args = parser.parse_args()
-    if args.unpack:
-        int_gemm.UNPACK_BY_ROW = args.unpack == "by-row"
     results, sweeps = [], []
     print(f"{'shape':<8} {'K':>6} {'N':>6} {'M':>5} {'path':<11} {'bf16 us':>8} {'int us':>8} {'speedup':>7} "
           f"{'int GB/s':>8}  config", flush=True)
@@ -164,12 +160,9 @@ def main() -> None:
               "act_order": args.act_order, "symmetric": True, "dtype": "bfloat16", "timing": __doc__.split("\n\n")[2],
               "constants": {name: getattr(int_gemm, name) for name in (
                   "SPLIT_K_MAX_M", "DEQUANT_MIN_M", "SPLIT_K_BLOCKS", "TILED_BLOCKS", "SPLIT_K_ROWS", "MIN_PROGRAMS",
-                  "MAX_SPLIT_K", "PARTIAL_ROWS", "UNPACK_BY_ROW")},
+                  "MAX_SPLIT_K", "PARTIAL_ROWS")},
               "results": results, "sweep": sweeps}
-    auto = [r for r in results if r["path"].startswith("auto")]
-    print(f"TOTAL auto {sum(r['int_us'] for r in auto):.1f} us (bf16 {sum(r['bf16_us'] for r in auto):.1f})")
-    suffix = (f"w{args.bits}{'-act' if args.act_order else ''}{'-sweep' if args.sweep else ''}"
-              f"{'-by-row' if int_gemm.UNPACK_BY_ROW else ''}")
+    suffix = f"w{args.bits}{'-act' if args.act_order else ''}{'-sweep' if args.sweep else ''}"
     print(save_record(f"{record['date']}-int-gemm-{suffix}-{device_name}.json", record, args.out))
 
 

@@ -45,8 +45,6 @@ MAX_SPLIT_K = 8
 PARTIAL_ROWS = 512
 SUM_BLOCK = 1024  # elements per program of the partial-plane sum
 DEQUANT_BLOCK_K, DEQUANT_BLOCK_N = 64, 128
-# How a tile's codes are unpacked (see `_dequantize_tile`); chosen by measurement (benchmarks/int_gemm.py --unpack).
-UNPACK_BY_ROW = False
 # Any int code c < 2**23 ORed into the mantissa of 2**23 is the float 2**23 + c: one logic op instead of an
 # int-to-float conversion per weight element; subtracting 2**23 + zero (also exact) leaves code - zero.
 EXACT_FLOAT_BITS = tl.constexpr(0x4B000000)
@@ -88,11 +86,6 @@ def int_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return int_gemm_triton(x, qweight, scales, zeros, bits, group_size, g_idx, config)
 
 
-def _one_group(g_idx: torch.Tensor | None, group_size: int, block_k: int) -> bool:
-    """Whether every BLOCK_K tile (they start at multiples of block_k) lies in one group."""
-    return g_idx is None and group_size % block_k == 0
-
-
 def _check(qweight, scales, zeros, bits, group_size, g_idx, k):
     assert bits in (4, 8), bits
     assert qweight.dtype == torch.int32 and qweight.shape[0] * (32 // bits) == k, (qweight.dtype, qweight.shape, k)
@@ -123,7 +116,6 @@ def int_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     _int_gemm_kernel[grid](
         x, qweight, scales, zeros, qweight if g_idx is None else g_idx, partials, m, n, k, chunk, x.stride(0),
         qweight.stride(0), scales.stride(0), group_size, BITS=bits, HAS_G_IDX=g_idx is not None,
-        ONE_GROUP=_one_group(g_idx, group_size, config.block_k), BY_ROW=UNPACK_BY_ROW,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         # fp32 inputs get fp32 products; on the GPU the default would round operands to tf32.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -145,8 +137,7 @@ def dequantize_int_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         grid = (triton.cdiv(n, DEQUANT_BLOCK_N), triton.cdiv(k, DEQUANT_BLOCK_K))
         _dequantize_kernel[grid](qweight, scales, zeros, qweight if g_idx is None else g_idx, w, n, k,
                                  qweight.stride(0), scales.stride(0), group_size, BITS=bits,
-                                 HAS_G_IDX=g_idx is not None, ONE_GROUP=_one_group(g_idx, group_size, DEQUANT_BLOCK_K),
-                                 BY_ROW=UNPACK_BY_ROW, BLOCK_K=DEQUANT_BLOCK_K, BLOCK_N=DEQUANT_BLOCK_N)
+                                 HAS_G_IDX=g_idx is not None, BLOCK_K=DEQUANT_BLOCK_K, BLOCK_N=DEQUANT_BLOCK_N)
     return w
 
 
@@ -158,59 +149,31 @@ def _exact_float(code):
 @triton.jit
 def _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, k_end, cols, n, stride_q, stride_s,
                      group_size, DTYPE: tl.constexpr, BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                     ONE_GROUP: tl.constexpr, BY_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows `k0 .. k0 + BLOCK_K` of w (k0 a multiple of pack) at columns `cols`, `[BLOCK_K, BLOCK_N]` in DTYPE;
-    zero at rows from k_end (a multiple of pack) and at columns from n. ONE_GROUP: the tile's rows are all in
-    group `k0 // group_size` (one scale and zero row per tile, not one per word row). BY_ROW: every K
-    row loads its own word (8 rows share one, from L1) and shifts it, instead of unpacking word rows into a
-    [rows, PACK, BLOCK_N] block reshaped to K rows."""
+    zero at rows from k_end (a multiple of pack) and at columns from n."""
     PACK: tl.constexpr = 32 // BITS
-    if BY_ROW:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = (ks < k_end)[:, None] & (cols < n)[None, :]
-        words = tl.load(qweight_ptr + (ks // PACK)[:, None] * stride_q + cols[None, :], mask=mask, other=0)
-        codes = (words >> ((ks % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
-        if HAS_G_IDX:
-            groups = tl.load(g_idx_ptr + ks, mask=ks < k_end, other=0)[:, None]
-        else:
-            groups = (ks // group_size)[:, None]
-        group_ptrs = groups * stride_s + cols[None, :]
-        group_mask = mask
-    else:
-        word_rows = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-        lanes = tl.arange(0, PACK)
-        in_rows = word_rows < k_end // PACK
-        mask = in_rows[:, None] & (cols < n)[None, :]
-        words = tl.load(qweight_ptr + word_rows[:, None] * stride_q + cols[None, :], mask=mask, other=0)
-        codes = (words[:, None, :] >> (lanes * BITS)[None, :, None]) & ((1 << BITS) - 1)  # [rows, PACK, BLOCK_N]
-        if HAS_G_IDX:  # each row its own group: gather the scale and zero rows per K row
-            rows = word_rows[:, None] * PACK + lanes[None, :]
-            groups = tl.load(g_idx_ptr + rows, mask=in_rows[:, None], other=0)[:, :, None]
-        else:  # one group per word row, shared by its PACK lanes (repeated rows of a group hit the cache)
-            groups = (word_rows * PACK // group_size)[:, None, None]
-        group_ptrs = groups * stride_s + cols[None, None, :]
-        group_mask = mask[:, None, :]
-    if ONE_GROUP:
-        row = (k0 // group_size) * stride_s + cols
-        scale = tl.load(scales_ptr + row, mask=cols < n, other=0.0)
-        zero = _exact_float(tl.load(zeros_ptr + row, mask=cols < n, other=0).to(tl.int32))  # 2**23 + zero
-        if BY_ROW:
-            w = (_exact_float(codes) - zero[None, :]) * scale[None, :]
-        else:
-            w = (_exact_float(codes) - zero[None, None, :]) * scale[None, None, :]
-    else:
-        scale = tl.load(scales_ptr + group_ptrs, mask=group_mask, other=0.0)
-        zero = tl.load(zeros_ptr + group_ptrs, mask=group_mask, other=0).to(tl.int32)
-        w = (_exact_float(codes) - _exact_float(zero)) * scale
-    if BY_ROW:
-        return w.to(DTYPE)
-    return tl.reshape(w.to(DTYPE), (BLOCK_K, BLOCK_N))  # row k0 + r * PACK + lane is [r, lane]: row-major order
+    word_rows = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    lanes = tl.arange(0, PACK)
+    in_rows = word_rows < k_end // PACK
+    mask = in_rows[:, None] & (cols < n)[None, :]
+    words = tl.load(qweight_ptr + word_rows[:, None] * stride_q + cols[None, :], mask=mask, other=0)
+    codes = (words[:, None, :] >> (lanes * BITS)[None, :, None]) & ((1 << BITS) - 1)  # [rows, PACK, BLOCK_N]
+    if HAS_G_IDX:  # each row its own group: gather the scale and zero rows per K row
+        rows = word_rows[:, None] * PACK + lanes[None, :]
+        groups = tl.load(g_idx_ptr + rows, mask=in_rows[:, None], other=0)[:, :, None]
+    else:  # one group per word row, shared by its PACK lanes (repeated rows of a group hit the cache)
+        groups = (word_rows * PACK // group_size)[:, None, None]
+    group_ptrs = groups * stride_s + cols[None, None, :]
+    scale = tl.load(scales_ptr + group_ptrs, mask=mask[:, None, :], other=0.0)
+    zero = tl.load(zeros_ptr + group_ptrs, mask=mask[:, None, :], other=0).to(tl.int32)
+    w = ((_exact_float(codes) - _exact_float(zero)) * scale).to(DTYPE)
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))  # row k0 + r * PACK + lane is [r, lane]: row-major order
 
 
 @triton.jit
 def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, m, n, k, chunk, stride_x,
                      stride_q, stride_s, group_size, BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                     ONE_GROUP: tl.constexpr, BY_ROW: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
     """Grid `(cdiv(n, BLOCK_N), cdiv(m, BLOCK_M), split_k)`; N tiles vary fastest, so programs running together
@@ -228,8 +191,7 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
         ks = k0 + tl.arange(0, BLOCK_K)
         x_tile = tl.load(x_rows + ks[None, :], mask=in_m[:, None] & (ks < k_end)[None, :], other=0.0)
         w_tile = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, k_end, cols, n, stride_q,
-                                  stride_s, group_size, x_ptr.dtype.element_ty, BITS, HAS_G_IDX, ONE_GROUP, BY_ROW,
-                                  BLOCK_K, BLOCK_N)
+                                  stride_s, group_size, x_ptr.dtype.element_ty, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
         acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + split.to(tl.int64) * m * n + rows.to(tl.int64)[:, None] * n + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & (cols < n)[None, :])
@@ -248,12 +210,11 @@ def _sum_splits_kernel(partials_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOC
 
 @triton.jit
 def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, w_ptr, n, k, stride_q, stride_s, group_size,
-                       BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP: tl.constexpr, BY_ROW: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid `(cdiv(n, BLOCK_N), cdiv(k, BLOCK_K))`: w `[k, n]` contiguous."""
     k0 = tl.program_id(1) * BLOCK_K
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, k, cols, n, stride_q, stride_s,
-                         group_size, w_ptr.dtype.element_ty, BITS, HAS_G_IDX, ONE_GROUP, BY_ROW, BLOCK_K, BLOCK_N)
+                         group_size, w_ptr.dtype.element_ty, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
     ks = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + ks.to(tl.int64)[:, None] * n + cols[None, :], w, mask=(ks < k)[:, None] & (cols < n)[None, :])

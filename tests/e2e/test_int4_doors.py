@@ -150,12 +150,16 @@ def test_tensor_parallel_ranks_hold_their_words_groups_and_g_idx(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_gpu_w4a16_gemm_follows_the_dense_weights(pair):
+def test_the_gpu_w4a16_gemm_follows_the_dense_weights(tmp_path):
     """The Triton GEMM (act-order rows sorted once at load, x permuted per call) against cuBLAS on the same
-    dequantized weights, both bf16: logprobs along the dense model's greedy path (see `assert_same_path`)."""
+    dequantized weights, both bf16, on a random Llama: logprobs along the dense model's greedy path (see
+    `assert_same_path`)."""
+    gptq, dense = write_pair(tmp_path, write_checkpoint(tmp_path / "float", **SHAPES["gqa-biases"]))
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    expected, got = ([out.outputs[0] for out in LLM(model, device="cuda", dtype="bfloat16").generate(
-        TEXTS, params, use_tqdm=False)] for model in (pair[1], pair[0]))
+    prompt_list = prompts(SHAPES["gqa-biases"]["vocab_size"])
+    expected, got = ([out.outputs[0] for out in LLM(model, device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+                                                    num_kv_blocks=64).generate(prompt_list, params, use_tqdm=False)]
+                     for model in (dense, gptq))
     assert_same_path(expected, got)
 
 

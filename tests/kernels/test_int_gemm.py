@@ -121,18 +121,13 @@ CONFIGS = {"split-k": dict(block_m=16, block_n=32, block_k=16, split_k=3), "tile
                                                                                           block_k=64)}
 
 
-@pytest.mark.parametrize("by_row", [False, True], ids=["word-rows", "by-row"])  # the two unpackings
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("grouping", ["act-order", "partial", "one-per-tile"])
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("path", ["split-k", "tiled", "dequantize"])
-def test_each_path_at_odd_sizes(path, bits, grouping, dtype, by_row, monkeypatch):
+def test_each_path_at_odd_sizes(path, bits, act_order, dtype):
     int_gemm = _int_gemm()
-    monkeypatch.setattr(int_gemm, "UNPACK_BY_ROW", by_row)
-    act_order = grouping == "act-order"
-    # A short last tile of K; odd N; groups of 48, 48 and a partial 24 (no BLOCK_K divides 48), or of 128 (each
-    # 16- or 64-row tile in one group, whose scale row is loaded once).
-    k, n, group_size = 120, 37, 128 if grouping == "one-per-tile" else 48
+    k, n, group_size = 120, 37, 48  # a short last tile of K; odd N; groups of 48, 48 and a partial 24
     qweight, scales, zeros, g_idx = make_weight(k, n, bits, group_size, act_order, seed=7)
     x = make_x(19, k, dtype, seed=8)  # one full and one partial 16-row block; one partial 32-row block
     if path == "dequantize":
