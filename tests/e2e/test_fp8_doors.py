@@ -121,30 +121,38 @@ def test_preemption_and_the_prefix_cache_on_fp8_blocks():
     assert_same_path(expected, got)
 
 
+# Rank r of 2 on SHAPES["gqa-biases"] (4 heads of 16, 2 KV heads, a 128-wide MLP): the TP=1 rows of each fused
+# column layer it holds.
+TP2_COLUMN_ROWS = {
+    "qkv_proj": lambda r: [*range(32 * r, 32 * r + 32), *range(64 + 16 * r, 64 + 16 * r + 16),
+                           *range(96 + 16 * r, 96 + 16 * r + 16)],
+    "gate_up_proj": lambda r: [*range(64 * r, 64 * r + 64), *range(128 + 64 * r, 128 + 64 * r + 64)],
+}
+
+
+def load_as_rank(checkpoint, rank: int, size: int, **options):
+    """`load_model` as tensor-parallel rank `rank` of `size` would (no process group: only the sharding)."""
+    previous = parallel_state._state
+    parallel_state._state = parallel_state.TensorParallel(rank, size)
+    try:
+        return load_model(checkpoint, "cpu", torch.float32, **options)[0]
+    finally:
+        parallel_state._state = previous
+
+
 def test_tensor_parallel_ranks_hold_their_rows_with_their_scales(tmp_path):
     """Each rank's FP8 rows and scales are exactly TP=1's rows for it; a row layer keeps every output scale."""
-    checkpoint = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])  # 4 heads of 16, 2 KV heads, 128 MLP
+    checkpoint = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
     whole, _ = load_model(checkpoint, "cpu", torch.float32, quantization="fp8")
-    q, kv, mlp = 64, 32, 128
-    rows_of = {  # rank → the TP=1 rows of each fused column layer it holds
-        "qkv_proj": lambda r: [*range(32 * r, 32 * r + 32), *range(q + 16 * r, q + 16 * r + 16),
-                               *range(q + kv + 16 * r, q + kv + 16 * r + 16)],
-        "gate_up_proj": lambda r: [*range(64 * r, 64 * r + 64), *range(mlp + 64 * r, mlp + 64 * r + 64)],
-    }
     for rank in range(2):
-        previous = parallel_state._state
-        parallel_state._state = parallel_state.TensorParallel(rank, 2)
-        try:
-            shard, _ = load_model(checkpoint, "cpu", torch.float32, quantization="fp8")
-        finally:
-            parallel_state._state = previous
+        shard = load_as_rank(checkpoint, rank, 2, quantization="fp8")
         for name, module in shard.named_modules():
             if not hasattr(module, "weight_scale"):
                 continue
             full = whole.get_submodule(name)
             kind = name.rsplit(".", 1)[-1]
-            if kind in rows_of:
-                rows = rows_of[kind](rank)
+            if kind in TP2_COLUMN_ROWS:
+                rows = TP2_COLUMN_ROWS[kind](rank)
                 expected_weight, expected_scale = full.weight[rows], full.weight_scale[rows]
             else:  # o_proj, down_proj: this rank's input columns, all output channels
                 width = full.weight.shape[1] // 2

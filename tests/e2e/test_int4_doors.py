@@ -24,12 +24,11 @@ from safetensors.torch import load_file, save_file
 import batchllm
 from batchllm import LLM, SamplingParams
 from batchllm.cli import main
-from batchllm.distributed import parallel_state
 from batchllm.model.default_model import default_model_path
 from batchllm.model.loader import load_model
 from tests.distributed.test_tensor_parallel import SHAPES, engine, prompts, write_checkpoint
 from tests.e2e.conftest import QUESTIONS
-from tests.e2e.test_fp8_doors import assert_same_path
+from tests.e2e.test_fp8_doors import TP2_COLUMN_ROWS, assert_same_path, load_as_rank
 from tests.unit import int4_writers as iw
 from tests.unit.test_int4_checkpoints import gptq_case
 
@@ -118,26 +117,14 @@ def test_tensor_parallel_ranks_hold_their_words_groups_and_g_idx(tmp_path):
     """Each rank's dequantized weight is exactly its slice of TP=1's, and TP=2 generates TP=1's tokens."""
     gptq, _ = write_pair(tmp_path, write_checkpoint(tmp_path / "float", **SHAPES["gqa-biases"]))
     whole, _ = load_model(gptq, "cpu", torch.float32)
-    q, kv, mlp = 64, 32, 128
-    rows_of = {  # rank → the TP=1 rows of each fused column layer it holds
-        "qkv_proj": lambda r: [*range(32 * r, 32 * r + 32), *range(q + 16 * r, q + 16 * r + 16),
-                               *range(q + kv + 16 * r, q + kv + 16 * r + 16)],
-        "gate_up_proj": lambda r: [*range(64 * r, 64 * r + 64), *range(mlp + 64 * r, mlp + 64 * r + 64)],
-    }
     for rank in range(2):
-        previous = parallel_state._state
-        parallel_state._state = parallel_state.TensorParallel(rank, 2)
-        try:
-            shard, _ = load_model(gptq, "cpu", torch.float32)
-        finally:
-            parallel_state._state = previous
-        for name, module in shard.named_modules():
+        for name, module in load_as_rank(gptq, rank, 2).named_modules():
             if not hasattr(module, "dequantized_weight"):
                 continue
             full = whole.get_submodule(name).dequantized_weight()
             kind = name.rsplit(".", 1)[-1]
-            if kind in rows_of:
-                expected = full[rows_of[kind](rank)]
+            if kind in TP2_COLUMN_ROWS:
+                expected = full[TP2_COLUMN_ROWS[kind](rank)]
             else:  # o_proj, down_proj: this rank's input columns (their groups and g_idx), all outputs
                 width = full.shape[1] // 2
                 expected = full[:, rank * width:(rank + 1) * width]
