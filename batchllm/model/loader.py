@@ -20,7 +20,7 @@ from batchllm.model.quantization import INT, QuantConfig, building_with, check_o
 from batchllm.model.quantization.checkpoint import SCALE_SUFFIXES, fp8_weight, kv_scale_target
 from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
 from batchllm.model.quantization.int_checkpoint import COMPONENT_SUFFIXES, PRIMARY_SUFFIXES, Reader, int_weight
-from batchllm.model.quantization.int_packed import PackedInt, quantize_int_rtn
+from batchllm.model.quantization.int_packed import PACKED_PARTS, PackedInt, quantize_int_rtn
 from batchllm.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -188,7 +188,7 @@ def _load_int_weight(name: str, read: Reader, quant: QuantConfig, packed: dict[s
 def _load_int_parts(layer: nn.Module, module_name: str, weight: PackedInt, shard_id: Hashable
                     ) -> set[tuple[str, Hashable]]:
     loaded = set()
-    for part in ("qweight", "scales", "zeros", "g_idx"):
+    for part in PACKED_PARTS:
         param = getattr(layer, part)
         if param is not None:
             param.weight_loader(param, getattr(weight, part), shard_id)
@@ -240,7 +240,7 @@ def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     int_parts = {id(getattr(m, part)) for m in modules.values() if getattr(m, "int_quant", None) is not None
-                 for part in ("scales", "zeros", "g_idx")}
+                 for part in PACKED_PARTS if part != "qweight"}  # filled with their qweight
     for name, param in params.items():
         if id(param) in norm_weights:
             param.fill_(1.0)

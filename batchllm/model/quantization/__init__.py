@@ -19,44 +19,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8, INT = "fp8", "int"  # QuantConfig.method
-# checkpoint_format values
-ON_LOAD, COMPRESSED_TENSORS, FP8_PER_TENSOR, FP8_BLOCK = None, "compressed-tensors", "fp8-per-tensor", "fp8-block"
-GPTQ, AWQ = "gptq", "awq"
-SUPPORTED = ("quantization='fp8' (quantize a bf16/fp16/fp32 checkpoint on load); FP8 checkpoints: compressed-tensors "
-             "'float-quantized' (8-bit float weights, channel or tensor strategy) or HF quant_method 'fp8' (per-tensor "
-             "weight_scale or weight_block_size blocks); 4- and 8-bit integer weight-only checkpoints: GPTQ "
-             "(checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), AWQ version 'gemm' (4-bit), and "
-             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not)")
+from batchllm.model.quantization.config import (
+    AWQ,
+    COMPRESSED_TENSORS,
+    FP8,
+    FP8_BLOCK,
+    FP8_PER_TENSOR,
+    GPTQ,
+    INT,
+    KV_CACHE_DTYPES,
+    ON_LOAD,
+    QUANTIZATION_METHODS,
+    SUPPORTED,
+    QuantConfig,
+)
+from batchllm.model.quantization.formats import checkpoint_quantization
 
-
-@dataclass(frozen=True, slots=True)
-class QuantConfig:
-    method: str  # FP8 or INT
-    checkpoint_format: str | None = ON_LOAD  # how quantized tensors are stored; None: the checkpoint is not
-    block_shape: tuple[int, int] | None = None  # FP8_BLOCK: (rows, cols) of one weight_scale_inv entry
-    # INT weights:
-    bits: int = 4
-    group_size: int = 128  # input features per scale; -1: one group over all of them (per output channel)
-    act_order: bool = False  # groups given per input feature by a g_idx tensor, not contiguous
-    zero_plus_one: bool = False  # GPTQ v1 checkpoints store zero point - 1
-
-    @property
-    def pack(self) -> int:
-        """Integer codes per int32 word."""
-        return 32 // self.bits
-
+__all__ = ["AWQ", "COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_PER_TENSOR", "GPTQ", "INT", "KV_CACHE_DTYPES",
+           "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "building_with", "check_on_load",
+           "current_quantization", "pinned_quantization", "resolve_kv_cache_dtype", "resolve_quantization"]
 
 def resolve_quantization(hf_config: Mapping[str, Any], requested: str | None) -> QuantConfig | None:
     """The quantization for `LLM(quantization=requested)` on a checkpoint with this config.json; a clear
     ValueError naming what is supported for anything else."""
-    from batchllm.model.quantization.formats import checkpoint_quantization
-
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; supported: {SUPPORTED}")
     stored = hf_config.get("quantization_config")

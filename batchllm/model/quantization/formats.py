@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from batchllm.model.quantization import (
+from batchllm.model.quantization.config import (
     AWQ,
     COMPRESSED_TENSORS,
     FP8,

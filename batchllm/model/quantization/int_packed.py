@@ -15,7 +15,7 @@ dequantizes once on load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -28,6 +28,10 @@ class PackedInt:
     scales: torch.Tensor
     zeros: torch.Tensor
     g_idx: torch.Tensor | None
+
+
+# The parts by name: an integer linear layer holds one parameter of each (`g_idx` for act-order layers only).
+PACKED_PARTS = tuple(field.name for field in fields(PackedInt))
 
 
 def pack_int(codes: torch.Tensor, bits: int) -> torch.Tensor:

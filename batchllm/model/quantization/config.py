@@ -1,0 +1,34 @@
+"""The quantization vocabulary: the methods users name, the checkpoint formats we read, and `QuantConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8, INT = "fp8", "int"  # QuantConfig.method
+# checkpoint_format values
+ON_LOAD, COMPRESSED_TENSORS, FP8_PER_TENSOR, FP8_BLOCK = None, "compressed-tensors", "fp8-per-tensor", "fp8-block"
+GPTQ, AWQ = "gptq", "awq"
+SUPPORTED = ("quantization='fp8' (quantize a bf16/fp16/fp32 checkpoint on load); FP8 checkpoints: compressed-tensors "
+             "'float-quantized' (8-bit float weights, channel or tensor strategy) or HF quant_method 'fp8' (per-tensor "
+             "weight_scale or weight_block_size blocks); 4- and 8-bit integer weight-only checkpoints: GPTQ "
+             "(checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), AWQ version 'gemm' (4-bit), and "
+             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not)")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    method: str  # FP8 or INT
+    checkpoint_format: str | None = ON_LOAD  # how quantized tensors are stored; None: the checkpoint is not
+    block_shape: tuple[int, int] | None = None  # FP8_BLOCK: (rows, cols) of one weight_scale_inv entry
+    # INT weights:
+    bits: int = 4
+    group_size: int = 128  # input features per scale; -1: one group over all of them (per output channel)
+    act_order: bool = False  # groups given per input feature by a g_idx tensor, not contiguous
+    zero_plus_one: bool = False  # GPTQ v1 checkpoints store zero point - 1
+
+    @property
+    def pack(self) -> int:
+        """Integer codes per int32 word."""
+        return 32 // self.bits
