@@ -253,8 +253,7 @@ def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None
         scale_param = params.get(name + "_scale")
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in getattr(param, "checkpoint_shapes", {None: param.shape}).items():
-            generator = torch.Generator(device=param.device)
-            generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}:{shard_id}".encode()))
+            generator = _dummy_generator(param.device, seed, name, shard_id)
             full = torch.empty(shape, dtype=dtype, device=param.device).normal_(0.0, _DUMMY_STD, generator=generator)
             if scale_param is None:
                 weight_loader(param, full, shard_id)
@@ -264,12 +263,18 @@ def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None
                 weight_loader(scale_param, scale, shard_id)
 
 
+def _dummy_generator(device: torch.device, seed: int, name: str, shard_id: Hashable) -> torch.Generator:
+    """The generator of parameter `name`'s HF shard `shard_id`: the same on every rank and replica."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}:{shard_id}".encode()))
+    return generator
+
+
 def _fill_dummy_int(layer: nn.Module, module_name: str, seed: int, dtype: torch.dtype) -> None:
     """The unquantized model's random values (same seeds), rounded to the layer's integer grid."""
     quant = layer.int_quant
     for shard_id, (word_rows, out_features) in layer.qweight.checkpoint_shapes.items():
-        generator = torch.Generator(device=layer.qweight.device)
-        generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{module_name}.weight:{shard_id}".encode()))
+        generator = _dummy_generator(layer.qweight.device, seed, f"{module_name}.weight", shard_id)
         full = torch.empty(out_features, word_rows * quant.pack, dtype=dtype, device=layer.qweight.device)
         weight = quantize_int_rtn(full.normal_(0.0, _DUMMY_STD, generator=generator), quant.bits, quant.group_size)
         if layer.g_idx is not None:  # act-order layout, trivially ordered
