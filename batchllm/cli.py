@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from batchllm.cli_types import adapter, constraint_of, json_schema_file, token_ids
+from batchllm.cli_types import adapter, constraint_of, json_schema_file, speculative_config, token_ids
 from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.engine.structured_output import GRAMMAR_BACKENDS
@@ -151,6 +151,10 @@ def _parser() -> argparse.ArgumentParser:
                      default=_ENGINE_DEFAULTS["structured_outputs_backend"],
                      help="engine: the grammar engine of structured outputs (llguidance: compiles schemas 10-20x "
                           "faster, for many distinct --schema-column schemas)")
+    run.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                     default=_ENGINE_DEFAULTS["speculative_config"],
+                     help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                          '(vLLM\'s keys; outputs keep the model\'s distribution, greedy ones are unchanged)')
     run.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD,
                      help="rows per output shard, the unit of resumption")
     run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once (in each engine with "
@@ -182,7 +186,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
     engine: dict[str, Any] = {name: getattr(args, name)
                               for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend",
-                                           "quantization", "kv_cache_dtype")
+                                           "quantization", "kv_cache_dtype", "speculative_config")
                               if getattr(args, name) != _ENGINE_DEFAULTS[name]}
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,

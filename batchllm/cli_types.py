@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchllm.engine.spec.config import parse_speculative_config
 from batchllm.structured_outputs import StructuredOutputsParams
 
 
@@ -69,3 +70,12 @@ def adapter(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter name and its PEFT directory), got {text!r}")
     return name.strip(), path
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """`--speculative-config JSON`: checked here, passed on as the dict (picklable for data-parallel replicas)."""
+    try:
+        parse_speculative_config(text, "--speculative-config")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.loads(text)

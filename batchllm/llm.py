@@ -15,6 +15,8 @@ from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
+from batchllm.engine.spec.config import parse_speculative_config
+from batchllm.engine.spec.speculator import Speculator
 from batchllm.engine.structured_output import StructuredOutputManager, check_backend
 from batchllm.host_gc import objects_frozen
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
@@ -65,6 +67,12 @@ class LLM:
     llm-compressor's W4A16) are detected from config.json too; `quantization="gptq"` / `"awq"` /
     `"compressed-tensors"` may name the format, and must then match it. On a GPU they run a Triton W4A16 GEMM;
     the CPU dequantizes them once on load. See batchllm/model/quantization/.
+
+    `speculative_config`: speculative decoding, e.g. `{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}` (vLLM's keys; see batchllm/engine/spec/). Outputs keep the
+    target model's distribution exactly (greedy: the same tokens); an adaptive policy speculates only for the
+    rows and depths where the expected accepted tokens pay for the verification, and turns itself off where
+    nothing is accepted. `stats` reports drafted and accepted tokens, per draft position too.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -77,13 +85,15 @@ class LLM:
                  trust_remote_code: bool = False, tensor_parallel_size: int = 1,
                  async_scheduling: bool | None = None, structured_outputs_backend: str = "xgrammar",
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 speculative_config: dict[str, Any] | str | None = None) -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import build_executor, check_quantization, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
         from batchllm.model.quantization import pinned_quantization
+        from batchllm.model.spec_checks import check_speculative_model
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
 
         cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
@@ -102,10 +112,13 @@ class LLM:
         if async_scheduling is None:
             async_scheduling = torch_device.type == "cuda"
         check_backend(structured_outputs_backend, "LLM argument structured_outputs_backend")
+        spec_config = parse_speculative_config(speculative_config, "LLM argument speculative_config")
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
         kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device, load_format)
+        if spec_config is not None:
+            check_speculative_model(spec_config, self.model_path, tensor_parallel_size)
         # Job manifests pin these (see connectors/jobs/identity.py).
         self.quantization = pinned_quantization(read_hf_config(self.model_path), quantization)
         self.kv_cache_dtype = kv_cache_dtype
@@ -116,12 +129,14 @@ class LLM:
         runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
                                      max_model_len, seed, eos_token_ids, load_format, enforce_eager,
                                      async_scheduling, scheduler_config.max_loras, max_lora_rank, quantization,
-                                     kv_cache_dtype)
+                                     kv_cache_dtype, spec_config)
         runner = build_executor(runner_config, tensor_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
-        scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop)
+        speculator = None if spec_config is None else Speculator(
+            spec_config, spec_config.overhead_for(torch_device.type), runner.max_model_len)
+        scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop, speculator)
         structured = None
         model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
         if self.tokenizer is not None:
@@ -157,7 +172,8 @@ class LLM:
     def stats(self) -> EngineStats:
         """Statistics of the most recent `generate` / `chat` call."""
         scheduler = self.engine.scheduler
-        return EngineStats.collect(scheduler.stats, scheduler.kv_cache, self.runner, self._last_call_seconds)
+        spec = None if scheduler.speculator is None else scheduler.speculator.stats
+        return EngineStats.collect(scheduler.stats, scheduler.kv_cache, self.runner, self._last_call_seconds, spec)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

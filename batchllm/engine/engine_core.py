@@ -5,6 +5,9 @@ N+1, then waits for step N and applies its results, so the host's scheduling, in
 checks and detokenization for one step overlap the device's work on the other. The outputs are those of
 the synchronous loop (see `scheduler.py` for how pending tokens are handled).
 
+With speculative decoding the loop waits for the step in flight before it schedules one that drafts
+(`_wait_for_tokens`): drafts are made from a row's newest tokens.
+
 A step with grammar-constrained rows is launched in two parts: the forward pass first, then, once the
 previous step's tokens have advanced the matchers, the bitmask that its sampling needs
 (`structured_output.py`).
@@ -81,6 +84,9 @@ class EngineCore:
         finished = [FinishedRequest(r, "") for r in self.scheduler.take_rejected()]
         for item in finished:
             self._release(item.request)
+        if self._in_flight is not None and self._wait_for_tokens(self._in_flight[0]):
+            finished += self._apply(*self._in_flight)
+            self._in_flight = None
         so = self.scheduler.schedule()
         if so.is_empty and self._in_flight is None and (self.scheduler.running or self.scheduler.waiting):
             raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
@@ -102,6 +108,12 @@ class EngineCore:
             grammar = self.structured.bitmask(so.grammar_request_ids, self.scheduler.requests)
             self._in_flight = (so, launched[1].sample(grammar))
         return finished
+
+    def _wait_for_tokens(self, in_flight: SchedulerOutput) -> bool:
+        """Speculative decoding drafts from a row's tokens, so the step in flight must be applied before the next
+        is scheduled: always after a speculative step, and while speculation pays (`Speculator`)."""
+        speculator = self.scheduler.speculator
+        return speculator is not None and (in_flight.speculative or speculator.needs_known_tokens())
 
     def _apply(self, scheduler_output: SchedulerOutput, pending: PendingOutput) -> list[FinishedRequest]:
         runner_output: ModelRunnerOutput = pending.result()

@@ -44,6 +44,9 @@ class ScheduledRequest:
     `placeholder` (asynchronous scheduling): one more token follows `token_ids`, the one the runner
     sampled for this request in the previous step, which the engine does not know yet; the runner reads
     it from its own copy on the device. It is always the request's last scheduled token.
+    Speculative decoding: `draft_token_ids` follow `token_ids` (positions after them); the runner verifies
+    them and returns the accepted ones and one more token. `num_lookahead`: a device proposer drafts that
+    many tokens after this step's result, into KV slots the scheduler allocated beyond `num_tokens`.
     """
 
     request_id: str
@@ -54,10 +57,12 @@ class ScheduledRequest:
     new: NewRequestData | None = None
     full_block_table: bool = False
     placeholder: bool = False
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_lookahead: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids) + self.placeholder
+        return len(self.token_ids) + self.placeholder + len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -82,6 +87,8 @@ class SchedulerOutput:
     # and waits for the bitmask (`AwaitingGrammar`): the engine computes it once the previous step is applied.
     grammar_request_ids: list[str] = field(default_factory=list)
     grammar: GrammarBitmask | None = None
+    # Some row verifies drafts or asks for lookahead: its result changes how the next step is scheduled.
+    speculative: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -99,8 +106,12 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    # One entry per scheduled request with `sample=True`, keyed by request id.
+    # One entry per scheduled request with `sample=True`, keyed by request id: its last new token.
     sampled: dict[str, SampledToken]
+    # Rows that verified drafts: the accepted drafts, which come before their `sampled` token.
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # Device proposers: each lookahead row's drafts for its next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class PendingOutput(Protocol):

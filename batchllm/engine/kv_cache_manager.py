@@ -1,8 +1,9 @@
 """Which KV-cache blocks each request owns: on-demand allocation, prefix-cache hits, sharing and copy-on-write.
 
 Invariants:
-- a request with `num_computed_tokens + n` tokens scheduled owns exactly
-  `ceil((num_computed_tokens + n) / block_size)` blocks;
+- a request with `num_computed_tokens + n` tokens scheduled owns
+  `ceil((num_computed_tokens + n) / block_size)` blocks: exactly, unless speculative decoding rolled
+  `num_computed_tokens` back past rejected drafts, whose blocks the request keeps for its next drafts;
 - a block is written only by a request that owns it alone: before a request writes into a block it
   shares (a forked sample's last block), the block is copied to a fresh one (copy-on-write) and the copy
   is reported so the runner performs it before the step's forward pass;
@@ -87,7 +88,7 @@ class KVCacheManager:
         end = computed + num_new_tokens
         first_write = computed // self.block_size
         needs_copy = first_write < len(owned) and owned[first_write].ref_cnt > 1
-        num_new_blocks = cdiv(end, self.block_size) - len(owned) - len(cached_blocks) + needs_copy
+        num_new_blocks = max(0, cdiv(end, self.block_size) - len(owned) - len(cached_blocks)) + needs_copy
         # Touching a cached block that sits in the free queue takes it out of the free count too.
         num_revived = sum(1 for block in cached_blocks if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:

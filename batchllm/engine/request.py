@@ -62,6 +62,9 @@ class Request:
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
     # Structured outputs: the grammar matcher (engine/grammar.py), fed every output token as it is appended.
     matcher: Any = None
+    # Speculative decoding: the drafts to verify in the next step, and (device proposers) how many to make.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_lookahead: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

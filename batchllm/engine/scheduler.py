@@ -23,9 +23,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from batchllm.config import SchedulerConfig
-from batchllm.engine.interfaces import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from batchllm.engine.interfaces import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager, PrefixCacheStats
 from batchllm.engine.request import Request, RequestStatus
+from batchllm.engine.spec.speculator import Speculator
 
 
 @dataclass(slots=True)
@@ -42,6 +49,7 @@ class SchedulerStats:
     peak_used_blocks: int = 0
     num_blocks: int = 0
     num_errors: int = 0
+    num_speculative_steps: int = 0  # steps that verified drafts or drafted on the device
 
 
 _WAIT = object()  # sentinel: a forked sample waits for its parent's prompt
@@ -51,7 +59,8 @@ StopCheck = Callable[[Request], bool]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, check_stop: StopCheck) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, check_stop: StopCheck,
+                 speculator: Speculator | None = None) -> None:
         if config.max_model_len < 1 or config.max_model_len > kv_cache.capacity_tokens:
             raise ValueError(
                 f"max_model_len ({config.max_model_len}) must be in [1, KV pool capacity = "
@@ -60,6 +69,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.check_stop = check_stop
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -98,6 +108,8 @@ class Scheduler:
         self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
         self.kv_cache.peak_used_blocks = self.kv_cache.pool.num_used_blocks
         self.kv_cache.stats = PrefixCacheStats()
+        if self.speculator is not None:
+            self.speculator.reset_stats()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._rejected)
@@ -110,6 +122,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         self._preempted_this_step = False
+        speculative = False
+        if self.speculator is not None:
+            self.speculator.plan(self.running)
 
         i = 0
         running, max_model_len = self.running, self.config.max_model_len
@@ -119,8 +134,14 @@ class Scheduler:
             if with_pending >= max_model_len or (request.num_pending_tokens and request.surely_finishes):
                 i += 1
                 continue
-            num_new = min(with_pending - request.num_computed_tokens, budget)
-            allocation = self._allocate_or_preempt(request, num_new)
+            num_new = with_pending - request.num_computed_tokens
+            drafts = request.draft_token_ids
+            if drafts or request.num_lookahead:
+                speculative = True
+                del drafts[max(0, budget - num_new):]  # the drafts that fit the budget
+                num_new += len(drafts)
+            num_new = min(num_new, budget)
+            allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
             scheduled.append(self._schedule_request(request, num_new, allocation))
@@ -154,7 +175,10 @@ class Scheduler:
         self._record_step(num_tokens)
         finished_ids, self._finished_ids = self._finished_ids, []
         self._scheduled_now.clear()
-        return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies())
+        if speculative:
+            self.stats.num_speculative_steps += 1
+        return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
+                               speculative=speculative)
 
     def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation] | None:
         """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus
@@ -198,13 +222,12 @@ class Scheduler:
         ready = parent.num_computed_tokens - self._scheduled_now.get(parent.request_id, 0)
         return parent if ready >= request.num_prompt_tokens else _WAIT
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> BlockAllocation | None:
-        """Allocate blocks for `request`, preempting the newest running requests until they fit.
-
-        Returns None when `request` itself had to be preempted.
+    def _allocate_or_preempt(self, request: Request, num_new: int, num_lookahead: int = 0) -> BlockAllocation | None:
+        """Allocate blocks for `request` (and its lookahead slots), preempting the newest running requests until
+        they fit. Returns None when `request` itself had to be preempted.
         """
         while True:
-            allocation = self.kv_cache.allocate_slots(request, num_new)
+            allocation = self.kv_cache.allocate_slots(request, num_new + num_lookahead)
             if allocation is not None:
                 return allocation
             victim = self.running.pop()
@@ -217,6 +240,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.known_to_runner = False
+        request.draft_token_ids = []
+        request.num_lookahead = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self._preempted_this_step = True
@@ -225,7 +250,8 @@ class Scheduler:
     def _schedule_request(self, request: Request, num_new: int, allocation: BlockAllocation) -> ScheduledRequest:
         # Runs for every scheduled request of every step: kept to plain attribute reads.
         start = request.num_computed_tokens
-        end = start + num_new
+        drafts = request.draft_token_ids
+        end = start + num_new - len(drafts)  # the drafts come after the request's own tokens
         num_tokens = len(request.token_ids)
         placeholder = end > num_tokens  # only the newest, still pending, token can be unknown
         new_data = None
@@ -236,8 +262,8 @@ class Scheduler:
         full_table = new_data is not None or allocation.copied
         block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids
         stats = self.stats
-        if new_data is None and num_new == 1 and start >= request.num_prompt_tokens:
-            stats.num_decode_tokens += 1
+        if new_data is None and end - start == 1 and start >= request.num_prompt_tokens:
+            stats.num_decode_tokens += num_new
         else:
             stats.num_prefill_tokens += num_new
         sample = end == num_tokens + request.num_pending_tokens
@@ -245,11 +271,15 @@ class Scheduler:
             request.num_pending_tokens += 1
         else:
             stats.num_chunked_prefills += 1
-        request.num_computed_tokens = end
+        request.num_computed_tokens = start + num_new  # rolled back past the rejected drafts
         self._scheduled_now[request.request_id] = num_new
         token_ids = request.token_ids[start:end] if start < num_tokens else []
+        if not drafts and not request.num_lookahead:
+            return ScheduledRequest(request.request_id, token_ids, start, block_ids, sample, new_data, full_table,
+                                    placeholder)
+        request.draft_token_ids = []
         return ScheduledRequest(request.request_id, token_ids, start, block_ids, sample, new_data, full_table,
-                                placeholder)
+                                placeholder, drafts, request.num_lookahead)
 
     def _record_step(self, num_tokens: int) -> None:
         stats = self.stats
@@ -264,8 +294,7 @@ class Scheduler:
         """Append sampled tokens, stop what must stop, and free the finished requests' blocks."""
         finished: list[Request] = []
         now = time.perf_counter()
-        requests, sampled, check_stop = self.requests, runner_output.sampled, self.check_stop
-        max_model_len = self.config.max_model_len
+        requests, sampled = self.requests, runner_output.sampled
         num_generated = 0
         finished_while_waiting = False  # preempted while its last token was in flight: it is in `waiting`
         for scheduled in output.requests:
@@ -276,19 +305,14 @@ class Scheduler:
                 continue  # finished by the step before this one: this token was computed in vain
             request.num_pending_tokens -= 1
             was_preempted = request.status is RequestStatus.PREEMPTED
-            token = sampled[scheduled.request_id]
-            accepted = request.append_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            num_generated += 1
-            if not accepted:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error = f"the structured-output grammar rejected the sampled token {token.token_id}"
-                self.stats.num_errors += 1
-            elif len(request.token_ids) >= max_model_len:
-                request.status = RequestStatus.FINISHED_LENGTH
-            if request.status.finished or check_stop(request) or (request.matcher is not None
-                                                                  and _grammar_ended(request)):
+            if output.speculative:
+                ended, appended = self._apply_speculative(request, scheduled, runner_output)
+            else:
+                ended, appended = self._append(request, sampled[scheduled.request_id]), 1
+            num_generated += appended
+            if ended:
                 finished.append(request)
                 finished_while_waiting |= was_preempted
         self.stats.num_generated_tokens += num_generated
@@ -296,12 +320,45 @@ class Scheduler:
             for request in finished:
                 request.finished_time = now
                 self.kv_cache.free(request)
+                if self.speculator is not None:
+                    self.speculator.forget(request)
                 del self.requests[request.request_id]
                 self._finished_ids.append(request.request_id)
             self.running = [r for r in self.running if not r.status.finished]
             if finished_while_waiting:
                 self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
+
+    def _append(self, request: Request, token: SampledToken) -> bool:
+        """Append one new token; True when the request must stop after it."""
+        if not request.append_token(token):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = f"the structured-output grammar rejected the sampled token {token.token_id}"
+            self.stats.num_errors += 1
+        elif len(request.token_ids) >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+        return bool(request.status.finished or self.check_stop(request)
+                    or (request.matcher is not None and _grammar_ended(request)))
+
+    def _apply_speculative(self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
+                           ) -> tuple[bool, int]:
+        """Append a row's accepted drafts and its next token, stopping at the first that ends it; forget the K/V of
+        the rejected drafts. Returns (ended, tokens appended)."""
+        request_id = scheduled.request_id
+        num_drafted = len(scheduled.draft_token_ids)
+        accepted = runner_output.accepted.get(request_id, []) if num_drafted else []
+        if num_drafted:
+            self.speculator.record(request, num_drafted, len(accepted))
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= num_drafted - len(accepted)
+        appended = 0
+        for token in (*accepted, runner_output.sampled[request_id]):
+            appended += 1
+            if self._append(request, token):
+                return True, appended
+        if scheduled.num_lookahead and request.status is RequestStatus.RUNNING:
+            request.draft_token_ids = runner_output.draft_token_ids.get(request_id, [])
+        return False, appended
 
 
 def _grammar_ended(request: Request) -> bool:

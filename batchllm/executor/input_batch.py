@@ -51,20 +51,23 @@ class InputBatch:
         self.query_start_loc = StagedBuffer.create((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = StagedBuffer.create((max_num_seqs,), torch.int32, device)
         self.block_tables = StagedBuffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
-        self.logits_indices = StagedBuffer.create((max_num_seqs,), torch.int64, device)
+        # Speculative decoding verifies every draft: up to one logits row per token.
+        self.logits_indices = StagedBuffer.create((max(max_num_seqs, max_num_tokens),), torch.int64, device)
         self.placeholder_slots = StagedBuffer.create((max_num_seqs,), torch.int64, device)
         self.placeholder_rows = StagedBuffer.create((max_num_seqs,), torch.int64, device)
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
         self._copied = None if device.type == "cpu" else torch.cuda.Event()
 
     def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
-                block_tables: np.ndarray, block_rows: np.ndarray, sample_rows: np.ndarray, pad_to: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+                block_tables: np.ndarray, block_rows: np.ndarray, sample_rows: np.ndarray, pad_to: int | None = None,
+                sample_counts: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                  torch.Tensor]:
         """Fill the buffers for one step.
 
         `num_scheduled[i]` new tokens of sequence i start at position `num_computed[i]`; `token_ids` is their
         concatenation; `block_tables[block_rows[i]]` its block table (entries past its blocks are never read);
-        `sample_rows` the sequences whose last scheduled token yields logits. `pad_to` (decode-only steps
+        `sample_rows` the sequences whose last scheduled token yields logits (`sample_counts[i]`: the last that
+        many, speculative decoding's verification rows). `pad_to` (decode-only steps
         replayed from a CUDA graph) appends padding rows up to that many one-token sequences. Returns
         (input_ids, positions, attention metadata, logits indices) on device.
         """
@@ -90,7 +93,13 @@ class InputBatch:
         np.add(block_of_token * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:num_tokens])
         self.input_ids.np[:num_tokens] = token_ids
         num_samples = len(sample_rows)
-        np.subtract(cu[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
+        if sample_counts is None:
+            np.subtract(cu[1:][sample_rows], 1, out=self.logits_indices.np[:num_samples])
+        else:
+            first = np.repeat(cu[1:][sample_rows] - sample_counts, sample_counts)
+            num_samples = len(first)
+            starts = np.repeat(np.cumsum(sample_counts) - sample_counts, sample_counts)
+            np.add(first, self._arange[:num_samples] - starts, out=self.logits_indices.np[:num_samples])
         if pad_to is not None and pad_to > num_seqs:
             self.fill_padding(num_seqs, pad_to)
             num_seqs = num_tokens = pad_to

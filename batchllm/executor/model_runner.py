@@ -22,11 +22,12 @@ from batchllm.engine.interfaces import (
     GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
-    SampledToken,
     SchedulerOutput,
 )
+from batchllm.engine.spec.config import SpeculativeConfig
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
+from batchllm.executor.drafter import LookaheadRows, build_drafter
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.executor.lora_slots import LoRASlotManager
@@ -37,7 +38,8 @@ from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
 from batchllm.lora.request import LoRARequest
 from batchllm.model.layers.lora import set_lora_batch
-from batchllm.model.layers.sampler import Sampler
+from batchllm.model.layers.rejection_sampler import DraftBatch, RejectionSampler
+from batchllm.model.layers.sampler import Sampler, SamplerOutput
 from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, keeps_token_history, make_generator
 from batchllm.model.loader import load_model
 from batchllm.model.quantization.fp8 import FP8_DTYPE
@@ -75,6 +77,7 @@ class RunnerConfig:
     max_lora_rank: int = 16
     quantization: str | None = None  # "fp8"; a quantized checkpoint is detected from its config.json
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8"
+    speculative: SpeculativeConfig | None = None
 
 
 class ModelRunner:
@@ -96,13 +99,18 @@ class ModelRunner:
         self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
                                      self.scheduler_config.max_num_batched_tokens, device, self.dtype)
                      if config.max_loras else None)
+        self.drafter = build_drafter(config.speculative, self.model_config, device, self.dtype, config.load_format,
+                                     config.seed)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.eos_token_ids = config.eos_token_ids
 
         # Ranks may see different free memory: the pool is as large as the smallest rank can hold.
         num_blocks = all_reduce_min(config.cache.num_blocks or self._blocks_from_memory(config.cache))
         self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
                                                    device, self.kv_dtype)
+        if self.drafter is not None:
+            self.drafter.allocate_kv(num_blocks, self.block_size, self.kv_dtype)
         self.num_blocks = num_blocks
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, num_blocks)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -136,6 +144,8 @@ class ModelRunner:
 
     def _blocks_from_memory(self, cache_config: CacheConfig) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
+        if self.drafter is not None:  # a draft model's K/V lives in the same blocks
+            per_block += self.drafter.kv_bytes_per_block(self.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory(cache_config.gpu_memory_utilization)
         else:
@@ -164,6 +174,8 @@ class ModelRunner:
                 self._block_tables.remove(state.row)
         if so.block_copies:
             self.kv_cache.copy_blocks(so.block_copies)
+            if self.drafter is not None:
+                self.drafter.copy_blocks(so.block_copies)
         if so.is_empty:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
 
@@ -174,6 +186,9 @@ class ModelRunner:
         block_rows: list[int] = []
         sample_rows: list[int] = []
         sampled_states: list[tuple[str, _RequestState]] = []
+        sample_positions: list[int] = []  # the position of each sampled row's first new token
+        drafts: list[list[int]] = []  # speculative steps: each sampled row's drafts
+        lookahead = LookaheadRows([], [], [], [])  # device proposers: the rows that draft after this step
         placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
         placeholder_rows: list[int] = []
         lora_rows: list[tuple[LoRARequest, int, int]] = []  # (adapter, first flat token, tokens)
@@ -191,14 +206,22 @@ class ModelRunner:
                 placeholder_slots.append(len(token_ids))
                 placeholder_rows.append(last_rows[request_id])
                 token_ids.append(0)
-                num_scheduled.append(len(new_tokens) + 1)
-            else:
-                num_scheduled.append(len(new_tokens))
+            token_ids += scheduled.draft_token_ids
+            num_scheduled.append(scheduled.num_tokens)
             num_computed.append(scheduled.num_computed_tokens)
             block_rows.append(state.row)
             if scheduled.sample:
                 sample_rows.append(i)
                 sampled_states.append((request_id, state))
+                sample_positions.append(scheduled.num_computed_tokens + scheduled.num_tokens
+                                        - len(scheduled.draft_token_ids))
+                if so.speculative:
+                    drafts.append(scheduled.draft_token_ids)
+                if scheduled.num_lookahead:
+                    lookahead.sampled_rows.append(len(sample_rows) - 1)
+                    lookahead.table_rows.append(state.row)
+                    lookahead.positions.append(sample_positions[-1])
+                    lookahead.num_drafts.append(scheduled.num_lookahead)
         num_seqs = len(num_scheduled)
 
         graph_size = None
@@ -208,9 +231,10 @@ class ModelRunner:
             graph_size = self.graphs.padded_size(num_seqs)
         block_rows = np.array(block_rows, dtype=np.int64)
         sample_index = np.array(sample_rows, dtype=np.int64)
+        sample_counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64) if so.speculative else None
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
             token_ids, np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64),
-            self._block_tables.table, block_rows, sample_index, pad_to=graph_size)
+            self._block_tables.table, block_rows, sample_index, pad_to=graph_size, sample_counts=sample_counts)
         if placeholder_slots:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if graph_size is not None:
@@ -218,46 +242,72 @@ class ModelRunner:
         else:
             with set_forward_context(metadata), set_lora_batch(lora_batch):
                 hidden = self.model(input_ids, positions)
+        if self.drafter is not None:
+            self.drafter.observe(input_ids, positions, metadata)
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
-        table_rows = block_rows[sample_index]
+        rows = SampledRows(sampled_states, sample_positions, drafts if so.speculative else None,
+                           lookahead if lookahead.num_drafts else None, hidden, logits_indices)
         # The step's sampling tensors are built now, while the forward pass runs, even when the sampling itself
         # must wait for a grammar bitmask: only the bitmask's upload is left for then.
-        tensors, history = (None, []) if logits is None else self._sampling_tensors(logits, sampled_states,
-                                                                                    table_rows)
+        tensors, history = (None, []) if logits is None else self._sampling_tensors(logits, rows,
+                                                                                    block_rows[sample_index])
         if so.grammar_request_ids and so.grammar is None:
             # The forward pass is queued on the device; sample once the engine has the bitmask.
-            return AwaitingGrammar(lambda grammar: self._sample_step(logits, sampled_states, tensors, history,
-                                                                     grammar))
-        return self._sample_step(logits, sampled_states, tensors, history, so.grammar)
+            return AwaitingGrammar(lambda grammar: self._sample_step(logits, rows, tensors, history, grammar))
+        return self._sample_step(logits, rows, tensors, history, so.grammar)
 
     @torch.inference_mode()
-    def _sample_step(self, logits: torch.Tensor | None, sampled_states: list[tuple[str, _RequestState]],
-                     tensors: SamplingTensors | None, history: list[tuple[int, _RequestState]],
-                     grammar: GrammarBitmask | None) -> StepOutput:
+    def _sample_step(self, logits: torch.Tensor | None, rows: SampledRows, tensors: SamplingTensors | None,
+                     history: list[tuple[str, _RequestState]], grammar: GrammarBitmask | None) -> StepOutput:
         """`tensors` is None on tensor-parallel ranks other than 0 (no logits); `history` holds the rows whose
         sampled tokens the runner must remember."""
-        request_ids = [request_id for request_id, _ in sampled_states]
+        request_ids = [request_id for request_id, _ in rows.states]
         sampled = None  # stays None on tensor-parallel ranks other than 0
         if logits is not None:
             if grammar is not None:
                 row_of = {request_id: row for row, request_id in enumerate(request_ids)}
                 tensors.add_grammar([row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask,
                                     self.device)
-            sampled = self.sampler(logits, tensors)
-        if self._share_samples:
+            if rows.drafts is None:
+                sampled = self.sampler(logits, tensors)
+            else:
+                sampled = self.rejection_sampler(logits, tensors, DraftBatch.build(rows.drafts, self.device))
+        proposals = {}
+        if rows.lookahead is not None and sampled is not None:
+            proposals = self._propose(rows, sampled)
+        if rows.drafts is not None:
+            # Speculative steps are applied before the next is scheduled: it holds no placeholder.
+            self._last_sampled, self._last_rows = None, {}
+        elif self._share_samples:
             ids = sampled.token_ids if sampled is not None else torch.empty(len(request_ids), dtype=torch.int64,
                                                                              device=self.device)
             self._last_sampled = broadcast_from_driver(ids)
         elif sampled is not None:
             self._last_sampled = sampled.token_ids
-        self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
+        if rows.drafts is None:
+            self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
         output = StepOutput(request_ids, sampled, self._host_tokens.take(),
-                            (lambda ids, tokens: _record_tokens(history, tokens)) if history else _ignore)
+                            (lambda result: _record_tokens(history, result)) if history else _ignore, rows.drafts,
+                            proposals)
         if sampled is not None:
             self._unread = output
         return output
+
+    def _propose(self, rows: SampledRows, sampled: SamplerOutput) -> dict[str, list[int]]:
+        """The device proposer's drafts for the lookahead rows, after their last token (one sync: how many
+        drafts each row accepted decides where its last token is)."""
+        lookahead = rows.lookahead
+        counts = np.array([len(d) + 1 for d in rows.drafts] if rows.drafts is not None else [1] * len(rows.states))
+        starts = np.cumsum(counts) - counts
+        accepted = ([0] * len(rows.states) if sampled.num_accepted is None else sampled.num_accepted.tolist())
+        num_accepted = [accepted[r] for r in lookahead.sampled_rows]
+        last_rows = torch.from_numpy(starts[lookahead.sampled_rows] + np.array(num_accepted, dtype=np.int64))
+        last_rows = last_rows.to(self.device)
+        drafts = self.drafter.propose(lookahead, sampled.token_ids[last_rows], num_accepted, self._block_tables.table,
+                                      self.block_size, rows.hidden, rows.logits_indices[last_rows])
+        return {rows.states[r][0]: d for r, d in zip(lookahead.sampled_rows, drafts)}
 
     def _add_state(self, request_id: str, new: NewRequestData) -> _RequestState:
         """The state of a request the runner has not seen, or sees again after a preemption."""
@@ -275,33 +325,58 @@ class ModelRunner:
         state = self._states[request_id] = _RequestState(params, row, prompt, output, generator, new.lora_request)
         return state
 
-    def _sampling_tensors(self, logits: torch.Tensor, rows: list[tuple[str, _RequestState]], table_rows: np.ndarray,
-                          ) -> tuple[SamplingTensors, list[tuple[int, _RequestState]]]:
-        """The step's sampling tensors (`table_rows[i]`: the SamplingTable row of `rows[i]`), and the
-        (position, state) of the rows that keep their token history."""
+    def _sampling_tensors(self, logits: torch.Tensor, rows: SampledRows, table_rows: np.ndarray,
+                          ) -> tuple[SamplingTensors, list[tuple[str, _RequestState]]]:
+        """The sampling tensors of the step's logits rows (`table_rows[i]`: the SamplingTable row of sampled row
+        i; a speculating row has one logits row per draft plus one), and the (request id, state) of the rows that
+        keep their token history."""
+        owner = offset = None
+        if rows.drafts is not None:
+            counts = np.array([len(d) + 1 for d in rows.drafts], dtype=np.int64)
+            owner = np.repeat(np.arange(len(counts)), counts)
+            offset = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+            table_rows = table_rows[owner]
         columns, special_positions, any_history = self._sampling_table.gather(table_rows)
         if self._unread is not None and any_history:
             # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
             self._unread.result()
         self._unread = None
         special = []
-        history = []
+        history = {}
         for i in special_positions.tolist():
-            state = rows[i][1]
-            special.append((i, SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
-                                           state.generator)))
+            r, j = (i, 0) if owner is None else (int(owner[i]), int(offset[i]))
+            request_id, state = rows.states[r]
+            output_token_ids = state.output_token_ids
             if keeps_token_history(state.params):
-                history.append((i, state))
+                history[request_id] = state
+                if j:  # the drafts before this verification row count as its output so far
+                    output_token_ids = output_token_ids + rows.drafts[r][:j]
+            special.append((i, SamplingRow(state.params, state.prompt_token_ids, output_token_ids, state.generator,
+                                           rows.positions[r] + j)))
         tensors = SamplingTensors.from_columns(columns, special, logits.shape[-1], self.device, self.eos_token_ids)
-        return tensors, history
+        return tensors, list(history.items())
 
 
-def _record_tokens(history: list[tuple[int, _RequestState]], tokens: list[SampledToken]) -> None:
-    for i, state in history:
-        state.output_token_ids.append(tokens[i].token_id)
+@dataclass(slots=True)
+class SampledRows:
+    """The step's sampled requests in logits order, each one's first new position, and (speculative steps)
+    each one's drafts."""
+
+    states: list[tuple[str, _RequestState]]
+    positions: list[int]
+    drafts: list[list[int]] | None
+    lookahead: LookaheadRows | None = None
+    hidden: torch.Tensor | None = None  # the step's hidden states and the logits rows' indices into them
+    logits_indices: torch.Tensor | None = None
 
 
-def _ignore(request_ids: list[str], tokens: list[SampledToken]) -> None:
+def _record_tokens(history: list[tuple[str, _RequestState]], result: ModelRunnerOutput) -> None:
+    for request_id, state in history:
+        state.output_token_ids.extend(token.token_id for token in result.accepted.get(request_id, ()))
+        state.output_token_ids.append(result.sampled[request_id].token_id)
+
+
+def _ignore(result: ModelRunnerOutput) -> None:
     pass
 
 

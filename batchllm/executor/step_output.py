@@ -29,21 +29,28 @@ class HostTokenBuffers:
 
 class StepOutput:
     """`result()` waits for the step's copy and returns the `ModelRunnerOutput` (once; then cached).
-    `on_result(request_ids, tokens)` runs once, when the tokens are first read."""
+    `on_result(output)` runs once, when the tokens are first read. `drafts`: a speculative step's drafts per
+    request, whose sampled rows are its verification rows (`rejection_sampler.py`)."""
 
     def __init__(self, request_ids: list[str], sampled: SamplerOutput | None, host_ids: torch.Tensor,
-                 on_result: Callable[[list[str], list[SampledToken]], None]) -> None:
+                 on_result: Callable[[ModelRunnerOutput], None], drafts: list[list[int]] | None = None,
+                 proposals: dict[str, list[int]] | None = None) -> None:
         self._request_ids = request_ids
+        self._proposals = proposals
         self._on_result = on_result
+        self._drafts = drafts
         self._output: ModelRunnerOutput | None = None
         self._event = None
         self._host: SamplerOutput | None = None
+        self._num_accepted: torch.Tensor | None = None
         if sampled is None:  # nothing sampled: a prefill chunk, or a tensor-parallel rank other than 0
             self._output = ModelRunnerOutput({})
             return
-        n = len(request_ids)
-        ids = host_ids[:n]
+        n = len(sampled.token_ids)
+        ids = host_ids[:n] if n <= len(host_ids) else torch.empty(n, dtype=torch.int64, pin_memory=host_ids.is_pinned())
         ids.copy_(sampled.token_ids, non_blocking=True)
+        if sampled.num_accepted is not None:
+            self._num_accepted = _to_host(sampled.num_accepted)
         lp = None
         if sampled.logprobs is not None:  # rare: fresh pinned tensors are fine here
             lp = [_to_host(t) for t in (sampled.logprobs, sampled.ranks, sampled.top_ids, sampled.top_logprobs)]
@@ -57,10 +64,28 @@ class StepOutput:
             if self._event is not None:
                 self._event.synchronize()
             tokens = self._host.to_sampled_tokens()
-            self._on_result(self._request_ids, tokens)
-            self._output = ModelRunnerOutput(dict(zip(self._request_ids, tokens)))
+            if self._drafts is None:
+                self._output = ModelRunnerOutput(dict(zip(self._request_ids, tokens)))
+            else:
+                self._output = _speculative_output(self._request_ids, tokens, self._drafts,
+                                                   self._num_accepted.tolist())
+            if self._proposals:
+                self._output.draft_token_ids = self._proposals
+            self._on_result(self._output)
             self._host = None
         return self._output
+
+
+def _speculative_output(request_ids: list[str], tokens: list[SampledToken], drafts: list[list[int]],
+                        num_accepted: list[int]) -> ModelRunnerOutput:
+    sampled, accepted = {}, {}
+    start = 0
+    for request_id, row_drafts, n in zip(request_ids, drafts, num_accepted):
+        sampled[request_id] = tokens[start + n]
+        if row_drafts:
+            accepted[request_id] = tokens[start:start + n]
+        start += len(row_drafts) + 1
+    return ModelRunnerOutput(sampled, accepted)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

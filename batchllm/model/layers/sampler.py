@@ -45,6 +45,9 @@ class SamplerOutput:
     top_ids: torch.Tensor | None  # [B, k] long, most likely first
     top_logprobs: torch.Tensor | None  # [B, k] float32
     num_logprobs: list[int | None]
+    # Speculative decoding (`rejection_sampler.py`): row r of the step keeps the tokens of its first
+    # `num_accepted[r] + 1` verification rows.
+    num_accepted: torch.Tensor | None = None  # [R] long
 
     def to_sampled_tokens(self) -> list[SampledToken]:
         """Reads the step back to the host (the step's one sync) as a `SampledToken` per row."""
@@ -68,28 +71,38 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """Samples from `logits` (not modified; cast to float32) with the parameters in `t`."""
-        model_logits, logits = logits, logits.float()
-        raw_logprobs = logits.log_softmax(-1) if t.max_num_logprobs is not None else None
-        if t.penalties is not None:
-            logits = apply_penalties(logits, t.penalties)
-        if t.banned_index is not None:
-            logits = logits.flatten().index_fill(0, t.banned_index, float("-inf")).view_as(logits)
-        if t.grammar_rows is not None:
-            if logits is model_logits:  # float32 logits, untouched so far: masked in place below, so copied
-                logits = logits.clone()
-            kernels.apply_token_bitmask_(logits, t.grammar_rows, t.grammar_bitmask)
-
+        logits, raw_logprobs = processed_logits(logits, t)
         token_ids = logits.argmax(-1)
         if not t.all_greedy:
-            sampled = _sample_random(logits, t)
+            sampled = exponential_race(filtered_probs(logits, t), t)
             token_ids = sampled if t.greedy is None else torch.where(t.greedy, token_ids, sampled)
+        return with_logprobs(token_ids, raw_logprobs, t)
 
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids, None, None, None, None, t.num_logprobs)
-        sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-        ranks = (raw_logprobs > sampled_logprobs[:, None]).sum(-1) + 1
-        top_logprobs, top_ids = raw_logprobs.topk(t.max_num_logprobs, dim=-1)
-        return SamplerOutput(token_ids, sampled_logprobs, ranks, top_ids, top_logprobs, t.num_logprobs)
+
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logits after penalties, min_tokens and grammar masks (the input is not modified), and the raw
+    model log-probabilities when a row asks for logprobs."""
+    model_logits, logits = logits, logits.float()
+    raw_logprobs = logits.log_softmax(-1) if t.max_num_logprobs is not None else None
+    if t.penalties is not None:
+        logits = apply_penalties(logits, t.penalties)
+    if t.banned_index is not None:
+        logits = logits.flatten().index_fill(0, t.banned_index, float("-inf")).view_as(logits)
+    if t.grammar_rows is not None:
+        if logits is model_logits:  # float32 logits, untouched so far: masked in place below, so copied
+            logits = logits.clone()
+        kernels.apply_token_bitmask_(logits, t.grammar_rows, t.grammar_bitmask)
+    return logits, raw_logprobs
+
+
+def with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, t: SamplingTensors,
+                  num_accepted: torch.Tensor | None = None) -> SamplerOutput:
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None, None, t.num_logprobs, num_accepted)
+    sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    ranks = (raw_logprobs > sampled_logprobs[:, None]).sum(-1) + 1
+    top_logprobs, top_ids = raw_logprobs.topk(t.max_num_logprobs, dim=-1)
+    return SamplerOutput(token_ids, sampled_logprobs, ranks, top_ids, top_logprobs, t.num_logprobs, num_accepted)
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
@@ -116,7 +129,8 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
     return logits
 
 
-def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The distribution random rows sample from: temperature, top-k, top-p, then min-p (not renormalised)."""
     if t.temperature is not None:
         logits = logits / t.temperature[:, None]
     if t.top_k is not None or t.top_p is not None:
@@ -125,9 +139,16 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.min_p is not None:
         threshold = probs.amax(-1, keepdim=True) * t.min_p[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
 
+
+def exponential_race(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token per row with probability proportional to `probs` (consumed). A seeded row draws its noise from
+    its generator seeded for the position it samples, so its token depends on nothing else in the batch."""
     q = torch.empty_like(probs).exponential_()
-    for row, generator in t.generators:
+    for row, generator, draw_seed in t.generators:
+        if draw_seed is not None:
+            generator.manual_seed(draw_seed)
         q[row].exponential_(generator=generator)
     # A zero draw would turn a filtered-out token (prob 0) into NaN, which argmax would pick.
     q.clamp_min_(torch.finfo(torch.float32).tiny)

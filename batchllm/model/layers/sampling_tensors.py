@@ -18,18 +18,27 @@ class SamplingRow:
 
     `generator` must be set exactly when `params.seed` is set: the caller creates it once per request
     with `make_generator` and keeps it across steps, so a seeded request's tokens depend only on its
-    own logits and seed, never on the rest of the batch.
+    own logits and seed, never on the rest of the batch. `position` (the index in the sequence of the token
+    this row samples) reseeds the generator for that position (`position_seed`): a token then depends only on
+    the seed and where it is, whichever steps and drafts led there. None: the generator's stream continues.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
+    position: int | None = None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The generator of a seeded request; it must live on the device the sampler runs on."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for the token at `position`: an odd-multiplier mix, so nearby
+    (seed, position) pairs land far apart."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
 def needs_row_state(params: SamplingParams) -> bool:
@@ -116,7 +125,7 @@ class SamplingTensors:
     min_p: torch.Tensor | None  # [B] float32
     penalties: PenaltyTensors | None
     banned_index: torch.Tensor | None  # [N] long, flat `row * V + token`: stop tokens under min_tokens
-    generators: list[tuple[int, torch.Generator]]  # (row, generator) of seeded random rows
+    generators: list[tuple[int, torch.Generator, int | None]]  # (row, generator, draw seed) of seeded random rows
     num_logprobs: list[int | None]  # per row, as asked in SamplingParams.logprobs
     max_num_logprobs: int | None  # None when no row asks for logprobs
     # Structured outputs: the rows a grammar constrains and their allowed-token bitmask ([N, ceil(V / 32)] int32).
@@ -166,7 +175,7 @@ class SamplingTensors:
 
         all_greedy = bool(columns.greedy.all())
         greedy_mask = temperature = top_k = top_p = min_p = None
-        generators: list[tuple[int, torch.Generator]] = []
+        generators: list[tuple[int, torch.Generator, int | None]] = []
         if not all_greedy:
             greedy_mask = column(columns.greedy, bool(columns.greedy.any()))
             temperature = column(columns.temperature, bool((columns.temperature != 1).any()))
@@ -174,8 +183,9 @@ class SamplingTensors:
             top_k = column(np.where(enabled, columns.top_k, vocab_size), bool(enabled.any()))
             top_p = column(columns.top_p, bool(np.isfinite(columns.top_p).any()))
             min_p = column(columns.min_p, bool((columns.min_p > 0).any()))
-            generators = [(i, row.generator) for i, row in special
-                          if row.generator is not None and not columns.greedy[i]]
+            generators = [(i, row.generator, None if row.position is None else position_seed(row.params.seed,
+                                                                                              row.position))
+                          for i, row in special if row.generator is not None and not columns.greedy[i]]
 
         num_logprobs: list[int | None] = [None] * num_rows
         for i, row in special:

@@ -1,0 +1,85 @@
+"""`speculative_config`: which proposer drafts tokens, how many, and the adaptive policy's knobs.
+
+The keys are vLLM's (`method`, `num_speculative_tokens`, `prompt_lookup_min`/`max`, `model`), plus two of
+ours: `adaptive` (default True: speculate only where the expected accepted tokens pay for the verification,
+see `policy.py`) and `overhead_tokens` (the policy's cost of a forward pass, in tokens; None: per device).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+NGRAM, DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA = "ngram", "draft_model", "eagle", "eagle3", "medusa"
+SPEC_METHODS = (NGRAM, DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA)
+# Proposers that run in the model runner on the device and return their drafts with the step's tokens.
+DEVICE_METHODS = (DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA)
+MAX_SPECULATIVE_TOKENS = 16
+# The policy's default cost of one forward pass in token units: reading the weights once costs about as
+# much as this many extra query tokens (measured, benchmarks/README.md "Speculative decoding").
+DEFAULT_OVERHEAD_TOKENS = {"cpu": 8.0, "cuda": 96.0}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    adaptive: bool = True
+    overhead_tokens: float | None = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.method in DEVICE_METHODS
+
+    def overhead_for(self, device_type: str) -> float:
+        return self.overhead_tokens if self.overhead_tokens is not None else DEFAULT_OVERHEAD_TOKENS[device_type]
+
+
+def parse_speculative_config(value: Any, source: str = "speculative_config") -> SpeculativeConfig | None:
+    """A `SpeculativeConfig` from a dict, a JSON string (the CLI's `--speculative-config`) or None; every
+    error names `source` and the key at fault."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{source} must be a dict (or a JSON object), got {type(value).__name__}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{source} has unknown keys {unknown}; known: {sorted(known)}")
+    method = value.get("method")
+    if method not in SPEC_METHODS:
+        raise ValueError(f"{source}: method must be one of {list(SPEC_METHODS)}, got {method!r}")
+    k = value.get("num_speculative_tokens")
+    if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"{source}: num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {k!r}")
+    config = SpeculativeConfig(**value)
+    if method == NGRAM:
+        if config.model is not None:
+            raise ValueError(f"{source}: method 'ngram' takes no model (got {config.model!r})")
+        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+            raise ValueError(f"{source}: prompt_lookup_min and prompt_lookup_max must be ints with 1 <= min <= max, "
+                             f"got {lo!r} and {hi!r}")
+    elif not isinstance(config.model, str) or not config.model:
+        raise ValueError(f"{source}: method {method!r} needs 'model', the directory of the "
+                         f"{'draft model' if method == DRAFT_MODEL else method + ' heads'}")
+    if not isinstance(config.adaptive, bool):
+        raise ValueError(f"{source}: adaptive must be true or false, got {config.adaptive!r}")
+    overhead = config.overhead_tokens
+    if overhead is not None and (isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0):
+        raise ValueError(f"{source}: overhead_tokens must be a number >= 0 or null, got {overhead!r}")
+    return config
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,82 @@
+"""The engine's side of speculative decoding: which rows draft how many tokens this step, and the bookkeeping
+after verification.
+
+Before each step the scheduler asks `plan` for the running rows: a row that is decoding (its prompt
+computed, no token in flight) gets `k` drafts from the adaptive policy (`policy.py`), capped by its
+max_tokens and the model length. With the n-gram proposer the drafts are looked up here, on the host;
+device proposers (a draft model, EAGLE, Medusa) drafted them at the end of the row's previous step
+(`Request.draft_token_ids`) and are asked for `k` more as the step's lookahead. Rows under a grammar do
+not speculate: their drafts would need the matcher advanced through them.
+
+Asynchronous loop: drafts need the row's tokens, which a step in flight has not returned yet. The engine
+therefore waits for the step in flight (`needs_known_tokens`) while speculation pays, and otherwise only
+every `PROBE_INTERVAL` steps, to find out whether it has started to.
+"""
+
+from __future__ import annotations
+
+from batchllm.engine.request import Request
+from batchllm.engine.spec.config import NGRAM, SpeculativeConfig
+from batchllm.engine.spec.ngram import NgramProposer
+from batchllm.engine.spec.policy import SpecStats, SpeculationPolicy
+
+PROBE_INTERVAL = 8
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, overhead_tokens: float, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.policy = SpeculationPolicy(config.num_speculative_tokens, overhead_tokens, adaptive=config.adaptive)
+        self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == NGRAM else None)
+        self.active = True  # the last plan drafted for some row
+        self._steps_since_plan = 0
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.policy.stats
+
+    def reset_stats(self) -> None:
+        self.policy.stats = SpecStats.empty(self.config.num_speculative_tokens)
+
+    def needs_known_tokens(self) -> bool:
+        """Whether the next step should be planned with every row's tokens known (asynchronous loop)."""
+        self._steps_since_plan += 1
+        return self.active or self._steps_since_plan >= PROBE_INTERVAL
+
+    def plan(self, running: list[Request]) -> None:
+        """Set `draft_token_ids` (to verify this step) and `num_lookahead` (device proposers: drafts to make at
+        the end of it) on the rows that speculate; clear them on the others."""
+        self._steps_since_plan = 0
+        rows, candidates = [], []
+        k_max = self.config.num_speculative_tokens
+        for request in running:
+            request.num_lookahead = 0
+            if (request.num_pending_tokens or request.matcher is not None
+                    or request.num_computed_tokens != len(request.token_ids) - 1):
+                request.draft_token_ids = []
+                continue
+            room = self.max_model_len - len(request.token_ids) - 1
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - request.num_output_tokens - 1)
+            rows.append(request)
+            candidates.append((request.request_id, max(0, min(k_max, room))))
+        drafted = False
+        for request, k in zip(rows, self.policy.plan(candidates) if rows else ()):
+            if self.ngram is not None:
+                request.draft_token_ids = self.ngram.propose(request.request_id, request.token_ids, k) if k else []
+            else:
+                del request.draft_token_ids[k:]
+                request.num_lookahead = k
+            drafted |= bool(request.draft_token_ids) or request.num_lookahead > 0
+        self.active = drafted
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        self.policy.record(request.request_id, num_drafted, num_accepted)
+
+    def forget(self, request: Request) -> None:
+        self.policy.forget(request.request_id)
+        if self.ngram is not None:
+            self.ngram.forget(request.request_id)

@@ -1,0 +1,53 @@
+"""Checks of a speculative proposer against the target model, made before any weights load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from batchllm.engine.spec.config import DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA, SpeculativeConfig
+from batchllm.model.config import ModelConfig, read_hf_config
+from batchllm.model.medusa import read_medusa_config
+
+
+def check_speculative_model(config: SpeculativeConfig, target_path: Path, tensor_parallel_size: int) -> None:
+    """Raise ValueError, saying why, when the proposer cannot serve the target model."""
+    if not config.on_device:
+        return
+    if config.method in (EAGLE, EAGLE3):
+        raise ValueError(f"speculative_config: method {config.method!r} is not available yet; use 'ngram', "
+                         f"'draft_model' or 'medusa'")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"speculative_config: method {config.method!r} does not run under tensor parallelism yet "
+                         f"(tensor_parallel_size={tensor_parallel_size}); 'ngram' does")
+    target = ModelConfig.from_hf_dict(read_hf_config(target_path))
+    path = Path(config.model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"speculative_config: model {config.model!r} is not a directory")
+    if config.method == MEDUSA:
+        heads = read_medusa_config(path)
+        _same("hidden_size", heads["hidden_size"], target.hidden_size, "the Medusa heads have")
+        _same("vocab_size", heads["vocab_size"], target.vocab_size, "the Medusa heads have")
+        return
+    assert config.method == DRAFT_MODEL
+    draft = ModelConfig.from_hf_dict(read_hf_config(path))
+    _same("vocab_size", draft.vocab_size, target.vocab_size, "the draft model has")
+    draft_tokenizer, target_tokenizer = _tokenizer_digest(path), _tokenizer_digest(target_path)
+    if draft_tokenizer != target_tokenizer:
+        raise ValueError(f"speculative_config: the draft model's tokenizer ({path}) differs from the target's "
+                         f"({target_path}): a draft must share the target's vocabulary token for token")
+
+
+def _same(name: str, value: int, target: int, subject: str) -> None:
+    if value != target:
+        raise ValueError(f"speculative_config: {subject} {name}={value}, the target model {name}={target}")
+
+
+def _tokenizer_digest(path: Path) -> str | None:
+    """A digest of the vocabulary and merges in tokenizer.json (None when there is none: nothing to compare)."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    model = json.loads(file.read_text(encoding="utf-8")).get("model", {})
+    return hashlib.sha256(json.dumps([model.get("vocab"), model.get("merges")], sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,127 @@
+"""Speculative decoding on the real default model: greedy outputs with every proposer equal HF transformers'
+greedy outputs token for token, under preemption and a tiny token budget; the accounting of drafted and
+accepted tokens is checked where the acceptance is known (the target as its own draft: ~100 %; random
+weights: ~0 %)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from batchllm import LLM, SamplingParams
+from tests.e2e.test_generate_vs_hf import _prompts
+
+MAX_NEW = 24
+COPY_PROMPT = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank. "
+               "Repeat it again:")
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return _prompts(tokenizer) + [tokenizer(COPY_PROMPT)["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_path, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def _tight(prompts) -> dict:
+    """A pool that holds the longest request and a little more, and a 32-token budget: preemption and chunking."""
+    num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW + 8) // 16) + 2
+    return dict(num_kv_blocks=num_blocks, max_num_batched_tokens=32, enable_prefix_caching=False)
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory, model_path):
+    """A 2-layer Llama with random weights and the default model's vocabulary and tokenizer."""
+    path = tmp_path_factory.mktemp("random-draft")
+    config = json.loads((model_path / "config.json").read_text())
+    config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (model_path / name).exists():
+            shutil.copy(model_path / name, path / name)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(tmp_path_factory, model_path):
+    """Random Medusa heads in FasterDecoding's layout (medusa_lm_head.safetensors), 2 blocks per head."""
+    config = json.loads((model_path / "config.json").read_text())
+    path = tmp_path_factory.mktemp("medusa")
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 2,
+                                                  "hidden_size": hidden, "vocab_size": vocab}))
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i in range(3):
+        for layer in range(2):
+            tensors[f"{i}.{layer}.linear.weight"] = torch.randn(hidden, hidden, generator=generator) * 0.02
+            tensors[f"{i}.{layer}.linear.bias"] = torch.zeros(hidden)
+        tensors[f"{i}.2.weight"] = torch.randn(vocab, hidden, generator=generator) * 0.02
+    save_file(tensors, str(path / "medusa_lm_head.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ngram_greedy_equals_hf_under_preemption(prompts, hf_greedy, async_scheduling):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "adaptive": False}
+    llm = LLM(speculative_config=spec, async_scheduling=async_scheduling, **_tight(prompts))
+    assert _greedy(llm, prompts) == hf_greedy
+    stats = llm.stats
+    assert stats.num_preemptions >= 1 and stats.num_chunked_prefills >= 1, stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+    assert stats.num_generated_tokens == sum(map(len, hf_greedy))
+
+
+def test_draft_model_itself_accepts_everything(model_path, prompts, hf_greedy):
+    spec = {"method": "draft_model", "model": str(model_path), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(speculative_config=spec, **_tight(prompts))
+    assert _greedy(llm, prompts) == hf_greedy
+    stats = llm.stats
+    assert stats.num_draft_tokens > 0 and stats.draft_acceptance_rate > 0.95, stats
+    # Every verifying row-step yields its accepted drafts plus one token.
+    assert stats.num_generated_tokens == sum(map(len, hf_greedy))
+
+
+def test_random_draft_model_is_rolled_back(random_draft, prompts, hf_greedy):
+    spec = {"method": "draft_model", "model": str(random_draft), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(speculative_config=spec, **_tight(prompts))
+    assert _greedy(llm, prompts) == hf_greedy
+    stats = llm.stats
+    assert stats.num_draft_tokens > 100 and stats.draft_acceptance_rate < 0.1, stats
+    assert stats.num_preemptions >= 1, stats
+
+
+def test_medusa_heads(medusa_heads, prompts, hf_greedy):
+    spec = {"method": "medusa", "model": str(medusa_heads), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(speculative_config=spec, **_tight(prompts))
+    assert _greedy(llm, prompts) == hf_greedy
+    assert llm.stats.num_draft_tokens > 100, llm.stats
