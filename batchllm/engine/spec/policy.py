@@ -44,11 +44,13 @@ class SpeculationPolicy:
         self.decay = decay
         self.adaptive = adaptive
         self.stats = SpecStats.empty(num_speculative_tokens)
-        self._counts: dict[str, tuple[float, float]] = {}  # request → decayed (accepted, drafted)
+        # request → decayed (accepted, drafted), starting from the prior, which decays like any evidence: a row
+        # whose drafts are all rejected sees its rate fall to 0, not to a floor that would keep it drafting.
+        self._counts: dict[str, tuple[float, float]] = {}
 
     def rate(self, request_id: str) -> float:
-        accepted, drafted = self._counts.get(request_id, (0.0, 0.0))
-        return (self.prior[0] + accepted) / (self.prior[1] + drafted)
+        accepted, drafted = self._counts.get(request_id, self.prior)
+        return accepted / drafted if drafted else 0.0
 
     def plan(self, rows: list[tuple[str, int]], num_other_tokens: int = 0) -> list[int]:
         """Drafts per row (same order) for `rows` of (request id, most drafts it may take)."""
@@ -75,7 +77,7 @@ class SpeculationPolicy:
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """`num_accepted` of the row's `num_drafted` drafts (a prefix) were accepted."""
-        accepted, drafted = self._counts.get(request_id, (0.0, 0.0))
+        accepted, drafted = self._counts.get(request_id, self.prior)
         self._counts[request_id] = (accepted * self.decay + num_accepted, drafted * self.decay + num_drafted)
         stats = self.stats
         stats.num_draft_tokens += num_drafted

@@ -30,8 +30,8 @@ class Speculator:
         self.policy = SpeculationPolicy(config.num_speculative_tokens, overhead_tokens, adaptive=config.adaptive)
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                       if config.method == NGRAM else None)
-        self.active = True  # the last plan drafted for some row
-        self._steps_since_plan = 0
+        self.active = True  # the last plan with rows to decide for drafted for some row
+        self._steps_since_probe = 0
 
     @property
     def stats(self) -> SpecStats:
@@ -42,13 +42,15 @@ class Speculator:
 
     def needs_known_tokens(self) -> bool:
         """Whether the next step should be planned with every row's tokens known (asynchronous loop)."""
-        self._steps_since_plan += 1
-        return self.active or self._steps_since_plan >= PROBE_INTERVAL
+        self._steps_since_probe += 1
+        if self.active or self._steps_since_probe >= PROBE_INTERVAL:
+            self._steps_since_probe = 0
+            return True
+        return False
 
     def plan(self, running: list[Request]) -> None:
         """Set `draft_token_ids` (to verify this step) and `num_lookahead` (device proposers: drafts to make at
         the end of it) on the rows that speculate; clear them on the others."""
-        self._steps_since_plan = 0
         rows, candidates = [], []
         k_max = self.config.num_speculative_tokens
         for request in running:
@@ -71,7 +73,8 @@ class Speculator:
                 del request.draft_token_ids[k:]
                 request.num_lookahead = k
             drafted |= bool(request.draft_token_ids) or request.num_lookahead > 0
-        self.active = drafted
+        if rows:  # rows with a token in flight say nothing about whether drafting pays
+            self.active = drafted
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)

@@ -1,0 +1,95 @@
+"""The n-gram proposer against a brute-force scan, and the adaptive policy against hand-computed plans and an
+exhaustive search of its objective."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from batchllm.engine.spec.ngram import NgramProposer
+from batchllm.engine.spec.policy import SpeculationPolicy
+
+
+def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    if k <= 0:
+        return []
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):  # occurrences ending before the last position, latest first
+            if tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n,k", [(1, 1, 3), (2, 3, 4), (1, 4, 2), (3, 5, 5)])
+def test_ngram_matches_brute_force_incrementally(min_n, max_n, k):
+    rng = random.Random(min_n * 10 + max_n)
+    for trial in range(60):
+        proposer = NgramProposer(min_n, max_n)
+        tokens: list[int] = []
+        alphabet = rng.randint(2, 5)
+        while len(tokens) < 60:
+            tokens += [rng.randrange(alphabet) for _ in range(rng.randint(1, 6))]
+            assert proposer.propose("r", tokens, k) == brute_force(tokens, min_n, max_n, k), (trial, tokens)
+            assert NgramProposer(min_n, max_n).propose("fresh", tokens, k) == brute_force(tokens, min_n, max_n, k)
+
+
+def test_ngram_hand_cases():
+    proposer = NgramProposer(2, 3)
+    assert proposer.propose("a", [5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]
+    assert proposer.propose("b", [1, 2, 3, 4], 3) == []
+    assert NgramProposer(2, 2).propose("c", [1, 1, 1, 1], 3) == [1]  # the continuation may run into the suffix
+    assert NgramProposer(1, 1).propose("d", [4, 1, 4, 2, 4], 1) == [2]  # the most recent occurrence wins
+    # The longest n wins over a more recent shorter match: [7, 4] matched at the start, [4] alone later.
+    assert NgramProposer(1, 2).propose("e", [7, 4, 1, 4, 3, 7, 4], 1) == [1]
+    proposer.forget("a")
+    assert "a" not in proposer._indexes
+
+
+def _throughput(rates, ks, overhead):
+    tokens = len(rates) + sum(sum(r ** j for j in range(1, k + 1)) for r, k in zip(rates, ks))
+    return tokens / (overhead + len(rates) + sum(ks))
+
+
+def test_policy_hand_cases():
+    policy = SpeculationPolicy(4, overhead_tokens=100)
+    assert policy.plan([("a", 4)]) == [4]  # one row, a large fixed cost: every draft pays
+    assert policy.plan([("a", 2)]) == [2]  # capped by the row
+    crowded = SpeculationPolicy(4, overhead_tokens=0)
+    assert crowded.plan([(str(i), 4) for i in range(256)]) == [0] * 256  # E / C = 1 already: nothing pays
+    assert SpeculationPolicy(4, 0, adaptive=False).plan([("a", 4), ("b", 1)]) == [4, 1]
+
+
+def test_policy_turns_itself_off_and_counts_positions():
+    policy = SpeculationPolicy(3, overhead_tokens=20)
+    for _ in range(10):
+        k = policy.plan([("bad", 3)])[0]
+        if k:
+            policy.record("bad", k, 0)
+    assert policy.plan([("bad", 3)]) == [0]
+    good = SpeculationPolicy(3, overhead_tokens=20)
+    good.record("g", 3, 2)
+    assert good.stats.drafted_per_position == [1, 1, 1] and good.stats.accepted_per_position == [1, 1, 0]
+    assert good.stats.per_position_acceptance == [1.0, 1.0, 0.0]
+
+
+def test_policy_is_optimal_for_its_objective():
+    rng = random.Random(3)
+    for _ in range(200):
+        num_rows, k_max = rng.randint(1, 3), rng.randint(1, 3)
+        overhead = rng.choice([0, 1, 3, 10, 40])
+        policy = SpeculationPolicy(k_max, overhead)
+        rows = []
+        for i in range(num_rows):
+            for _ in range(rng.randint(0, 4)):
+                drafted = rng.randint(0, k_max)
+                policy.record(str(i), drafted, rng.randint(0, drafted))
+            rows.append((str(i), rng.randint(0, k_max)))
+        rates = [policy.rate(r) for r, _ in rows]
+        ks = policy.plan(rows)
+        best = max(_throughput(rates, c, overhead) for c in itertools.product(*(range(m + 1) for _, m in rows)))
+        assert _throughput(rates, ks, overhead) == pytest.approx(best)
