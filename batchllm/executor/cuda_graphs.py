@@ -32,7 +32,8 @@ class DecodeGraphs:
         the LoRA kernels too, and a replay applies whatever segments the step uploaded (none: base rows only)."""
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Each size's graph, its hidden-state output and (EAGLE-3) the target's fused stream it also writes.
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         pool = None
         # Largest first: later (smaller) graphs fit into the memory the first one reserved in the shared pool.
         for size in reversed(self.sizes):
@@ -44,7 +45,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = model(input_ids, positions)
             pool = graph.pool()
-            self._graphs[size] = (graph, hidden)
+            self._graphs[size] = (graph, hidden, model.model.aux_hidden)
         torch.cuda.synchronize()
 
     @property
@@ -56,6 +57,8 @@ class DecodeGraphs:
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` rows on the current buffer contents; returns its hidden-state output."""
-        graph, hidden = self._graphs[size]
+        graph, hidden, aux_hidden = self._graphs[size]
         graph.replay()
+        if aux_hidden is not None:
+            self.model.model.aux_hidden = aux_hidden
         return hidden

@@ -27,7 +27,8 @@ from batchllm.engine.interfaces import (
 from batchllm.engine.spec.config import SpeculativeConfig
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
-from batchllm.executor.drafter import LookaheadRows, build_drafter
+from batchllm.executor.drafter import build_drafter
+from batchllm.executor.drafter_base import LookaheadRows, ObservedStep
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from batchllm.executor.lora_slots import LoRASlotManager
@@ -99,8 +100,8 @@ class ModelRunner:
         self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
                                      self.scheduler_config.max_num_batched_tokens, device, self.dtype)
                      if config.max_loras else None)
-        self.drafter = build_drafter(config.speculative, self.model_config, device, self.dtype, config.load_format,
-                                     config.seed)
+        self.drafter = build_drafter(config.speculative, self.model, self.model_config, device, self.dtype,
+                                     config.load_format, config.seed)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.eos_token_ids = config.eos_token_ids
@@ -189,6 +190,8 @@ class ModelRunner:
         sample_positions: list[int] = []  # the position of each sampled row's first new token
         drafts: list[list[int]] = []  # speculative steps: each sampled row's drafts
         lookahead = LookaheadRows([], [], [], [])  # device proposers: the rows that draft after this step
+        new_rows: list[bool] = []
+        num_drafts: list[int] = []
         placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
         placeholder_rows: list[int] = []
         lora_rows: list[tuple[LoRARequest, int, int]] = []  # (adapter, first flat token, tokens)
@@ -207,6 +210,8 @@ class ModelRunner:
                 placeholder_rows.append(last_rows[request_id])
                 token_ids.append(0)
             token_ids += scheduled.draft_token_ids
+            new_rows.append(scheduled.new is not None)
+            num_drafts.append(len(scheduled.draft_token_ids))
             num_scheduled.append(scheduled.num_tokens)
             num_computed.append(scheduled.num_computed_tokens)
             block_rows.append(state.row)
@@ -232,9 +237,10 @@ class ModelRunner:
         block_rows = np.array(block_rows, dtype=np.int64)
         sample_index = np.array(sample_rows, dtype=np.int64)
         sample_counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64) if so.speculative else None
+        num_scheduled, num_computed = np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64)
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
-            token_ids, np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64),
-            self._block_tables.table, block_rows, sample_index, pad_to=graph_size, sample_counts=sample_counts)
+            token_ids, num_scheduled, num_computed, self._block_tables.table, block_rows, sample_index,
+            pad_to=graph_size, sample_counts=sample_counts)
         if placeholder_slots:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if graph_size is not None:
@@ -243,12 +249,17 @@ class ModelRunner:
             with set_forward_context(metadata), set_lora_batch(lora_batch):
                 hidden = self.model(input_ids, positions)
         if self.drafter is not None:
-            self.drafter.observe(input_ids, positions, metadata)
+            self.drafter.observe(
+                ObservedStep(input_ids, positions, metadata, hidden, self.model.model.aux_hidden, len(token_ids),
+                             np.cumsum(num_scheduled) - num_scheduled, num_scheduled, num_computed, block_rows,
+                             np.array(new_rows), np.array(num_drafts, dtype=np.int64)),
+                self._block_tables.table, self.block_size)
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
         rows = SampledRows(sampled_states, sample_positions, drafts if so.speculative else None,
-                           lookahead if lookahead.num_drafts else None, hidden, logits_indices)
+                           lookahead if lookahead.num_drafts else None, hidden, logits_indices,
+                           block_rows[sample_index])
         # The step's sampling tensors are built now, while the forward pass runs, even when the sampling itself
         # must wait for a grammar bitmask: only the bitmask's upload is left for then.
         tensors, history = (None, []) if logits is None else self._sampling_tensors(logits, rows,
@@ -275,8 +286,11 @@ class ModelRunner:
             else:
                 sampled = self.rejection_sampler(logits, tensors, DraftBatch.build(rows.drafts, self.device))
         proposals = {}
-        if rows.lookahead is not None and sampled is not None:
-            proposals = self._propose(rows, sampled)
+        if self.drafter is not None and sampled is not None:
+            if rows.drafts is not None:
+                self.drafter.accepted(rows.table_rows, rows.last_accepted_index(sampled, self.device))
+            if rows.lookahead is not None:
+                proposals = self._propose(rows, sampled)
         if rows.drafts is not None:
             # Speculative steps are applied before the next is scheduled: it holds no placeholder.
             self._last_sampled, self._last_rows = None, {}
@@ -368,6 +382,13 @@ class SampledRows:
     lookahead: LookaheadRows | None = None
     hidden: torch.Tensor | None = None  # the step's hidden states and the logits rows' indices into them
     logits_indices: torch.Tensor | None = None
+    table_rows: np.ndarray | None = None  # each sampled row's BlockTables row
+
+    def last_accepted_index(self, sampled: SamplerOutput, device: torch.device) -> torch.Tensor:
+        """A speculative step's flat token index of each sampled row's last accepted token."""
+        counts = np.array([len(d) + 1 for d in self.drafts], dtype=np.int64)
+        starts = torch.from_numpy(np.cumsum(counts) - counts).to(device)
+        return self.logits_indices[starts + sampled.num_accepted.to(device)]
 
 
 def _record_tokens(history: list[tuple[str, _RequestState]], result: ModelRunnerOutput) -> None:

@@ -88,12 +88,20 @@ class LlamaModel(nn.Module):
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

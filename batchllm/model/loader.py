@@ -80,9 +80,9 @@ def load_model(
         model = model_class(config)
     with torch.no_grad():
         if load_format == "dummy":
-            _fill_dummy_weights(model, seed, dtype)
+            fill_dummy_weights(model, seed, dtype)
         else:
-            _load_safetensors(model, path, config, quant)
+            load_checkpoint_weights(model, path, config, quant)
         for module in model.modules():
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
@@ -94,7 +94,11 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     copy_checked(param.data, loaded_weight)
 
 
-def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: QuantConfig | None) -> None:
+def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, quant: QuantConfig | None,
+                            ignore: tuple[str, ...] = ()) -> None:
+    """Every `*.safetensors` tensor of `path` into `model`'s parameter of the same name (fused ones through
+    `packed_modules_mapping`), checked for shape; a missing or unexpected tensor is an error, except the
+    names in `ignore`, which the caller reads itself."""
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -115,7 +119,8 @@ def _load_safetensors(model: nn.Module, path: Path, config: ModelConfig, quant: 
 
         for file, checkpoint in zip(files, checkpoints, strict=True):
             for name in checkpoint.keys():
-                if name.endswith(_UNUSED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                if (name.endswith(_UNUSED_SUFFIXES) or name in ignore
+                        or (name == "lm_head.weight" and config.tie_word_embeddings)):
                     continue
                 if quant is not None and name.endswith(COMPONENT_SUFFIXES if quant.method == INT else SCALE_SUFFIXES):
                     continue  # read with their weights
@@ -231,7 +236,7 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
     return ".".join([*prefix, module, kind])
 
 
-def _fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
+def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     """normal(0, 0.02) weights and unit norms, generated per checkpoint tensor from a seed derived from its
     name, then sliced by the parameter's own loader: every tensor-parallel size (and every data-parallel
     replica) gets the same model, and a rank only ever holds one full tensor at a time. FP8 layers get the

@@ -29,7 +29,10 @@ def prompts(tokenizer):
 def hf_greedy(model_path, prompts):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return _hf_greedy(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), prompts)
+
+
+def _hf_greedy(model, prompts) -> list[list[int]]:
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -133,7 +133,7 @@ def test_tensor_parallel(tmp_path):
      "1 <= min <= max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "unknown keys ['speculative_model']"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
-    ({"method": "eagle", "model": "/nowhere", "num_speculative_tokens": 2}, "'eagle' is not available yet"),
+    ({"method": "eagle", "model": "/nowhere", "num_speculative_tokens": 2}, "'/nowhere' is not a directory"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_configs_are_refused(config, message):
@@ -154,6 +154,18 @@ def test_mismatched_proposers_are_refused_before_loading(tmp_path, model_path):
     (heads / "medusa_lm_head.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="the Medusa heads have hidden_size=64"):
         LLM(speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 2})
+    eagle = tmp_path / "eagle"
+    eagle.mkdir()
+    (eagle / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    (eagle / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="pickled pytorch_model.bin heads are not loaded"):
+        LLM(speculative_config={"method": "eagle", "model": str(eagle), "num_speculative_tokens": 2})
+    (eagle / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="has no draft_vocab_size: not an EAGLE-3 head"):
+        LLM(speculative_config={"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 2})
+    (eagle / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "hidden_size": 256}))
+    with pytest.raises(ValueError, match="the eagle head has hidden_size=256, the target model hidden_size=576"):
+        LLM(speculative_config={"method": "eagle", "model": str(eagle), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="does not run under tensor parallelism yet"):
         LLM(model_path, tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": str(model_path),
                                                                    "num_speculative_tokens": 2})
