@@ -53,7 +53,7 @@ def main() -> None:
         texts = prompts(off, rows)
         off_tps, off_tokens = timed(off, texts, params)
         on_tps, on_tokens = timed(on, texts, params)
-        stats = on.stats
+        stats = on.stats  # of the last call: the timed one
         record = dict(rows=rows, off_tok_s=round(off_tps, 1), ngram_tok_s=round(on_tps, 1),
                       speedup=round(on_tps / off_tps, 2), acceptance=round(stats.draft_acceptance_rate, 3),
                       drafted=stats.num_draft_tokens, per_position=[round(a, 3) for a in

@@ -51,7 +51,8 @@ def _check_eagle(method: str, path: Path, target: ModelConfig) -> None:
     if not 0 < raw["draft_vocab_size"] <= target.vocab_size:
         raise ValueError(f"speculative_config: draft_vocab_size={raw['draft_vocab_size']} is not in "
                          f"[1, {target.vocab_size}], the target's vocabulary")
-    if len(eagle3_aux_layers(target.num_layers)) != 3:
+    layers = eagle3_aux_layers(target.num_layers)
+    if len(layers) != 3 or not all(0 <= layer < target.num_layers for layer in layers):
         raise ValueError(f"speculative_config: EAGLE-3 fuses three distinct target layers; a target of "
                          f"{target.num_layers} layers has too few")
 
