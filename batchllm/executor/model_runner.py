@@ -8,7 +8,6 @@ through `StepOutput` (the step's one sync, which the engine takes after launchin
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +29,10 @@ from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.drafter import build_drafter
 from batchllm.executor.drafter_base import LookaheadRows, ObservedStep
 from batchllm.executor.input_batch import InputBatch
-from batchllm.executor.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
+from batchllm.executor.kv_cache import KVCache, allocate_kv_cache
 from batchllm.executor.lora_slots import LoRASlotManager
-from batchllm.executor.profiling import profile_peak_memory
+from batchllm.executor.profiling import kv_pool_blocks
+from batchllm.executor.sampled_rows import RequestState, SampledRows, record_tokens
 from batchllm.executor.sampling_table import SamplingTable
 from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.forward_context import set_forward_context
@@ -41,21 +41,9 @@ from batchllm.lora.request import LoRARequest
 from batchllm.model.layers.lora import set_lora_batch
 from batchllm.model.layers.rejection_sampler import DraftBatch, RejectionSampler
 from batchllm.model.layers.sampler import Sampler, SamplerOutput
-from batchllm.model.layers.sampling_tensors import SamplingRow, SamplingTensors, keeps_token_history, make_generator
+from batchllm.model.layers.sampling_tensors import SamplingTensors, keeps_token_history, make_generator
 from batchllm.model.loader import load_model
 from batchllm.model.quantization.fp8 import FP8_DTYPE
-from batchllm.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class _RequestState:
-    params: SamplingParams
-    row: int  # its row in the runner's BlockTables and SamplingTable
-    # Only for requests whose sampling reads them (penalties, min_tokens; `keeps_token_history`), else empty.
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # grows by one per sampled token
-    generator: torch.Generator | None = None
-    lora: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +95,14 @@ class ModelRunner:
         self.eos_token_ids = config.eos_token_ids
 
         # Ranks may see different free memory: the pool is as large as the smallest rank can hold.
-        num_blocks = all_reduce_min(config.cache.num_blocks or self._blocks_from_memory(config.cache))
+        if config.cache.num_blocks:
+            num_blocks = config.cache.num_blocks
+        else:
+            # A draft model's or EAGLE head's K/V lives in the same blocks.
+            extra = self.drafter.kv_bytes_per_block(self.block_size, self.kv_dtype) if self.drafter else 0
+            num_blocks = kv_pool_blocks(self.model, self.model_config, self.scheduler_config, config.cache,
+                                        self.block_size, self.kv_dtype, device, extra)
+        num_blocks = all_reduce_min(num_blocks)
         self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
                                                    device, self.kv_dtype)
         if self.drafter is not None:
@@ -118,7 +113,7 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
                                  max_blocks_per_seq, self.block_size, device)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._block_tables = BlockTables(max_blocks_per_seq, 2 * self.scheduler_config.max_num_seqs)
         self._sampling_table = SamplingTable(2 * self.scheduler_config.max_num_seqs)
         self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
@@ -142,25 +137,6 @@ class ModelRunner:
         if requested is not None and requested > model_limit:
             raise ValueError(f"max_model_len={requested} exceeds the model's limit of {model_limit} positions")
         return min(requested or model_limit, num_blocks * self.block_size)
-
-    def _blocks_from_memory(self, cache_config: CacheConfig) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
-        if self.drafter is not None:  # a draft model's K/V lives in the same blocks
-            per_block += self.drafter.kv_bytes_per_block(self.block_size, self.kv_dtype)
-        if self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory(cache_config.gpu_memory_utilization)
-        else:
-            budget = cache_config.kv_cache_memory_bytes or _default_cpu_kv_bytes()
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} per block)")
-        return int(num_blocks)
-
-    @torch.inference_mode()
-    def _profile_free_gpu_memory(self, utilization: float) -> int:
-        """Run one forward pass at the full token budget and return the bytes the KV pool may take."""
-        return profile_peak_memory(self.model, self.model_config, self.scheduler_config, self.block_size, self.device,
-                                   self.kv_dtype, utilization)
 
     # ----------------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -186,7 +162,7 @@ class ModelRunner:
         token_ids: list[int] = []
         block_rows: list[int] = []
         sample_rows: list[int] = []
-        sampled_states: list[tuple[str, _RequestState]] = []
+        sampled_states: list[tuple[str, RequestState]] = []
         sample_positions: list[int] = []  # the position of each sampled row's first new token
         drafts: list[list[int]] = []  # speculative steps: each sampled row's drafts
         lookahead = LookaheadRows([], [], [], [])  # device proposers: the rows that draft after this step
@@ -271,7 +247,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _sample_step(self, logits: torch.Tensor | None, rows: SampledRows, tensors: SamplingTensors | None,
-                     history: list[tuple[str, _RequestState]], grammar: GrammarBitmask | None) -> StepOutput:
+                     history: list[tuple[str, RequestState]], grammar: GrammarBitmask | None) -> StepOutput:
         """`tensors` is None on tensor-parallel ranks other than 0 (no logits); `history` holds the rows whose
         sampled tokens the runner must remember."""
         request_ids = [request_id for request_id, _ in rows.states]
@@ -303,27 +279,16 @@ class ModelRunner:
         if rows.drafts is None:
             self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
         output = StepOutput(request_ids, sampled, self._host_tokens.take(),
-                            (lambda result: _record_tokens(history, result)) if history else _ignore, rows.drafts,
+                            (lambda result: record_tokens(history, result)) if history else _ignore, rows.drafts,
                             proposals)
         if sampled is not None:
             self._unread = output
         return output
 
     def _propose(self, rows: SampledRows, sampled: SamplerOutput) -> dict[str, list[int]]:
-        """The device proposer's drafts for the lookahead rows, after their last token (one sync: how many
-        drafts each row accepted decides where its last token is)."""
-        lookahead = rows.lookahead
-        counts = np.array([len(d) + 1 for d in rows.drafts] if rows.drafts is not None else [1] * len(rows.states))
-        starts = np.cumsum(counts) - counts
-        accepted = ([0] * len(rows.states) if sampled.num_accepted is None else sampled.num_accepted.tolist())
-        num_accepted = [accepted[r] for r in lookahead.sampled_rows]
-        last_rows = torch.from_numpy(starts[lookahead.sampled_rows] + np.array(num_accepted, dtype=np.int64))
-        last_rows = last_rows.to(self.device)
-        drafts = self.drafter.propose(lookahead, sampled.token_ids[last_rows], num_accepted, self._block_tables.table,
-                                      self.block_size, rows.hidden, rows.logits_indices[last_rows])
-        return {rows.states[r][0]: d for r, d in zip(lookahead.sampled_rows, drafts)}
+        return rows.propose(self.drafter, sampled, self._block_tables.table, self.block_size, self.device)
 
-    def _add_state(self, request_id: str, new: NewRequestData) -> _RequestState:
+    def _add_state(self, request_id: str, new: NewRequestData) -> RequestState:
         """The state of a request the runner has not seen, or sees again after a preemption."""
         state = self._states.get(request_id)
         params = new.sampling_params
@@ -336,76 +301,26 @@ class ModelRunner:
         prompt, output = [], []
         if keeps_token_history(params):
             prompt, output = new.all_token_ids[:new.num_prompt_tokens], new.all_token_ids[new.num_prompt_tokens:]
-        state = self._states[request_id] = _RequestState(params, row, prompt, output, generator, new.lora_request)
+        state = self._states[request_id] = RequestState(params, row, prompt, output, generator, new.lora_request)
         return state
 
     def _sampling_tensors(self, logits: torch.Tensor, rows: SampledRows, table_rows: np.ndarray,
-                          ) -> tuple[SamplingTensors, list[tuple[str, _RequestState]]]:
+                          ) -> tuple[SamplingTensors, list[tuple[str, RequestState]]]:
         """The sampling tensors of the step's logits rows (`table_rows[i]`: the SamplingTable row of sampled row
         i; a speculating row has one logits row per draft plus one), and the (request id, state) of the rows that
         keep their token history."""
-        owner = offset = None
-        if rows.drafts is not None:
-            counts = np.array([len(d) + 1 for d in rows.drafts], dtype=np.int64)
-            owner = np.repeat(np.arange(len(counts)), counts)
-            offset = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner, offset = rows.verification_rows()
+        if owner is not None:
             table_rows = table_rows[owner]
         columns, special_positions, any_history = self._sampling_table.gather(table_rows)
         if self._unread is not None and any_history:
             # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
             self._unread.result()
         self._unread = None
-        special = []
-        history = {}
-        for i in special_positions.tolist():
-            r, j = (i, 0) if owner is None else (int(owner[i]), int(offset[i]))
-            request_id, state = rows.states[r]
-            output_token_ids = state.output_token_ids
-            if keeps_token_history(state.params):
-                history[request_id] = state
-                if j:  # the drafts before this verification row count as its output so far
-                    output_token_ids = output_token_ids + rows.drafts[r][:j]
-            special.append((i, SamplingRow(state.params, state.prompt_token_ids, output_token_ids, state.generator,
-                                           rows.positions[r] + j)))
+        special, history = rows.special_rows(special_positions.tolist(), owner, offset)
         tensors = SamplingTensors.from_columns(columns, special, logits.shape[-1], self.device, self.eos_token_ids)
-        return tensors, list(history.items())
-
-
-@dataclass(slots=True)
-class SampledRows:
-    """The step's sampled requests in logits order, each one's first new position, and (speculative steps)
-    each one's drafts."""
-
-    states: list[tuple[str, _RequestState]]
-    positions: list[int]
-    drafts: list[list[int]] | None
-    lookahead: LookaheadRows | None = None
-    hidden: torch.Tensor | None = None  # the step's hidden states and the logits rows' indices into them
-    logits_indices: torch.Tensor | None = None
-    table_rows: np.ndarray | None = None  # each sampled row's BlockTables row
-
-    def last_accepted_index(self, sampled: SamplerOutput, device: torch.device) -> torch.Tensor:
-        """A speculative step's flat token index of each sampled row's last accepted token."""
-        counts = np.array([len(d) + 1 for d in self.drafts], dtype=np.int64)
-        starts = torch.from_numpy(np.cumsum(counts) - counts).to(device)
-        return self.logits_indices[starts + sampled.num_accepted.to(device)]
-
-
-def _record_tokens(history: list[tuple[str, _RequestState]], result: ModelRunnerOutput) -> None:
-    for request_id, state in history:
-        state.output_token_ids.extend(token.token_id for token in result.accepted.get(request_id, ()))
-        state.output_token_ids.append(result.sampled[request_id].token_id)
+        return tensors, history
 
 
 def _ignore(result: ModelRunnerOutput) -> None:
     pass
-
-
-def _default_cpu_kv_bytes() -> int:
-    """A quarter of physical memory, at most 4 GiB: room for the weights and the rest of the process."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 << 30
-    return min(4 << 30, total // 4)
-

@@ -1,4 +1,4 @@
-"""GPU memory profiling: how much of the card the KV pool may take.
+"""Memory profiling: how many blocks the KV pool may take.
 
 One forward pass at the full token budget (plus logits and sampling for the largest batch) measures the
 activation peak; the pool gets `gpu_memory_utilization` of the card minus that peak and everything else
@@ -7,12 +7,14 @@ already resident (weights, the CUDA context, other processes).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
-from batchllm.config import SchedulerConfig
+from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.executor.input_batch import InputBatch
-from batchllm.executor.kv_cache import allocate_kv_cache
+from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
 from batchllm.model.config import ModelConfig
 
@@ -55,3 +57,30 @@ def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, confi
     free, total = torch.cuda.mem_get_info()
     used_by_others = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
     return max(0, int(total * utilization) - peak - used_by_others)
+
+
+@torch.inference_mode()
+def kv_pool_blocks(model: torch.nn.Module, model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                   cache_config: CacheConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   extra_bytes_per_block: int = 0) -> int:
+    """How many KV blocks fit: on a GPU what profiling leaves of `gpu_memory_utilization`, on the CPU
+    `kv_cache_memory_bytes` or a default share of memory. `extra_bytes_per_block`: a proposer's own K/V."""
+    per_block = kv_bytes_per_block(model_config, block_size, dtype) + extra_bytes_per_block
+    if device.type == "cuda":
+        budget = profile_peak_memory(model, model_config, scheduler_config, block_size, device, dtype,
+                                     cache_config.gpu_memory_utilization)
+    else:
+        budget = cache_config.kv_cache_memory_bytes or _default_cpu_kv_bytes()
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} per block)")
+    return int(num_blocks)
+
+
+def _default_cpu_kv_bytes() -> int:
+    """A quarter of physical memory, at most 4 GiB: room for the weights and the rest of the process."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return min(4 << 30, total // 4)
