@@ -11,7 +11,9 @@ written again when the target recomputes their positions.
 
 Drafting at the end of a step starts at the position of the last accepted token's feature with the newly
 sampled token, then feeds the head its own output feature for each further draft. The drafts are never
-trusted: the rejection sampler verifies them, so a stale entry can only lower acceptance.
+trusted: the rejection sampler verifies them, so a stale entry can only lower acceptance. (One can be: a row
+that starts from prefix-cached blocks reads the head's entries there as the earlier request left them, and the
+last entry of such a block was not written if that request had stopped right after filling it.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ not speculate: their drafts would need the matcher advanced through them.
 
 Asynchronous loop: drafts need the row's tokens, which a step in flight has not returned yet. The engine
 therefore waits for the step in flight (`needs_known_tokens`) while speculation pays, and otherwise only
-every `PROBE_INTERVAL` steps, to find out whether it has started to.
+every `PROBE_INTERVAL` steps, to find out whether it has started to. Speculation stops paying when the policy
+plans no draft, or when the proposer has found none for `PROBE_INTERVAL` steps in a row (an n-gram lookup
+misses now and then even where the output copies its input: one miss must not cost the next steps).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class Speculator:
         self.policy = SpeculationPolicy(config.num_speculative_tokens, overhead_tokens, adaptive=config.adaptive)
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                       if config.method == NGRAM else None)
-        self.active = True  # the last plan with rows to decide for drafted for some row
+        self.active = True  # whether speculation pays: the engine then keeps every row's tokens known
         self._steps_since_probe = 0
+        self._misses = 0  # consecutive plans whose rows the policy let draft, but no proposal came
 
     @property
     def stats(self) -> SpecStats:
@@ -65,8 +68,9 @@ class Speculator:
                 room = min(room, max_tokens - request.num_output_tokens - 1)
             rows.append(request)
             candidates.append((request.request_id, max(0, min(k_max, room))))
-        drafted = False
+        drafted = wanted = False
         for request, k in zip(rows, self.policy.plan(candidates) if rows else ()):
+            wanted |= k > 0
             if self.ngram is not None:
                 request.draft_token_ids = self.ngram.propose(request.request_id, request.token_ids, k) if k else []
             else:
@@ -74,7 +78,8 @@ class Speculator:
                 request.num_lookahead = k
             drafted |= bool(request.draft_token_ids) or request.num_lookahead > 0
         if rows:  # rows with a token in flight say nothing about whether drafting pays
-            self.active = drafted
+            self._misses = 0 if drafted or not wanted else self._misses + 1
+            self.active = wanted and self._misses < PROBE_INTERVAL
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)
