@@ -93,3 +93,32 @@ def test_policy_is_optimal_for_its_objective():
         ks = policy.plan(rows)
         best = max(_throughput(rates, c, overhead) for c in itertools.product(*(range(m + 1) for _, m in rows)))
         assert _throughput(rates, ks, overhead) == pytest.approx(best)
+
+
+def test_speculator_stays_on_through_misses_and_turns_off_after_eight():
+    """The asynchronous loop keeps tokens known while drafting pays: one n-gram miss must not turn it off, eight
+    in a row do, and a policy that plans nothing turns it off at once."""
+    from batchllm.engine.request import Request
+    from batchllm.engine.spec.config import SpeculativeConfig
+    from batchllm.engine.spec.speculator import PROBE_INTERVAL, Speculator
+    from batchllm.sampling_params import SamplingParams
+
+    speculator = Speculator(SpeculativeConfig("ngram", 3), overhead_tokens=8.0, max_model_len=1000)
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=100))
+    request.num_computed_tokens = len(request.token_ids) - 1  # decoding, nothing in flight
+    speculator.plan([request])
+    assert request.draft_token_ids == [3, 1, 2] and speculator.active
+    for step in range(PROBE_INTERVAL):
+        request.token_ids.append(100 + step)  # tokens never seen before: no match
+        request.num_computed_tokens += 1
+        speculator.plan([request])
+        assert request.draft_token_ids == []
+        assert speculator.active == (step < PROBE_INTERVAL - 1)
+    request.token_ids += [1, 2]  # matches again, its latest occurrence
+    request.num_computed_tokens += 2
+    speculator.plan([request])
+    assert request.draft_token_ids == [100, 101, 102] and speculator.active
+    speculator.policy.overhead_tokens = 0.0  # no forward pass is cheap enough for a draft to pay
+    speculator.policy._counts["r"] = (0.0, 10.0)
+    speculator.plan([request])
+    assert request.draft_token_ids == [] and not speculator.active
