@@ -1,10 +1,10 @@
 """N-gram speculative decoding against none, on the CPU with the real default model, a copy-heavy workload.
 
-    python benchmarks/speculative.py --rows 1 8 32 --max-tokens 96
+    python benchmarks/speculative.py --rows 1 8 32 --max-tokens 128
 
 Workload: "Correct the spelling of: <paragraph>" and "Extract every sentence that mentions X from: <text>",
 chat-templated, greedy, each row writing up to `--max-tokens` tokens. Per row count, both engines run the same
-prompts one after another in one process (warm-up first); reported: output tok/s of each, the ratio, the
+prompts one after another in one process (warm-up first, best of two runs each); reported: output tok/s of each, the ratio, the
 acceptance rate and the outputs' equality. Results go to benchmarks/results/.
 """
 
@@ -19,7 +19,9 @@ from pathlib import Path
 from batchllm import LLM, SamplingParams
 
 PARAGRAPH = ("The quick brown fox jumpd over the lazy dog. It was a sunny day and the birds were singng in the "
-             "trees. The farmer walked to the feild to check on his crops, which were growing very well this yeer.")
+             "trees. The farmer walked to the feild to check on his crops, which were growing very well this yeer. "
+             "His wife was baking bread in the kitchen, and the smel of it filled the hole house. After lunch they "
+             "went to the market in the vilage to sell eggs, milk and vegetables to their neighbours.")
 TEXT = ("The river flows through the old town. Many tourists visit the river every summer. The bakery opens at "
         "six. Fishermen sell their catch by the river in the morning. The museum is closed on Mondays.")
 
@@ -30,11 +32,14 @@ def prompts(llm: LLM, rows: int) -> list[str]:
     return [llm.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
 
 
-def timed(llm: LLM, texts: list[str], params: SamplingParams) -> tuple[float, list[list[int]]]:
+def timed(llm: LLM, texts: list[str], params: SamplingParams, repeats: int = 2) -> tuple[float, list[list[int]]]:
+    """Output tok/s, the best of `repeats` runs (a shared CPU's noise only ever slows a run down)."""
     llm.generate(texts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(texts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(texts, params, use_tqdm=False)
+        seconds = min(seconds, time.perf_counter() - start)
     tokens = [o.outputs[0].token_ids for o in outs]
     return sum(map(len, tokens)) / seconds, tokens
 
@@ -42,7 +47,7 @@ def timed(llm: LLM, texts: list[str], params: SamplingParams) -> tuple[float, li
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}

@@ -50,9 +50,9 @@ def test_ngram_hand_cases():
     assert "a" not in proposer._indexes
 
 
-def _throughput(rates, ks, overhead):
+def _throughput(rates, ks, overhead, verify_overhead=0.0):
     tokens = len(rates) + sum(sum(r ** j for j in range(1, k + 1)) for r, k in zip(rates, ks))
-    return tokens / (overhead + len(rates) + sum(ks))
+    return tokens / (overhead + len(rates) + sum(ks) + (verify_overhead if any(ks) else 0.0))
 
 
 def test_policy_hand_cases():
@@ -62,6 +62,10 @@ def test_policy_hand_cases():
     crowded = SpeculationPolicy(4, overhead_tokens=0)
     assert crowded.plan([(str(i), 4) for i in range(256)]) == [0] * 256  # E / C = 1 already: nothing pays
     assert SpeculationPolicy(4, 0, adaptive=False).plan([("a", 4), ("b", 1)]) == [4, 1]
+    # A verification step's fixed cost: rate 0.8, overhead 100: 4 drafts give 1 + 2.36 tokens for 105 + 300
+    # units, 0.0083 per unit, against 1 / 101 = 0.0099 without: not worth it; at 100 it is (0.0164).
+    assert SpeculationPolicy(4, 100, verify_overhead_tokens=300).plan([("a", 4)]) == [0]
+    assert SpeculationPolicy(4, 100, verify_overhead_tokens=100).plan([("a", 4)]) == [4]
 
 
 def test_policy_turns_itself_off_and_counts_positions():
@@ -71,6 +75,11 @@ def test_policy_turns_itself_off_and_counts_positions():
         if k:
             policy.record("bad", k, 0)
     assert policy.plan([("bad", 3)]) == [0]
+    for i in range(30):  # a job whose rows all reject: its new rows stop drafting
+        request_id = f"bad{i}"
+        while k := policy.plan([(request_id, 3)])[0]:
+            policy.record(request_id, k, 0)
+    assert policy.plan([("new", 3)]) == [0]
     good = SpeculationPolicy(3, overhead_tokens=20)
     good.record("g", 3, 2)
     assert good.stats.drafted_per_position == [1, 1, 1] and good.stats.accepted_per_position == [1, 1, 0]
@@ -81,8 +90,8 @@ def test_policy_is_optimal_for_its_objective():
     rng = random.Random(3)
     for _ in range(200):
         num_rows, k_max = rng.randint(1, 3), rng.randint(1, 3)
-        overhead = rng.choice([0, 1, 3, 10, 40])
-        policy = SpeculationPolicy(k_max, overhead)
+        overhead, verify = rng.choice([0, 1, 3, 10, 40]), rng.choice([0, 0, 2, 10, 50])
+        policy = SpeculationPolicy(k_max, overhead, verify)
         rows = []
         for i in range(num_rows):
             for _ in range(rng.randint(0, 4)):
@@ -91,8 +100,9 @@ def test_policy_is_optimal_for_its_objective():
             rows.append((str(i), rng.randint(0, k_max)))
         rates = [policy.rate(r) for r, _ in rows]
         ks = policy.plan(rows)
-        best = max(_throughput(rates, c, overhead) for c in itertools.product(*(range(m + 1) for _, m in rows)))
-        assert _throughput(rates, ks, overhead) == pytest.approx(best)
+        best = max(_throughput(rates, c, overhead, verify)
+                   for c in itertools.product(*(range(m + 1) for _, m in rows)))
+        assert _throughput(rates, ks, overhead, verify) == pytest.approx(best)
 
 
 def test_speculator_stays_on_through_misses_and_turns_off_after_eight():

@@ -1,8 +1,9 @@
 """`speculative_config`: which proposer drafts tokens, how many, and the adaptive policy's knobs.
 
-The keys are vLLM's (`method`, `num_speculative_tokens`, `prompt_lookup_min`/`max`, `model`), plus two of
+The keys are vLLM's (`method`, `num_speculative_tokens`, `prompt_lookup_min`/`max`, `model`), plus three of
 ours: `adaptive` (default True: speculate only where the expected accepted tokens pay for the verification,
-see `policy.py`) and `overhead_tokens` (the policy's cost of a forward pass, in tokens; None: per device).
+see `policy.py`), `overhead_tokens` (the policy's cost of a forward pass, in tokens) and
+`verify_overhead_tokens` (a verification step's cost beyond its tokens); None: the device's default.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ MAX_SPECULATIVE_TOKENS = 16
 # The policy's default cost of one forward pass in token units: reading the weights once costs about as
 # much as this many extra query tokens (measured, benchmarks/README.md "Speculative decoding").
 DEFAULT_OVERHEAD_TOKENS = {"cpu": 8.0, "cuda": 96.0}
+# What a step that verifies drafts costs beyond its tokens, in the same units. On an H200 a verification step
+# costs ~15 ms more than a decode step (it runs without a CUDA graph, drains the asynchronous loop and runs the
+# rejection sampler): ~3 forward passes of llama3-8b (benchmarks/README.md, "Speculative decoding").
+DEFAULT_VERIFY_OVERHEAD_TOKENS = {"cpu": 8.0, "cuda": 300.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,7 @@ class SpeculativeConfig:
     model: str | None = None
     adaptive: bool = True
     overhead_tokens: float | None = None
+    verify_overhead_tokens: float | None = None
 
     @property
     def on_device(self) -> bool:
@@ -37,6 +43,11 @@ class SpeculativeConfig:
 
     def overhead_for(self, device_type: str) -> float:
         return self.overhead_tokens if self.overhead_tokens is not None else DEFAULT_OVERHEAD_TOKENS[device_type]
+
+    def verify_overhead_for(self, device_type: str) -> float:
+        if self.verify_overhead_tokens is not None:
+            return self.verify_overhead_tokens
+        return DEFAULT_VERIFY_OVERHEAD_TOKENS[device_type]
 
 
 def parse_speculative_config(value: Any, source: str = "speculative_config") -> SpeculativeConfig | None:
@@ -75,9 +86,10 @@ def parse_speculative_config(value: Any, source: str = "speculative_config") -> 
                          f"{'draft model' if method == DRAFT_MODEL else method + ' heads'}")
     if not isinstance(config.adaptive, bool):
         raise ValueError(f"{source}: adaptive must be true or false, got {config.adaptive!r}")
-    overhead = config.overhead_tokens
-    if overhead is not None and (isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0):
-        raise ValueError(f"{source}: overhead_tokens must be a number >= 0 or null, got {overhead!r}")
+    for key in ("overhead_tokens", "verify_overhead_tokens"):
+        value = getattr(config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{source}: {key} must be a number >= 0 or null, got {value!r}")
     return config
 
 

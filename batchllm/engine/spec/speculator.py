@@ -26,10 +26,12 @@ PROBE_INTERVAL = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, overhead_tokens: float, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, overhead_tokens: float, max_model_len: int,
+                 verify_overhead_tokens: float = 0.0) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.policy = SpeculationPolicy(config.num_speculative_tokens, overhead_tokens, adaptive=config.adaptive)
+        self.policy = SpeculationPolicy(config.num_speculative_tokens, overhead_tokens, verify_overhead_tokens,
+                                        adaptive=config.adaptive)
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                       if config.method == NGRAM else None)
         self.active = True  # whether speculation pays: the engine then keeps every row's tokens known
