@@ -93,8 +93,9 @@ def main() -> None:
         llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True, speculative_config=spec,
                   dtype=args.dtype)
         ready = time.perf_counter() - start
-        run(llm, decode_prompts[:64], 8)  # warm-up: kernels compile outside the timed runs
-        run(llm, decode_prompts[:1], 16)
+        # Warm-up at every row count: kernels compile (and autotune) for each step shape outside the timed runs.
+        for rows in args.rows:
+            run(llm, decode_prompts[:rows], 16)
         entry = results[name] = {"ready_s": round(ready, 1)}
         for rows in args.rows:
             entry[f"rows={rows}"] = run(llm, decode_prompts[:rows], args.max_tokens)
