@@ -89,6 +89,9 @@ class SchedulerOutput:
     grammar: GrammarBitmask | None = None
     # Some row verifies drafts or asks for lookahead: its result changes how the next step is scheduled.
     speculative: bool = False
+    # Device proposers with K/V of their own (a draft model, EAGLE) run over the step only while speculation
+    # pays: otherwise their pass would cost every step for nothing.
+    observe_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

@@ -177,8 +177,9 @@ class Scheduler:
         self._scheduled_now.clear()
         if speculative:
             self.stats.num_speculative_steps += 1
+        observe = self.speculator is not None and (speculative or self.speculator.wants_observation)
         return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
-                               speculative=speculative)
+                               speculative=speculative, observe_drafts=observe)
 
     def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation] | None:
         """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus

@@ -63,6 +63,9 @@ class Drafter:
     def observe(self, step: ObservedStep, block_tables: np.ndarray, block_size: int) -> None:
         """Sees every step's batch right after the target's forward pass."""
 
+    def skip(self, table_rows: np.ndarray) -> None:
+        """A step the proposer does not run over (speculation is off): these rows' K/V there stays stale."""
+
     def accepted(self, table_rows: np.ndarray, last_index: torch.Tensor) -> None:
         """After a speculative step's sampling: the flat index of each sampled row's last accepted token."""
 

@@ -39,6 +39,7 @@ class EagleDrafter(Drafter):
             target.model.aux_layers = eagle3_aux_layers(target_config.num_layers)
         self._features: torch.Tensor | None = None  # the last step's target features, one per flat token
         self._last_features: torch.Tensor | None = None  # per BlockTables row: its last accepted token's feature
+        self._stale_rows: set[int] = set()  # rows whose last step was skipped: no saved feature
         self.dtype = dtype
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -63,7 +64,11 @@ class EagleDrafter(Drafter):
         features = self._features = self.head.features(step.hidden[:n], aux)
         last_features = self._row_features(int(step.table_rows.max()) + 1)
         # Per row: its tokens from the second on (from the first when its previous feature is known).
-        skip = step.new_rows.astype(np.int64)
+        new_rows = step.new_rows
+        if self._stale_rows:
+            new_rows = new_rows | np.isin(step.table_rows, list(self._stale_rows))
+            self._stale_rows.difference_update(step.table_rows.tolist())
+        skip = new_rows.astype(np.int64)
         query_lens = step.num_scheduled - skip
         keep = query_lens > 0
         if keep.any():
@@ -85,6 +90,9 @@ class EagleDrafter(Drafter):
         last = step.query_start + step.num_scheduled - 1 - step.num_drafts
         last_features[torch.from_numpy(step.table_rows).to(self.device)] = features[
             torch.from_numpy(last).to(self.device)]
+
+    def skip(self, table_rows: np.ndarray) -> None:
+        self._stale_rows.update(table_rows.tolist())
 
     @torch.inference_mode()
     def accepted(self, table_rows: np.ndarray, last_index: torch.Tensor) -> None:

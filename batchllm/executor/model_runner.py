@@ -224,7 +224,9 @@ class ModelRunner:
         else:
             with set_forward_context(metadata), set_lora_batch(lora_batch):
                 hidden = self.model(input_ids, positions)
-        if self.drafter is not None:
+        if self.drafter is not None and not so.observe_drafts:
+            self.drafter.skip(block_rows)
+        elif self.drafter is not None:
             self.drafter.observe(
                 ObservedStep(input_ids, positions, metadata, hidden, self.model.model.aux_hidden, len(token_ids),
                              np.cumsum(num_scheduled) - num_scheduled, num_scheduled, num_computed, block_rows,

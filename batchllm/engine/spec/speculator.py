@@ -45,6 +45,12 @@ class Speculator:
     def reset_stats(self) -> None:
         self.policy.stats = SpecStats.empty(self.config.num_speculative_tokens)
 
+    @property
+    def wants_observation(self) -> bool:
+        """Whether a device proposer should run over this step's tokens. While the adaptive policy has turned
+        speculation off it skips them: its K/V there stays stale, which can only lower a later acceptance."""
+        return self.active or not self.config.adaptive
+
     def needs_known_tokens(self) -> bool:
         """Whether the next step should be planned with every row's tokens known (asynchronous loop)."""
         self._steps_since_probe += 1
