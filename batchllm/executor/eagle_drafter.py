@@ -48,6 +48,9 @@ class EagleDrafter(Drafter):
     def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         self.kv_cache = allocate_kv_cache(self.head, self.head.config, num_blocks, block_size, self.device, dtype)
 
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
     def _row_features(self, num_rows: int) -> torch.Tensor:
         if self._last_features is None or len(self._last_features) < num_rows:
             grown = torch.zeros(max(num_rows, 64), self.head.config.hidden_size, dtype=self.dtype,
@@ -73,30 +76,30 @@ class EagleDrafter(Drafter):
         keep = query_lens > 0
         if keep.any():
             starts, lens = step.query_start[keep] + skip[keep], query_lens[keep]
-            token_index = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, lens)])
+            # Flat token indices of those runs, and each one's row.
+            token_index = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
             owner = np.repeat(np.flatnonzero(keep), lens)
             positions = step.num_computed[owner] + (token_index - step.query_start[owner]) - 1
-            # The feature of the token before: the previous flat token, or the row's saved one.
-            first = token_index == step.query_start[owner]
-            source = np.where(first, n + step.table_rows[owner], token_index - 1)
             tables = block_tables[step.table_rows[keep]]
             metadata = flat_metadata(positions, lens, step.num_computed[keep] + step.num_scheduled[keep] - 1,
                                      tables, block_size, self.device)
-            index = torch.from_numpy(token_index).to(self.device)
+            # The feature of the token before: the previous flat token, or (a row's first token) the saved one.
+            inputs = features[self._upload(token_index - 1)]
+            first = np.flatnonzero(token_index == step.query_start[owner])
+            if len(first):
+                inputs[self._upload(first)] = last_features[self._upload(step.table_rows[owner[first]])]
             with set_forward_context(metadata):
-                self.head(step.input_ids[index], torch.from_numpy(positions).to(self.device),
-                          torch.cat([features, last_features])[torch.from_numpy(source).to(self.device)])
+                self.head(step.input_ids[self._upload(token_index)], self._upload(positions), inputs)
         # Each row's last token before its drafts: a speculative step moves it past the accepted ones later.
         last = step.query_start + step.num_scheduled - 1 - step.num_drafts
-        last_features[torch.from_numpy(step.table_rows).to(self.device)] = features[
-            torch.from_numpy(last).to(self.device)]
+        last_features[self._upload(step.table_rows)] = features[self._upload(last)]
 
     def skip(self, table_rows: np.ndarray) -> None:
         self._stale_rows.update(table_rows.tolist())
 
     @torch.inference_mode()
     def accepted(self, table_rows: np.ndarray, last_index: torch.Tensor) -> None:
-        self._last_features[torch.from_numpy(table_rows).to(self.device)] = self._features[last_index]
+        self._last_features[self._upload(table_rows)] = self._features[last_index]
 
     @torch.inference_mode()
     def propose(self, rows: LookaheadRows, last_tokens: torch.Tensor, num_accepted: list[int],
