@@ -60,16 +60,17 @@ class InputBatch:
 
     def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
                 block_tables: np.ndarray, block_rows: np.ndarray, sample_rows: np.ndarray, pad_to: int | None = None,
-                sample_counts: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                                  torch.Tensor]:
+                sample_counts: np.ndarray | None = None, query_stride: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Fill the buffers for one step.
 
         `num_scheduled[i]` new tokens of sequence i start at position `num_computed[i]`; `token_ids` is their
         concatenation; `block_tables[block_rows[i]]` its block table (entries past its blocks are never read);
         `sample_rows` the sequences whose last scheduled token yields logits (`sample_counts[i]`: the last that
-        many, speculative decoding's verification rows). `pad_to` (decode-only steps
-        replayed from a CUDA graph) appends padding rows up to that many one-token sequences. Returns
-        (input_ids, positions, attention metadata, logits indices) on device.
+        many, speculative decoding's verification rows). `query_stride` (a verification step replayed from a CUDA
+        graph) lays every sequence out as that many query tokens, its own first and inert ones after them.
+        `pad_to` (steps replayed from a CUDA graph) appends padding rows up to that many sequences of one token
+        (`query_stride` tokens). Returns (input_ids, positions, attention metadata, logits indices) on device.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
@@ -100,9 +101,13 @@ class InputBatch:
             num_samples = len(first)
             starts = np.repeat(np.cumsum(sample_counts) - sample_counts, sample_counts)
             np.add(first, self._arange[:num_samples] - starts, out=self.logits_indices.np[:num_samples])
+        query_len = 1
+        if query_stride is not None:
+            self._spread(num_computed, seq_of_token, num_tokens, num_samples, query_stride)
+            query_len, num_tokens = query_stride, num_seqs * query_stride
         if pad_to is not None and pad_to > num_seqs:
-            self.fill_padding(num_seqs, pad_to)
-            num_seqs = num_tokens = pad_to
+            self.fill_padding(num_seqs, pad_to, query_len)
+            num_seqs, num_tokens = pad_to, pad_to * query_len
             seq_lens = self.seq_lens.np[:num_seqs]
 
         metadata = AttentionMetadata(
@@ -110,7 +115,7 @@ class InputBatch:
             query_start_loc=self.query_start_loc.upload(num_seqs + 1),
             seq_lens=self.seq_lens.upload(num_seqs),
             block_tables=self.block_tables.upload(num_seqs),
-            max_query_len=int(num_scheduled.max()) if pad_to is None else 1,
+            max_query_len=query_stride or (int(num_scheduled.max()) if pad_to is None else 1),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens.tolist(),
@@ -134,36 +139,60 @@ class InputBatch:
         if self._copied is not None:
             self._copied.record()
 
-    def fill_padding(self, start: int, end: int) -> None:
-        """Make one-token sequences `start..end` inert padding: their K/V write is skipped (slot -1) and they
-        attend to one arbitrary cached key, so their (discarded) outputs stay finite-or-garbage in their own
-        rows only. Used for CUDA-graph batch padding and capture. Assumes rows before `start` are one-token
-        sequences too (a decode-only step)."""
+    def _spread(self, num_computed: np.ndarray, seq_of_token: np.ndarray, num_tokens: int, num_samples: int,
+                stride: int) -> None:
+        """Move the packed tokens of the prepared step to `stride` query tokens per sequence: sequence i's tokens
+        at `i * stride` on, then inert ones (no K/V write, input 0) at the positions after them. A query sees only
+        the keys at or before its own position, so the inert tokens change no real token's output; their keys
+        past the sequence's blocks are read through stale (valid) block-table entries, for their own rows only.
+        The caller guarantees each sequence's `num_computed + stride` fits its block table."""
+        num_seqs = len(num_computed)
         cu = self.query_start_loc.np
-        cu[start + 1 : end + 1] = np.arange(cu[start] + 1, cu[start] + 1 + end - start)
+        dest = seq_of_token * stride + self._arange[:num_tokens] - cu[seq_of_token]
+        total = num_seqs * stride
+        for buffer, fill in ((self.input_ids, 0), (self.slot_mapping, -1)):
+            packed = buffer.np[:num_tokens].copy()
+            buffer.np[:total] = fill
+            buffer.np[dest] = packed
+        offsets = self._arange[:total] % stride
+        np.add(np.repeat(num_computed, stride), offsets, out=self.positions.np[:total])
+        logits = self.logits_indices.np[:num_samples]
+        logits[:] = dest[logits]
+        cu[: num_seqs + 1] = self._arange[: num_seqs + 1] * stride
+        np.add(num_computed, stride, out=self.seq_lens.np[:num_seqs])
+
+    def fill_padding(self, start: int, end: int, query_len: int = 1) -> None:
+        """Make sequences `start..end` of `query_len` tokens inert padding: their K/V write is skipped (slot -1) and
+        they attend to arbitrary keys of block 0, so their (discarded) outputs stay finite-or-garbage in their own
+        rows only. Used for CUDA-graph batch padding and capture. Assumes rows before `start` are `query_len`-token
+        sequences too (a decode-only step, or a verification step laid out with that stride)."""
+        cu = self.query_start_loc.np
+        cu[start + 1 : end + 1] = cu[start] + query_len * np.arange(1, end - start + 1)
         first, last = int(cu[start]), int(cu[end])
-        self.seq_lens.np[start:end] = 1
-        self.block_tables.np[start:end, 0] = 0
-        self.positions.np[first:last] = 0
+        self.seq_lens.np[start:end] = query_len
+        self.block_tables.np[start:end, : -(-query_len // self.block_size)] = 0
+        self.positions.np[first:last] = self._arange[: last - first] % query_len
         self.input_ids.np[first:last] = 0
         self.slot_mapping.np[first:last] = -1
 
-    def graph_inputs(self, batch_size: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                        AttentionMetadata]:
-        """Fixed-address device views for capturing a decode step of `batch_size` one-token sequences.
+    def graph_inputs(self, batch_size: int, max_seq_len: int, query_len: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Fixed-address device views for capturing a step of `batch_size` sequences of `query_len` tokens.
 
-        Replays read whatever `prepare(..., pad_to=batch_size)` last uploaded into the same storage.
+        Replays read whatever `prepare(..., pad_to=batch_size[, query_stride=query_len])` last uploaded into the
+        same storage.
         """
         self.query_start_loc.np[0] = 0
-        self.fill_padding(0, batch_size)
+        self.fill_padding(0, batch_size, query_len)
+        num_tokens = batch_size * query_len
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(batch_size),
+            slot_mapping=self.slot_mapping.upload(num_tokens),
             query_start_loc=self.query_start_loc.upload(batch_size + 1),
             seq_lens=self.seq_lens.upload(batch_size),
             block_tables=self.block_tables.upload(batch_size),
-            max_query_len=1,
+            max_query_len=query_len,
             max_seq_len=max_seq_len,
-            query_start_loc_cpu=list(range(batch_size + 1)),
-            seq_lens_cpu=[1] * batch_size,
+            query_start_loc_cpu=self.query_start_loc.np[: batch_size + 1].tolist(),
+            seq_lens_cpu=[query_len] * batch_size,
         )
-        return self.input_ids.upload(batch_size), self.positions.upload(batch_size), metadata
+        return self.input_ids.upload(num_tokens), self.positions.upload(num_tokens), metadata

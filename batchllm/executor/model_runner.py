@@ -88,6 +88,7 @@ class ModelRunner:
         self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
                                      self.scheduler_config.max_num_batched_tokens, device, self.dtype)
                      if config.max_loras else None)
+        self.speculative = config.speculative
         self.drafter = build_drafter(config.speculative, self.model, self.model_config, device, self.dtype,
                                      config.load_format, config.seed)
         self.sampler = Sampler()
@@ -129,8 +130,11 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if not triton_enabled():
             return None  # the reference KV write syncs with the host: it cannot be captured
+        # Verification graphs: not with adapters, whose segments index the packed layout.
+        spec = self.speculative
+        max_query_len = 1 if spec is None or self.lora is not None else 1 + spec.num_speculative_tokens
         return DecodeGraphs(self.model, self.inputs, self.scheduler_config.max_num_seqs, self.max_model_len,
-                            None if self.lora is None else self.lora.step_batch)
+                            None if self.lora is None else self.lora.step_batch, max_query_len)
 
     def _resolve_max_model_len(self, requested: int | None, num_blocks: int) -> int:
         model_limit = self.model_config.max_model_len
@@ -205,32 +209,34 @@ class ModelRunner:
                     lookahead.num_drafts.append(scheduled.num_lookahead)
         num_seqs = len(num_scheduled)
 
-        graph_size = None
         lora_batch = self.lora.batch(lora_rows) if self.lora is not None else None
-        if (self.graphs is not None and len(token_ids) == num_seqs
-                and num_seqs <= self.graphs.max_batch_size):
-            graph_size = self.graphs.padded_size(num_seqs)
         block_rows = np.array(block_rows, dtype=np.int64)
         sample_index = np.array(sample_rows, dtype=np.int64)
         sample_counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64) if so.speculative else None
         num_scheduled, num_computed = np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64)
+        shape = None if self.graphs is None else self.graphs.step_shape(
+            len(token_ids), num_scheduled, num_computed, so.speculative, bool(lora_rows or placeholder_slots),
+            self.max_blocks_per_seq * self.block_size)
+        stride = shape[1] if shape is not None and shape[1] > 1 else None  # a verification step's layout
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
             token_ids, num_scheduled, num_computed, self._block_tables.table, block_rows, sample_index,
-            pad_to=graph_size, sample_counts=sample_counts)
+            pad_to=None if shape is None else shape[0], sample_counts=sample_counts, query_stride=stride)
         if placeholder_slots:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
-        if graph_size is not None:
-            hidden = self.graphs.replay(graph_size)
+        if shape is not None and self.graphs is not None:
+            hidden = self.graphs.replay(*shape)
         else:
             with set_forward_context(metadata), set_lora_batch(lora_batch):
                 hidden = self.model(input_ids, positions)
+        query_start = np.cumsum(num_scheduled) - num_scheduled if stride is None else np.arange(num_seqs) * stride
+        num_tokens = len(token_ids) if stride is None else num_seqs * stride
         if self.drafter is not None and not so.observe_drafts:
             self.drafter.skip(block_rows)
         elif self.drafter is not None:
             self.drafter.observe(
-                ObservedStep(input_ids, positions, metadata, hidden, self.model.model.aux_hidden, len(token_ids),
-                             np.cumsum(num_scheduled) - num_scheduled, num_scheduled, num_computed, block_rows,
-                             np.array(new_rows), np.array(num_drafts, dtype=np.int64)),
+                ObservedStep(input_ids, positions, metadata, hidden, self.model.model.aux_hidden, num_tokens,
+                             query_start, num_scheduled, num_computed, block_rows, np.array(new_rows),
+                             np.array(num_drafts, dtype=np.int64)),
                 self._block_tables.table, self.block_size)
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)

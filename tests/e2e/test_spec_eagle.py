@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from batchllm import LLM, SamplingParams
 from batchllm.executor.model_runner import ModelRunner
+from tests.e2e.graph_replay import EagerReplay
 from tests.e2e.test_generate_vs_hf import _prompts
 from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _greedy, _hf_greedy, _tight
 
@@ -173,8 +174,9 @@ def _target_features(hf_model, method: str, sequence: list[int]) -> torch.Tensor
     return torch.cat([out.hidden_states[i][0] for i in sorted({2, layers // 2, layers - 3})], -1)
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_eagle_drafts_equal_the_reference(method, eagle_heads, prompts, hf_model, hf_greedy, monkeypatch):
+@pytest.mark.parametrize("method,layout", [("eagle", "packed"), ("eagle3", "packed"), ("eagle3", "graph")])
+def test_eagle_drafts_equal_the_reference(method, layout, eagle_heads, prompts, hf_model, hf_greedy, monkeypatch):
+    """`layout="graph"`: verification steps laid out as the CUDA graphs replay them (`graph_replay.py`)."""
     records = []
     original = ModelRunner._propose
 
@@ -190,6 +192,8 @@ def test_eagle_drafts_equal_the_reference(method, eagle_heads, prompts, hf_model
     # Chunked prefill of several rows at once, no preemption: every entry the head reads was written.
     llm = LLM(speculative_config=_spec(method, eagle_heads[method]), max_num_batched_tokens=32,
               enable_prefix_caching=False)
+    if layout == "graph":
+        llm.runner.graphs = EagerReplay(llm.runner)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy
     sequences = {o.request_id: list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
@@ -200,6 +204,8 @@ def test_eagle_drafts_equal_the_reference(method, eagle_heads, prompts, hf_model
         target = _target_features(hf_model, method, sequence)
         features[request_id] = target if fc is None else target @ fc
     assert len(records) > 50
+    if layout == "graph":
+        assert any(query_len > 1 for _, query_len in llm.runner.graphs.replayed)
     matches = 0
     for request_id, last_position, drafts in records:
         sequence = sequences[request_id][:last_position + 1]
