@@ -8,9 +8,9 @@ policy's cost where nothing is accepted.
    head, a random EAGLE-3 head and n-gram lookup. Reported: ms per engine step, drafted tokens per step,
    acceptance, output tok/s, and whether the outputs equal the run without speculation (bf16 near-ties on
    random weights may flip a greedy token when the batch's shapes differ).
-2. Policy cost: the same row counts, and W1 (`--w1-rows` rows, `--max-tokens` out), with the adaptive policy on
-   (n-gram, EAGLE), against off: total tok/s and the ratio. Random bf16 llama weights accept nothing (the
-   target: <= 3 % cost); random smollm2 weights in fp32 repeat tokens, which n-gram drafts accept.
+2. Policy cost: the same row counts, and W1 (`--w1-rows` rows, `--max-tokens` out, best of two runs), with the
+   adaptive policy on (n-gram, EAGLE), against off: total tok/s and the ratio. Random bf16 llama weights accept
+   nothing (the target: <= 3 % cost); random smollm2 weights in fp32 repeat tokens, which n-gram drafts accept.
 Engines run one after another in one process (each is freed before the next is built).
 """
 
@@ -100,7 +100,8 @@ def main() -> None:
         for rows in args.rows:
             entry[f"rows={rows}"] = run(llm, decode_prompts[:rows], args.max_tokens)
         if name == "off" or "adaptive" in name:
-            entry["W1"] = run(llm, w1, args.max_tokens)
+            # Best of two: the first engine in the process would otherwise pay for compiling W1's prefill shapes.
+            entry["W1"] = min((run(llm, w1, args.max_tokens) for _ in range(2)), key=lambda r: r["seconds"])
         print(name, {k: {f: v[f] for f in ("step_ms", "drafted_per_step", "acceptance", "output_tok_s")}
                      for k, v in entry.items() if isinstance(v, dict)}, flush=True)
         del llm

@@ -74,6 +74,11 @@ class DecodeGraphs:
             self._graphs[size, query_len] = (graph, hidden, model.model.aux_hidden)
         torch.cuda.synchronize()
 
+    @property
+    def max_verify_rows(self) -> int:
+        """The most rows a verification step replays from a graph (0: none captured)."""
+        return max((sizes[-1] for q, sizes in self.sizes.items() if q > 1), default=0)
+
     def step_shape(self, num_tokens: int, num_scheduled: np.ndarray, num_computed: np.ndarray, speculative: bool,
                    packed_only: bool, max_row_tokens: int) -> tuple[int, int] | None:
         """The captured (rows, tokens per row) a step replays, or None to run it eagerly: a decode-only step, or

@@ -125,6 +125,8 @@ class ModelRunner:
         self._unread: StepOutput | None = None  # the newest step whose tokens the host has not read yet
         use_graphs = device.type == "cuda" and not config.enforce_eager
         self.graphs = self._capture_graphs() if use_graphs else None
+        # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
+        self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs | None:

@@ -41,6 +41,7 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         ready: WorkerReady = self._group.call(None, first=True)
         self.num_blocks, self.max_model_len, self.block_size = ready.num_blocks, ready.max_model_len, ready.block_size
+        self.max_verify_rows = ready.max_verify_rows
 
     @property
     def worker_pids(self) -> list[int]:

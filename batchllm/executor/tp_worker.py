@@ -43,6 +43,7 @@ class WorkerReady:
     num_blocks: int
     max_model_len: int
     block_size: int
+    max_verify_rows: int | None
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -59,7 +60,8 @@ def worker_main(args: WorkerArgs) -> None:
         replies = ShmWriter(args.replies, exit_if_orphaned, POLL_S) if args.rank == 0 else None
         runner = _build_runner(args)
         if replies is not None:
-            replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size))
+            replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size,
+                                    runner.max_verify_rows))
         # The rank lives for its runner: what exists now stays, so full collections need not scan it (host_gc.py).
         gc.collect()
         gc.freeze()

@@ -5,7 +5,8 @@ with the batch padded to a captured size (`InputBatch.prepare(query_stride=..., 
 cannot run here, so a stand-in "replays" by running the model eagerly on whatever the input buffers hold,
 exactly what a captured graph reads (`graph_replay.py`). Greedy outputs with the n-gram and draft-model
 proposers must equal those without speculation (which test_spec_decode.py checks against HF transformers),
-under preemption and a small budget, and the stand-in must have replayed verification steps. EAGLE-3's drafts in this layout are checked against an independent reference in test_spec_eagle.py.
+under preemption and a small budget, and the stand-in must have replayed verification steps. EAGLE-3's
+drafts in this layout are checked against an independent reference in test_spec_eagle.py.
 """
 
 from __future__ import annotations

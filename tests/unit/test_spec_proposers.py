@@ -132,3 +132,28 @@ def test_speculator_stays_on_through_misses_and_turns_off_after_eight():
     speculator.policy._counts["r"] = (0.0, 10.0)
     speculator.plan([request])
     assert request.draft_token_ids == [] and not speculator.active
+
+
+def test_speculator_plans_nothing_past_the_rows_verification_graphs_cover():
+    """On CUDA a verification step of more rows than its graphs hold runs eagerly, which no acceptance repays: the
+    adaptive policy drafts for none of them; a fixed configuration (`adaptive: false`) still drafts."""
+    from batchllm.engine.request import Request
+    from batchllm.engine.spec.config import SpeculativeConfig
+    from batchllm.engine.spec.speculator import Speculator
+    from batchllm.sampling_params import SamplingParams
+
+    def rows(n: int) -> list[Request]:
+        requests = [Request(str(i), [1, 2, 3, 1, 2], SamplingParams(max_tokens=100)) for i in range(n)]
+        for request in requests:
+            request.num_computed_tokens = len(request.token_ids) - 1
+        return requests
+
+    for adaptive, expected_at_three in ((True, []), (False, [3, 1, 2])):
+        speculator = Speculator(SpeculativeConfig("ngram", 3, adaptive=adaptive), overhead_tokens=8.0,
+                                max_model_len=1000, max_verify_rows=2)
+        two, three = rows(2), rows(3)
+        speculator.plan(two)
+        assert [r.draft_token_ids for r in two] == [[3, 1, 2]] * 2
+        speculator.plan(three)
+        assert [r.draft_token_ids for r in three] == [expected_at_three] * 3
+        assert speculator.active == (not adaptive)

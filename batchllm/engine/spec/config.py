@@ -20,11 +20,14 @@ MAX_SPECULATIVE_TOKENS = 16
 # The policy's default cost of one forward pass in token units: reading the weights once costs about as
 # much as this many extra query tokens (measured, benchmarks/README.md "Speculative decoding").
 DEFAULT_OVERHEAD_TOKENS = {"cpu": 8.0, "cuda": 96.0}
-# What a step that verifies drafts costs beyond its tokens, in the same units. On an H200 a verification step
-# costs ~15 ms more than a decode step (it runs without a CUDA graph, drains the asynchronous loop and runs the
-# rejection sampler): ~3 forward passes of llama3-8b (benchmarks/README.md, "Speculative decoding"). On the
-# CPU, where no step has a graph, the measured speedups match `overhead_tokens + T` alone.
-DEFAULT_VERIFY_OVERHEAD_TOKENS = {"cpu": 0.0, "cuda": 300.0}
+# What a step that verifies drafts costs beyond its tokens, in the same units, by device and by where the drafts
+# come from. On an H200, with verification steps replayed from CUDA graphs, a verifying step still drains the
+# asynchronous loop and runs the rejection sampler: ~2 ms more than a decode step, ~0.4 forward passes of
+# llama3-8b (n-gram); a device proposer adds its own passes (EAGLE, k = 4: 6.7 ms, ~1.4 passes). See
+# benchmarks/README.md, "Speculative decoding". On the CPU, where no step has a graph, the measured speedups
+# match `overhead_tokens + T` alone.
+DEFAULT_VERIFY_OVERHEAD_TOKENS = {("cpu", False): 0.0, ("cpu", True): 0.0, ("cuda", False): 40.0,
+                                  ("cuda", True): 130.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +51,7 @@ class SpeculativeConfig:
     def verify_overhead_for(self, device_type: str) -> float:
         if self.verify_overhead_tokens is not None:
             return self.verify_overhead_tokens
-        return DEFAULT_VERIFY_OVERHEAD_TOKENS[device_type]
+        return DEFAULT_VERIFY_OVERHEAD_TOKENS[device_type, self.on_device]
 
 
 def parse_speculative_config(value: Any, source: str = "speculative_config") -> SpeculativeConfig | None:

@@ -6,7 +6,8 @@ computed, no token in flight) gets `k` drafts from the adaptive policy (`policy.
 max_tokens and the model length. With the n-gram proposer the drafts are looked up here, on the host;
 device proposers (a draft model, EAGLE, Medusa) drafted them at the end of the row's previous step
 (`Request.draft_token_ids`) and are asked for `k` more as the step's lookahead. Rows under a grammar do
-not speculate: their drafts would need the matcher advanced through them.
+not speculate: their drafts would need the matcher advanced through them. On CUDA the adaptive policy plans
+nothing while more rows run than verification steps replay from CUDA graphs (`max_verify_rows`).
 
 Asynchronous loop: drafts need the row's tokens, which a step in flight has not returned yet. The engine
 therefore waits for the step in flight (`needs_known_tokens`) while speculation pays, and otherwise only
@@ -27,8 +28,11 @@ PROBE_INTERVAL = 8
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, overhead_tokens: float, max_model_len: int,
-                 verify_overhead_tokens: float = 0.0) -> None:
+                 verify_overhead_tokens: float = 0.0, max_verify_rows: int | None = None) -> None:
+        """`max_verify_rows`: the adaptive policy plans no draft while more rows run (on CUDA, past the rows
+        that verification steps replay from a graph, verifying costs more than any acceptance repays)."""
         self.config = config
+        self.max_verify_rows = max_verify_rows
         self.max_model_len = max_model_len
         self.policy = SpeculationPolicy(config.num_speculative_tokens, overhead_tokens, verify_overhead_tokens,
                                         adaptive=config.adaptive)
@@ -77,7 +81,10 @@ class Speculator:
             rows.append(request)
             candidates.append((request.request_id, max(0, min(k_max, room))))
         drafted = wanted = False
-        for request, k in zip(rows, self.policy.plan(candidates) if rows else ()):
+        too_many = (self.config.adaptive and self.max_verify_rows is not None
+                    and len(running) > self.max_verify_rows)
+        plan = [0] * len(rows) if too_many else self.policy.plan(candidates) if rows else ()
+        for request, k in zip(rows, plan):
             wanted |= k > 0
             if self.ngram is not None:
                 request.draft_token_ids = self.ngram.propose(request.request_id, request.token_ids, k) if k else []
