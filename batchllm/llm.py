@@ -136,7 +136,7 @@ class LLM:
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
         speculator = None if spec_config is None else Speculator(
             spec_config, spec_config.overhead_for(torch_device.type), runner.max_model_len,
-            spec_config.verify_overhead_for(torch_device.type))
+            spec_config.verify_overhead_for(torch_device.type), runner.max_verify_rows)
         scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop, speculator)
         structured = None
         model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
