@@ -30,40 +30,38 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import inspect
-import re
 import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from batchllm.cli_types import adapter, constraint_of, json_schema_file, speculative_config, token_ids
+from batchllm.cli_engine import (
+    USAGE_ERRORS,
+    add_engine_flags,
+    engine_options,
+    fail,
+    flag,
+    flags_by_python_name,
+    with_flag_names,
+)
+from batchllm.cli_types import adapter, constraint_of, json_schema_file, token_ids
 from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
-from batchllm.engine.structured_output import GRAMMAR_BACKENDS
-from batchllm.llm import LLM
-from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from batchllm.sampling_params import SamplingParams
+from batchllm.server.cli import add_serve_parser
 
 # Sampling flags → SamplingParams fields. Each defaults to SamplingParams' own, except _CLI_SAMPLING_DEFAULTS.
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                    "seed": int, "n": int, "min_tokens": int, "presence_penalty": float,
                    "frequency_penalty": float, "repetition_penalty": float, "logprobs": int}
-_ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
-                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
-                 "max_loras": int, "max_lora_rank": int}
-_USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 # Batch jobs want complete, reproducible answers; see the module docstring.
 _CLI_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
 _SAMPLING_DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init},
                       **_CLI_SAMPLING_DEFAULTS}
-_ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
 _SAMPLING_HELP = {"max_tokens": "most tokens per completion", "temperature": "temperature (0: greedy)",
                   "n": "completions per row (list columns when > 1; with --temperature 0 they are equal)",
                   "seed": "seed (None: unseeded)", "top_k": "top_k (0: off)",
                   "logprobs": "top logprobs returned per generated token (None: none)"}
-_ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
-                "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank"}
 # Python argument names that differ from their flag's (the rest are the flag's dest).
 _PYTHON_NAMES = {"prompt_template": "template", "data_parallel_size": "data_parallel"}
 
@@ -71,7 +69,7 @@ _PYTHON_NAMES = {"prompt_template": "template", "data_parallel_size": "data_para
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    return _run(args, argv)
+    return args.handler(args, argv)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
                           "left or right end")
     run.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
     for name, kind in _SAMPLING_FLAGS.items():
-        run.add_argument(_flag(name), type=kind, default=_SAMPLING_DEFAULTS[name],
+        run.add_argument(flag(name), type=kind, default=_SAMPLING_DEFAULTS[name],
                          help=f"sampling: {_SAMPLING_HELP.get(name, name)}")
     run.add_argument("--stop", action="append", help="sampling: a stop string (repeatable)")
     run.add_argument("--stop-token-ids", type=token_ids, metavar="ID,ID,...",
@@ -136,25 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
                      default=_SAMPLING_DEFAULTS["skip_special_tokens"],
                      help="sampling: leave special tokens out of the text")
-    for name, kind in _ENGINE_FLAGS.items():
-        run.add_argument(_flag(name), type=kind, default=_ENGINE_DEFAULTS[name],
-                         help=f"engine: {_ENGINE_HELP.get(name, name)}")
-    run.add_argument("--load-format", choices=("auto", "dummy"), default=_ENGINE_DEFAULTS["load_format"],
-                     help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
-    run.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=_ENGINE_DEFAULTS["quantization"],
-                     help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales), or name a "
-                          "quantized checkpoint's format (gptq, awq, compressed-tensors; FP8 and integer "
-                          "checkpoints are detected without it)")
-    run.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_ENGINE_DEFAULTS["kv_cache_dtype"],
-                     help="engine: the KV cache's dtype (auto: the model's; fp8: E4M3, twice the tokens)")
-    run.add_argument("--structured-outputs-backend", choices=tuple(GRAMMAR_BACKENDS),
-                     default=_ENGINE_DEFAULTS["structured_outputs_backend"],
-                     help="engine: the grammar engine of structured outputs (llguidance: compiles schemas 10-20x "
-                          "faster, for many distinct --schema-column schemas)")
-    run.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
-                     default=_ENGINE_DEFAULTS["speculative_config"],
-                     help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                          '(vLLM\'s keys; outputs keep the model\'s distribution, greedy ones are unchanged)')
+    add_engine_flags(run)
     run.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD,
                      help="rows per output shard, the unit of resumption")
     run.add_argument("--max-in-flight", type=int, help="prompts kept in the engine at once (in each engine with "
@@ -170,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="N engine processes, one per GPU (or per share of the CPU cores), fed from one queue")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Last, so it sees every flag: how run_job's argument names read as flags in error messages.
-    run.set_defaults(flags_by_python_name=_flags_by_python_name(run))
+    run.set_defaults(flags_by_python_name=flags_by_python_name(run, _PYTHON_NAMES), handler=_run)
+    add_serve_parser(commands)
     return parser
 
 
@@ -183,11 +164,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     job = ("rows_per_shard", "max_in_flight", "max_tokens_cap", "flush_seconds", "retry_errors")
     options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, *job)
                                if getattr(args, name) is not None}
-    # Only what differs from LLM's defaults, so the engine equals (and is cached as) a plain LLM() otherwise.
-    engine: dict[str, Any] = {name: getattr(args, name)
-                              for name in (*_ENGINE_FLAGS, "load_format", "structured_outputs_backend",
-                                           "quantization", "kv_cache_dtype", "speculative_config")
-                              if getattr(args, name) != _ENGINE_DEFAULTS[name]}
+    engine = engine_options(args)
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
               "output_column": args.output_column}
@@ -195,30 +172,30 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         engine["enable_lora"] = True
         options["loras"] = dict(args.lora)
         if len(options["loras"]) < len(args.lora):
-            return _fail("--lora names an adapter twice")
+            return fail("--lora names an adapter twice")
     elif args.lora_column is not None:
-        return _fail("--lora-column needs the adapters it names: --lora NAME=PATH (repeatable)")
+        return fail("--lora-column needs the adapters it names: --lora NAME=PATH (repeatable)")
     constraint = args.json_schema or args.regex or args.choice
     if constraint is not None:
         options["structured_outputs"] = constraint
     if args.parse_json and args.schema_column is None and args.json_schema is None:
-        return _fail("--parse-json needs a JSON constraint: --json-schema FILE or --schema-column NAME")
+        return fail("--parse-json needs a JSON constraint: --json-schema FILE or --schema-column NAME")
     input_format = input_format_of(args.input, args.input_format)
     if input_format != "openai-batch":
         options.update(prompt)
         options.update(schema_column=args.schema_column, parse_json=args.parse_json)
         if args.lora:
             if args.lora_column is None:
-                return _fail("--lora on a table needs --lora-column: the column naming each row's adapter")
+                return fail("--lora on a table needs --lora-column: the column naming each row's adapter")
             options["lora_column"] = args.lora_column
     elif any(value for key, value in prompt.items() if key != "output_column"):
-        return _fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
-                     "an OpenAI batch file: each request carries its prompt")
+        return fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
+                    "an OpenAI batch file: each request carries its prompt")
     elif args.lora_column is not None:
-        return _fail("--lora-column does not apply to an OpenAI batch file: a request's `model` names its adapter")
+        return fail("--lora-column does not apply to an OpenAI batch file: a request's `model` names its adapter")
     elif args.schema_column is not None or args.parse_json:
-        return _fail("--schema-column / --parse-json do not apply to an OpenAI batch file: a request's "
-                     "response_format carries its schema (--json-schema / --regex / --choice set the default)")
+        return fail("--schema-column / --parse-json do not apply to an OpenAI batch file: a request's "
+                    "response_format carries its schema (--json-schema / --regex / --choice set the default)")
     try:
         result = run_job(args.input, args.output, input_format=input_format, model=args.model,
                          engine_kwargs=engine or None, use_tqdm=not args.no_progress,
@@ -229,10 +206,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     except ReplicaPoolError as exc:
         print(f"batchllm: error: {exc}:\n  batchllm {shlex.join(argv)}", file=sys.stderr)
         return 1
-    except _USAGE_ERRORS as exc:
-        return _fail(_with_flag_names(str(exc), args.flags_by_python_name))
+    except USAGE_ERRORS as exc:
+        return fail(with_flag_names(str(exc), args.flags_by_python_name))
     except OSError as exc:  # what the file system said (EROFS, ENOSPC, EACCES, ...), and where
-        return _fail(_os_error_message(exc))
+        return fail(_os_error_message(exc))
     print(f"batchllm: done: {result.written_rows} rows written ({result.error_rows} with errors), "
           f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s "
           f"→ {result.output}", file=sys.stderr)
@@ -241,43 +218,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _fail(message: str) -> int:
-    print(f"batchllm: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _os_error_message(exc: OSError) -> str:
     if exc.filename is None:
         return str(exc)  # ours, e.g. OutputInUse: the message names the path
     paths = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
     return f"{exc.strerror or type(exc).__name__}: {paths}"
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _flags_by_python_name(parser: argparse.ArgumentParser) -> dict[str, str]:
-    flags = {action.dest: action.option_strings[0] for action in parser._actions
-             if action.option_strings and action.dest != "help"}
-    return {**flags, **{python: flags[dest] for python, dest in _PYTHON_NAMES.items()}}
-
-
-def _with_flag_names(message: str, flags: dict[str, str]) -> str:
-    """`message` with the Python names of options replaced by their flags: `rows_per_shard` → `--rows-per-shard`,
-    `SamplingParams.top_p` → `--top-p`, `chat=True` → `--chat`, `max_tokens=300` → `--max-tokens 300`.
-
-    A name without an underscore ("model", "seed") counts only where it is plainly an argument (after
-    `SamplingParams.` / `LLM argument`, or before `=`): elsewhere it is an ordinary word. Quoted names are
-    values (column names), and dotted ones manifest keys; both stay as they are.
-    """
-    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
-    pattern = re.compile(rf"(?<![\w.'-])(?P<owner>SamplingParams\.|LLM argument )?(?P<name>{names})(?![\w'])"
-                         rf"(?P<assign>=True\b|=(?P<value>(?=[^\s,;)]))?)?")
-
-    def flag(match: re.Match) -> str:
-        if not (match["owner"] or match["assign"] or "_" in match["name"]):
-            return match[0]
-        return flags[match["name"]] + (" " if match["value"] is not None else "")
-
-    return pattern.sub(flag, message)

@@ -74,6 +74,17 @@ class EngineCore:
             error = self.structured.init_request(request)
         self.scheduler.add_request(request, error)
 
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel a request between steps (`Scheduler.abort_request`): its blocks, grammar matcher and incremental
+        detokenizer state are released now. Returns it, or None when the engine no longer holds that id (it
+        finished already: its result came, or comes, from `step`). Not thread-safe, like every method here: call
+        it from the thread that steps the engine."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self._release(request)
+            self.detokenizer.release([request_id])
+        return request
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

@@ -18,17 +18,19 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ERROR = enum.auto()
+    FINISHED_ABORTED = enum.auto()  # cancelled by its caller (`Scheduler.abort_request`)
 
     @property
     def finished(self) -> bool:
         # Identity checks: hashing an enum member runs Python code, and this is asked per request per step.
         return (self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH
-                or self is RequestStatus.FINISHED_ERROR)
+                or self is RequestStatus.FINISHED_ERROR or self is RequestStatus.FINISHED_ABORTED)
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_ABORTED: "abort",
 }
 
 

@@ -114,6 +114,37 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._rejected)
 
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a request now, wherever it is: waiting (preempted ones too), running, or rejected but not yet
+        reported. Its blocks are freed at once and the runner is told with the next step. Returns it (status
+        FINISHED_ABORTED, or FINISHED_ERROR for a rejected one), or None for an id the scheduler does not hold
+        (finished or never added).
+
+        Safe while a step that holds the request is in flight (asynchronous scheduling): `update_from_output`
+        drops the tokens of ids no longer in `requests`, and the runner writes the freed blocks before any
+        later step, whose requests may reuse them, runs. A forked sample whose parent is aborted runs on its
+        own (`_fork_parent` no longer finds the parent); one that already shares the parent's blocks keeps
+        them, since sharing holds a reference per owner."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            for position, rejected in enumerate(self._rejected):
+                if rejected.request_id == request_id:
+                    return self._rejected.pop(position)
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:  # WAITING, or PREEMPTED: back in the waiting queue
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finished_time = time.perf_counter()
+        request.draft_token_ids = []
+        # Also when the runner has not seen it (still waiting): it drops ids it does not hold.
+        self._finished_ids.append(request_id)
+        return request
+
     def take_rejected(self) -> list[Request]:
         rejected, self._rejected = self._rejected, []
         return rejected

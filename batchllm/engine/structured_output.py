@@ -22,7 +22,7 @@ import numpy as np
 
 from batchllm.engine.grammar_common import GrammarError
 from batchllm.engine.interfaces import GrammarBitmask, SchedulerOutput
-from batchllm.engine.request import Request
+from batchllm.engine.request import Request, RequestStatus
 from batchllm.structured_outputs import StructuredOutputsParams
 
 INCOMPLETE = ("the output is incomplete: generation stopped ({reason}) before the structured-output constraint "
@@ -81,6 +81,8 @@ class StructuredOutputManager:
         if request.matcher is None:
             return
         self.num_active -= 1
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            return  # cancelled: nobody reads its output, so no note about it
         if request.error is None and not request.matcher.can_finish:
             request.error = INCOMPLETE.format(reason=request.finish_reason)
 

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,42 +151,62 @@ def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str
         return json.dumps({"id": request_id, "custom_id": envelope.custom_id, "response": None,
                            "error": {"code": code, "message": f"line {line}: {outcome.error}"}})
     chat = envelope.url == CHAT_URL
-    completions = outcome.output.outputs
-    completion_tokens = sum(len(c.token_ids) for c in completions)
-    body = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{line}", "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": model,
-        "choices": [_chat_choice(c, outcome.top_logprobs) if chat else _text_choice(c, outcome.top_logprobs)
-                    for c in completions],
-        "usage": {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": outcome.prompt_tokens + completion_tokens},
-    }
+    body = response_body(f"{'chatcmpl' if chat else 'cmpl'}-{line}", chat, model, outcome.output.outputs,
+                         outcome.prompt_tokens, outcome.top_logprobs)
     return json.dumps({"id": request_id, "custom_id": envelope.custom_id,
                        "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None})
 
 
-def _chat_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
-    logprobs = None
-    if top_k is not None:
-        logprobs = {"content": [
-            {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode()),
-             "top_logprobs": [{"token": a["token"], "logprob": a["logprob"], "bytes": list(a["token"].encode())}
-                              for a in t["top_logprobs"]]}
-            for t in token_logprobs(completion, top_k) or []]}
+def response_body(body_id: str, chat: bool, model: str, completions: Sequence[CompletionOutput], prompt_tokens: int,
+                  top_logprobs: int | None, created: int | None = None) -> dict[str, Any]:
+    """A `chat.completion` or `text_completion` body; each completion's `index` is its choice's (the server
+    numbers the choices of several prompts prompt * n + sample). `top_logprobs`: the request's top-k, None when it
+    asked for no logprobs."""
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {
+        "id": body_id, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created, "model": model,
+        "choices": [chat_choice(c, top_logprobs) if chat else text_choice(c, top_logprobs) for c in completions],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
     return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-            "logprobs": logprobs, "finish_reason": completion.finish_reason}
+            "logprobs": chat_logprobs(completion, top_k), "finish_reason": completion.finish_reason}
 
 
-def _text_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
-    logprobs = None
-    if top_k is not None:
-        tokens = token_logprobs(completion, top_k) or []
-        offsets, position = [], 0
-        for t in tokens:
-            offsets.append(position)
-            position += len(t["token"])
-        logprobs = {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-                    "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
-                    "text_offset": offsets}
-    return {"index": completion.index, "text": completion.text, "logprobs": logprobs,
+def chat_logprobs(completion: CompletionOutput, top_k: int | None) -> dict[str, Any] | None:
+    """Chat's logprobs shape, {"content": [{token, logprob, bytes, top_logprobs}]}, or None when not asked for."""
+    if top_k is None:
+        return None
+    return {"content": [
+        {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode()),
+         "top_logprobs": [{"token": a["token"], "logprob": a["logprob"], "bytes": list(a["token"].encode())}
+                          for a in t["top_logprobs"]]}
+        for t in token_logprobs(completion, top_k) or []]}
+
+
+def text_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
+    return {"index": completion.index, "text": completion.text, "logprobs": text_logprobs(completion, top_k),
             "finish_reason": completion.finish_reason}
+
+
+def text_logprobs(completion: CompletionOutput, top_k: int | None, text_offset: int = 0) -> dict[str, Any] | None:
+    """The completions logprobs shape, {tokens, token_logprobs, top_logprobs, text_offset}, or None when not asked
+    for; `text_offset`: where the completion's first token starts (a streamed chunk continues its choice's text)."""
+    if top_k is None:
+        return None
+    tokens = token_logprobs(completion, top_k) or []
+    offsets, position = [], text_offset
+    for t in tokens:
+        offsets.append(position)
+        position += len(t["token"])
+    return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
+            "text_offset": offsets}

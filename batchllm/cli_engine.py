@@ -1,0 +1,95 @@
+"""The engine flags and the error conventions that `batchllm run` and `batchllm serve` share.
+
+Errors name the flags (`--max-num-seqs`), not the Python arguments behind them, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+from typing import Any
+
+from batchllm.cli_types import speculative_config
+from batchllm.engine.structured_output import GRAMMAR_BACKENDS
+from batchllm.llm import LLM
+from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
+ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
+                "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
+                "max_loras": int, "max_lora_rank": int}
+# The engine flags that are not plain typed values (choices, JSON).
+OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
+                      "speculative_config")
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
+ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
+ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
+               "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank"}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--max-model-len`, ..., `--speculative-config`; `engine_options(args)` reads them back."""
+    for name, kind in ENGINE_FLAGS.items():
+        parser.add_argument(flag(name), type=kind, default=ENGINE_DEFAULTS[name],
+                            help=f"engine: {ENGINE_HELP.get(name, name)}")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default=ENGINE_DEFAULTS["load_format"],
+                        help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=ENGINE_DEFAULTS["quantization"],
+                        help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales), or name a "
+                             "quantized checkpoint's format (gptq, awq, compressed-tensors; FP8 and integer "
+                             "checkpoints are detected without it)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=ENGINE_DEFAULTS["kv_cache_dtype"],
+                        help="engine: the KV cache's dtype (auto: the model's; fp8: E4M3, twice the tokens)")
+    parser.add_argument("--structured-outputs-backend", choices=tuple(GRAMMAR_BACKENDS),
+                        default=ENGINE_DEFAULTS["structured_outputs_backend"],
+                        help="engine: the grammar engine of structured outputs (llguidance: compiles schemas 10-20x "
+                             "faster, for many distinct --schema-column schemas)")
+    parser.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                        default=ENGINE_DEFAULTS["speculative_config"],
+                        help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             '(vLLM\'s keys; outputs keep the model\'s distribution, greedy ones are unchanged)')
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM arguments the engine flags set: only what differs from LLM's defaults, so the engine equals (and is
+    cached as) a plain LLM() otherwise."""
+    return {name: getattr(args, name) for name in (*ENGINE_FLAGS, *OTHER_ENGINE_FLAGS)
+            if getattr(args, name) != ENGINE_DEFAULTS[name]}
+
+
+def fail(message: str) -> int:
+    print(f"batchllm: error: {message}", file=sys.stderr)
+    return 2
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def flags_by_python_name(parser: argparse.ArgumentParser, python_names: dict[str, str] | None = None
+                         ) -> dict[str, str]:
+    """Flag by Python argument name; `python_names` maps the Python names that differ from a flag's dest to it."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions
+             if action.option_strings and action.dest != "help"}
+    return {**flags, **{python: flags[dest] for python, dest in (python_names or {}).items()}}
+
+
+def with_flag_names(message: str, flags: dict[str, str]) -> str:
+    """`message` with the Python names of options replaced by their flags: `rows_per_shard` → `--rows-per-shard`,
+    `SamplingParams.top_p` → `--top-p`, `chat=True` → `--chat`, `max_tokens=300` → `--max-tokens 300`.
+
+    A name without an underscore ("model", "seed") counts only where it is plainly an argument (after
+    `SamplingParams.` / `LLM argument`, or before `=`): elsewhere it is an ordinary word. Quoted names are
+    values (column names), and dotted ones manifest keys; both stay as they are.
+    """
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.'-])(?P<owner>SamplingParams\.|LLM argument )?(?P<name>{names})(?![\w'])"
+                         rf"(?P<assign>=True\b|=(?P<value>(?=[^\s,;)]))?)?")
+
+    def flag_of(match: re.Match) -> str:
+        if not (match["owner"] or match["assign"] or "_" in match["name"]):
+            return match[0]
+        return flags[match["name"]] + (" " if match["value"] is not None else "")
+
+    return pattern.sub(flag_of, message)

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP application over an `EngineLoop`.
+
+    POST /v1/completions, POST /v1/chat/completions   (server-sent events with "stream": true)
+    GET  /v1/models, /v1/models/{id}                  the base model (its directory's name) and the adapters
+    GET  /health                                      200, or 503 while shutting down or once the engine died
+    GET  /metrics                                     Prometheus text
+
+With `api_key` every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open.
+Handlers tokenize on the event loop (quick) and hand requests to the loop; they never call the engine. A client
+that goes away aborts its request: a stream's generator aborts it when it is cancelled or closed (and the
+response's background task makes sure), a non-streaming request checks for the disconnect while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from batchllm.lora.request import LoRARequest
+from batchllm.model.config import ModelConfig, read_hf_config
+from batchllm.outputs import RequestOutput
+from batchllm.server.engine_loop import LIVE, EngineLoop
+from batchllm.server.errors import APIError, bad_request, from_validation_errors, install_handlers, unavailable
+from batchllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from batchllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from batchllm.server.request_mapping import EngineInputs, RequestMapper
+from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
+from batchllm.server.responses import DONE, ChunkWriter, full_body
+
+logger = logging.getLogger(__name__)
+_DISCONNECT_POLL_SECONDS = 0.5
+
+
+def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str | None = None,
+              loras: Mapping[str, LoRARequest] | None = None, data_dir: str | Path | None = None) -> FastAPI:
+    """`model_name`: the base model's name (default: its directory's name). `loras`: adapters by the name a
+    request's `model` gives (already checked with `llm.check_lora`; the LLM needs enable_lora=True). `data_dir`:
+    where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API."""
+    llm = loop.llm
+    model_name = model_name or llm.model_path.name
+    loras = dict(loras or {})
+    vocab_size = ModelConfig.from_hf_dict(read_hf_config(llm.model_path)).vocab_size
+    mapper = RequestMapper(llm.tokenizer, llm.max_model_len, vocab_size, model_name, loras)
+    # One set of metrics per loop: a second app on the same loop (another port, another key) shares them.
+    metrics = loop.observer if isinstance(loop.observer, ServerMetrics) else ServerMetrics()
+    metrics.watch(loop)
+    loop.observer = metrics
+    started = int(time.time())
+
+    app = FastAPI(title="batchllm", docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    require_key = api_key_checker(api_key)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    def model_card(name: str, parent: str | None) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "batchllm", "root": name,
+                "parent": parent}
+
+    @v1.get("/models")
+    async def list_models():
+        cards = [model_card(model_name, None)] + [model_card(name, model_name) for name in loras]
+        return {"object": "list", "data": cards}
+
+    @v1.get("/models/{model_id}")
+    async def get_model(model_id: str):
+        mapper.adapter_of(model_id)  # 404 for an unknown one
+        return model_card(model_id, None if model_id == model_name else model_name)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        return await _answer(loop, request, body, mapper.completion(body), chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        return await _answer(loop, request, body, mapper.chat(body), chat=True)
+
+    @app.get("/health")
+    async def health():
+        if not loop.healthy:
+            error = unavailable("the engine failed" if loop.dead else "the server is shutting down")
+            return JSONResponse(error.body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(v1)
+    if data_dir is not None:
+        _mount_batch_api(app, loop, Path(data_dir), require_key)
+    return app
+
+
+def api_key_checker(api_key: str | None):
+    """A FastAPI dependency: 401 `invalid_api_key` unless the request carries `Authorization: Bearer <api_key>`."""
+    expected = None if api_key is None else api_key.encode()
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "Incorrect API key provided (send it as 'Authorization: Bearer KEY').",
+                           code="invalid_api_key")
+
+    return check
+
+
+def _mount_batch_api(app: FastAPI, loop: EngineLoop, data_dir: Path, require_key) -> None:
+    try:
+        from batchllm.server.batch_api import mount_batch_api
+    except ModuleNotFoundError as exc:
+        if exc.name != "batchllm.server.batch_api":
+            raise
+        logger.warning("batchllm.server.batch_api is not installed: serving without the Batch API (/v1/files, "
+                       "/v1/batches)")
+        return
+    mount_batch_api(app, loop, data_dir, require_key)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("We could not parse the JSON body of your request: it is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got a JSON {type(data).__name__}.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+async def _answer(loop: EngineLoop, request: Request, body: Any, inputs: EngineInputs, chat: bool):
+    sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
+    streams: list[RequestStream] = []
+    try:
+        for text, token_ids in inputs.prompts:
+            streams.append(loop.submit(token_ids, inputs.params, inputs.lora_request, LIVE, incremental=body.stream,
+                                       prompt_text=text, sink=sink))
+    except (ServerShuttingDown, EngineDead) as exc:
+        for stream in streams:
+            loop.abort(stream)
+        raise unavailable(str(exc)) from None
+    if body.stream:
+        writer = ChunkWriter(chat, inputs.model, inputs.params.n, inputs.top_logprobs)
+        return StreamingResponse(_events(loop, streams, sink, writer, body.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(_abort_all, loop, streams))
+    outputs = await _outputs(loop, request, streams)
+    for output in outputs:
+        failed = [c for c in output.outputs if c.finish_reason == "error"]
+        if failed:
+            refused = not any(c.token_ids for c in failed)  # the engine refused it before generating
+            raise APIError(400 if refused else 500, failed[0].error or "the request failed")
+    return full_body(chat, inputs.model, outputs, inputs.top_logprobs)
+
+
+async def _events(loop: EngineLoop, streams: list[RequestStream], sink: asyncio.Queue, writer: ChunkWriter,
+                  include_usage: bool):
+    prompt_index = {stream: i for i, stream in enumerate(streams)}
+    remaining = set(streams)
+    completion_tokens = 0
+    try:
+        for chunk in writer.opening(len(streams)):
+            yield chunk
+        while remaining:
+            stream, event = await sink.get()
+            if event.error is not None:
+                yield writer.error(str(event.error))
+                yield DONE
+                return
+            for update in event.updates:
+                completion_tokens += len(update.token_ids)
+                chunk = writer.update(prompt_index[stream], update)
+                if chunk is not None:
+                    yield chunk
+            if event.finished:
+                remaining.discard(stream)
+        if include_usage:
+            yield writer.usage(sum(s.num_prompt_tokens for s in streams), completion_tokens)
+        yield DONE
+    finally:  # cancelled (the client left) or closed early: nothing reads the rest
+        _abort_all(loop, remaining)
+
+
+def _abort_all(loop: EngineLoop, streams) -> None:
+    for stream in list(streams):
+        loop.abort(stream)  # a no-op for the finished ones
+
+
+async def _outputs(loop: EngineLoop, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    tasks = [asyncio.ensure_future(stream.result()) for stream in streams]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_SECONDS)
+            if not pending:
+                break
+            if await request.is_disconnected():
+                _abort_all(loop, streams)
+                raise APIError(499, "the client closed the request")
+        return [task.result() for task in tasks]
+    except (EngineDead, ServerShuttingDown) as exc:
+        raise unavailable(str(exc)) from None
+    except ValueError as exc:  # the engine refused the request (e.g. an adapter it cannot apply)
+        raise bad_request(str(exc)) from None
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,113 @@
+"""The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on the `EngineLoop`.
+
+`BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, None pauses
+admission, `(key, RequestOutput)` in completion order, at most `max_in_flight` prompts out at once), but its
+requests go through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
+thread never touches the engine. Every other attribute (tokenizer, model_path, max_model_len, check_lora,
+quantization, kv_cache_dtype, engine.scheduler.config, ...) is the real LLM's, read-only;
+`check_structured_outputs` compiles on the engine thread, where the engine's own compilations happen.
+
+It subclasses `LLM` only so that `get_llm`'s type check accepts it; it builds no engine of its own.
+
+Cancelling: when `stop_event` is set, the stream admits nothing more; the requests already out finish and are
+yielded (the job saves them), then the stream ends. With `abort_on_stop=True` those are aborted instead and
+not yielded, so the stream ends at once. Closing the stream early aborts what it has in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from batchllm.llm import LLM
+from batchllm.request_source import RequestSource
+from batchllm.server.request_stream import EngineDead, RequestStream, StreamEvent
+from batchllm.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from batchllm.outputs import RequestOutput
+    from batchllm.server.engine_loop import EngineLoop
+
+K = TypeVar("K")
+_POLL_SECONDS = 1.0  # how often a blocked stream looks at its stop event and at the loop's health
+
+
+class BatchEngine(LLM):
+    def __init__(self, loop: EngineLoop, stop_event: threading.Event | None = None,
+                 abort_on_stop: bool = False) -> None:  # no super().__init__(): the loop's LLM does the work
+        self._loop = loop
+        self._llm = loop.llm
+        self.stop_event = stop_event
+        self.abort_on_stop = abort_on_stop
+
+    def __getattr__(self, name: str) -> Any:  # only for what this object does not define itself
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._llm, name)
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        self._loop.run_on_engine_thread(lambda: self._llm.check_structured_outputs(params)).result()
+
+    def generate(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("a BatchEngine only streams (BatchEngine.stream): the engine belongs to the server")
+
+    chat = beam_search = generate
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the server owns the engine (LLM.shutdown would stop its tensor-parallel workers)."""
+
+    def stream(self, requests: Iterable[tuple | None], *, max_in_flight: int | None = None
+               ) -> Iterator[tuple[K, RequestOutput]]:
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
+        return self._stream(self._llm._encoded(requests), max_in_flight)
+
+    def _stopped(self) -> bool:
+        return self.stop_event is not None and self.stop_event.is_set()
+
+    def _stream(self, requests: Iterator[tuple | None], max_in_flight: int | None) -> Iterator[tuple[K, Any]]:
+        results: queue.Queue[tuple[RequestStream, StreamEvent]] = queue.Queue()
+        in_flight: dict[RequestStream, K] = {}
+        source = RequestSource(requests)
+        try:
+            while True:
+                if self._stopped():
+                    if self.abort_on_stop:
+                        return  # the finally clause aborts what is in flight
+                    if not in_flight:
+                        return
+                else:
+                    room = None if max_in_flight is None else max_in_flight - len(in_flight)
+                    for key, text, token_ids, params, lora in source.take(room):
+                        stream = self._loop.submit(token_ids, params, lora, priority=1, incremental=False,
+                                                   prompt_text=text, sink=results)
+                        in_flight[stream] = key
+                    if source.finished(len(in_flight)):
+                        return
+                for stream, event in self._wait(results):
+                    key = in_flight.pop(stream)
+                    if event.error is not None:
+                        raise event.error
+                    yield key, event.output
+        finally:
+            for stream in in_flight:
+                self._loop.abort(stream)
+
+    def _wait(self, results: queue.Queue) -> list[tuple[RequestStream, StreamEvent]]:
+        """At least one finished request (every event of a one-shot stream is its last), and any others ready."""
+        while True:
+            try:
+                ready = [results.get(timeout=_POLL_SECONDS)]
+                break
+            except queue.Empty:
+                if self._loop.dead:
+                    raise EngineDead("the server's engine loop failed") from None
+                if self._stopped() and self.abort_on_stop:
+                    return []
+        while True:
+            try:
+                ready.append(results.get_nowait())
+            except queue.Empty:
+                return ready

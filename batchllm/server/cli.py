@@ -1,0 +1,133 @@
+"""`batchllm serve`: the OpenAI-compatible server on one engine (also `python -m batchllm serve`).
+
+    batchllm serve --model /models/llama3-8b --port 8000 --api-key "$KEY"
+
+The engine flags are `batchllm run`'s. SIGTERM / SIGINT drain the server: new requests get 503 (and /health
+503) while the requests in flight finish, for up to --grace-seconds; what is left is then aborted and the
+process exits with status 0. A second signal stops at once. Bad flag values exit with status 2, naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from typing import Any
+
+from batchllm.cli_engine import (
+    USAGE_ERRORS,
+    add_engine_flags,
+    engine_options,
+    fail,
+    flags_by_python_name,
+    with_flag_names,
+)
+from batchllm.cli_types import adapter
+
+DEFAULT_DATA_DIR = "./batchllm-data"
+logger = logging.getLogger("batchllm.server")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {port}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return seconds
+
+
+def add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
+        description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions (streaming too), "
+                    "/v1/models, the Batch API (/v1/files, /v1/batches), /health and /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; 0.0.0.0 exposes the server to the network: set --api-key with it")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
+    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    serve.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
+                       help="where the Batch API keeps uploaded files, batch outputs and their state")
+    serve.add_argument("--lora", type=adapter, action="append", metavar="NAME=PATH",
+                       help="a PEFT LoRA adapter directory under a name (repeatable): a request's `model` names it")
+    serve.add_argument("--grace-seconds", type=_seconds, default=30.0,
+                       help="on SIGTERM / SIGINT, how long the requests in flight may take to finish")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                       help="uvicorn's and batchllm's log level")
+    add_engine_flags(serve)
+    serve.set_defaults(flags_by_python_name=flags_by_python_name(serve), handler=serve_command)
+
+
+def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        return fail(f"batchllm serve needs the serve extra ({exc.name} is missing): pip install 'batchllm[serve]'")
+    from batchllm.connectors.adapters import adapter_requests
+    from batchllm.llm import LLM
+    from batchllm.server.app import build_app
+    from batchllm.server.engine_loop import EngineLoop
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    engine = engine_options(args)
+    loras = dict(args.lora or [])
+    if len(loras) < len(args.lora or []):
+        return fail("--lora names an adapter twice")
+    if loras:
+        engine["enable_lora"] = True
+    try:
+        llm = LLM(args.model, **engine)
+        adapters = adapter_requests(sorted(loras.items()), llm) if loras else {}
+    except USAGE_ERRORS as exc:
+        return fail(with_flag_names(str(exc), args.flags_by_python_name))
+    loop = EngineLoop(llm)
+    try:
+        app = build_app(loop, api_key=args.api_key, loras=adapters, data_dir=args.data_dir)
+        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+            logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+        server = _draining_server(uvicorn, uvicorn.Config(app, host=args.host, port=args.port,
+                                                           log_level=args.log_level, timeout_graceful_shutdown=5),
+                                  loop, args.grace_seconds)
+        server.run()
+    finally:
+        loop.shutdown(0)  # a no-op after a drain
+        llm.shutdown()
+    return 0
+
+
+def _draining_server(uvicorn: Any, config: Any, loop: Any, grace_seconds: float) -> Any:
+    """A uvicorn.Server whose first SIGTERM / SIGINT drains the engine loop before the server stops (uvicorn's own
+    handling would close the listening socket at once, and re-raise the signal after it stops)."""
+
+    class DrainingServer(uvicorn.Server):
+        _drain: threading.Thread | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self._drain is not None:  # a second signal: stop now
+                self.should_exit = self.force_exit = True
+                return
+            print(f"batchllm: draining: no new requests; the ones in flight get up to {grace_seconds:g} s "
+                  f"(signal again to stop at once)", file=sys.stderr, flush=True)
+            self._drain = threading.Thread(target=self._drain_then_exit, name="batchllm-drain", daemon=True)
+            self._drain.start()
+
+        def _drain_then_exit(self) -> None:
+            loop.shutdown(grace_seconds)
+            self.should_exit = True
+
+    return DrainingServer(config)

@@ -1,0 +1,268 @@
+"""The Files and Batch APIs with the official `openai` client, against `LLM.generate` / `LLM.chat` run on the same
+engine before the server started (greedy: the same text), and a server SIGKILLed mid-batch and restarted."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+
+from batchllm import LLM, SamplingParams
+from batchllm.server.app import api_key_checker, build_app
+from batchllm.server.batch_api import mount_batch_api
+from batchllm.server.batch_runner import BatchSettings
+from batchllm.server.engine_loop import EngineLoop
+from tests.server.conftest import openai_client, serving, wait_until
+
+KEY = "batch-test-key"
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
+CHATS = [[{"role": "user", "content": "Name a prime number."}], [{"role": "user", "content": "Say hi to Bob."}]]
+MANY = [f"Write the number {i} in words:" for i in range(40)]  # long enough to cancel or kill half way
+MAX_UPLOAD = 256 * 1024
+SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
+REPO = Path(__file__).resolve().parents[2]
+SLOW = 300.0  # seconds: a bound for waits that take seconds on an idle CPU, much longer on a shared one
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    llm = LLM(max_num_seqs=8, num_kv_blocks=256)
+    ref = {"text": _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
+           "chat": _texts(llm.chat(CHATS, GREEDY, use_tqdm=False)),
+           "many": _texts(llm.generate(MANY, GREEDY, use_tqdm=False))}
+    loop = EngineLoop(llm)
+    app = build_app(loop, api_key=KEY)
+    mount_batch_api(app, loop, tmp_path_factory.mktemp("data"), api_key_checker(KEY), SETTINGS)
+    with serving(app) as base_url:
+        yield {"ref": ref, "url": base_url, "client": openai_client(base_url, KEY), "loop": loop}
+    loop.shutdown(5)
+
+
+def _texts(outputs) -> list[str]:
+    return [o.outputs[0].text for o in outputs]
+
+
+def _line(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _completion(custom_id: str, prompt: str) -> str:
+    return _line(custom_id, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "ignore_eos": True})
+
+
+def _upload(client, lines: list[str]) -> str:
+    data = ("\n".join(lines) + "\n").encode()
+    return client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def _run(client, lines: list[str], endpoint: str = "/v1/completions", timeout: float = SLOW):
+    file_id = _upload(client, lines)
+    batch = client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h",
+                                  metadata={"test": "yes"})
+    assert batch.status == "validating" and batch.input_file_id == file_id and batch.metadata == {"test": "yes"}
+    return _wait_status(client, batch.id, ("completed", "failed", "cancelled"), timeout)
+
+
+def _poll_batch(client, batch_id: str, done, timeout: float, what: str):
+    """The batch as last retrieved, once `done(batch)`; fails after `timeout` seconds."""
+    latest = []
+    wait_until(lambda: done(latest.append(client.batches.retrieve(batch_id)) or latest[-1]), timeout, what)
+    return latest[-1]
+
+
+def _wait_status(client, batch_id: str, statuses: tuple[str, ...], timeout: float):
+    return _poll_batch(client, batch_id, lambda b: b.status in statuses, timeout, f"{batch_id} to reach {statuses}")
+
+
+def _answers(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).content.splitlines()]
+
+
+def _by_id(answers: list[dict]) -> dict[str, dict]:
+    ids = [a["custom_id"] for a in answers]
+    assert len(ids) == len(set(ids)), f"a custom_id answered twice: {sorted(ids)}"
+    return {a["custom_id"]: a for a in answers}
+
+
+def test_completions_batch_answers_every_request_as_generate_does(served):
+    client = served["client"]
+    batch = _run(client, [_completion(f"c{i}", p) for i, p in enumerate(PROMPTS)])
+    assert batch.status == "completed" and batch.error_file_id is None, batch
+    assert batch.request_counts.model_dump() == {"total": 3, "completed": 3, "failed": 0}
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at and batch.expires_at
+    answers = _by_id(_answers(client, batch.output_file_id))
+    assert sorted(answers) == ["c0", "c1", "c2"]
+    for i, text in enumerate(served["ref"]["text"]):
+        body = answers[f"c{i}"]["response"]["body"]
+        assert body["object"] == "text_completion" and body["choices"][0]["text"] == text
+        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    output = client.files.retrieve(batch.output_file_id)
+    assert output.purpose == "batch_output" and output.bytes == len(client.files.content(output.id).content)
+
+
+def test_chat_batch_answers_as_chat_does(served):
+    client = served["client"]
+    lines = [_line(f"chat{i}", "/v1/chat/completions", {"messages": m, "max_completion_tokens": MAX_TOKENS,
+                                                         "temperature": 0, "ignore_eos": True})
+             for i, m in enumerate(CHATS)]
+    batch = _run(client, lines, endpoint="/v1/chat/completions")
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    answers = _by_id(_answers(client, batch.output_file_id))
+    for i, text in enumerate(served["ref"]["chat"]):
+        assert answers[f"chat{i}"]["response"]["body"]["choices"][0]["message"]["content"] == text
+
+
+def test_bad_lines_go_to_the_error_file_and_the_good_ones_are_answered(served):
+    client = served["client"]
+    lines = [_completion("good0", PROMPTS[0]),
+             '{"custom_id": "bad-json", "method": "POST", "url": "/v1/completions", "body": {"prompt": ',
+             _line("bad-url", "/v1/embeddings", {"input": "x"}),
+             _line("bad-field", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": 1}),
+             _completion("good1", PROMPTS[1])]
+    batch = _run(client, lines)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.model_dump() == {"total": 5, "completed": 2, "failed": 3}
+    good, bad = _by_id(_answers(client, batch.output_file_id)), _by_id(_answers(client, batch.error_file_id))
+    assert sorted(good) == ["good0", "good1"] and sorted(bad) == ["bad-field", "bad-json", "bad-url"]
+    assert good["good0"]["response"]["body"]["choices"][0]["text"] == served["ref"]["text"][0]
+    assert all(a["response"] is None and a["error"]["code"] == "invalid_request" for a in bad.values())
+    assert "frobnicate" in bad["bad-field"]["error"]["message"]
+
+
+def test_cancel_stops_mid_way_with_a_consistent_partial_output(served):
+    client = served["client"]
+    file_id = _upload(client, [_completion(f"m{i}", p) for i, p in enumerate(MANY)])
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.ConflictError):
+        client.files.delete(file_id)
+    _poll_batch(client, batch.id, lambda b: b.request_counts.completed >= 2, SLOW, "some answers")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+    batch = _wait_status(client, batch.id, ("cancelled",), SLOW)
+    answers = _by_id(_answers(client, batch.output_file_id))
+    assert 2 <= len(answers) < len(MANY), "the cancel did not stop the batch half way"
+    assert batch.request_counts.model_dump() == {"total": len(MANY), "completed": len(answers), "failed": 0}
+    assert batch.error_file_id is None and batch.cancelled_at is not None
+    for custom_id, answer in answers.items():
+        assert answer["response"]["body"]["choices"][0]["text"] == served["ref"]["many"][int(custom_id[1:])]
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+    assert client.files.delete(file_id).deleted  # refused while the batch ran (below), allowed once it ended
+
+
+def test_a_request_for_the_other_endpoint_fails_the_batch_at_validation(served):
+    client = served["client"]
+    chat = _line("chat", "/v1/chat/completions", {"messages": CHATS[0], "max_tokens": 2})
+    batch = _run(client, [_completion("c", PROMPTS[0]), chat])
+    assert batch.status == "failed" and batch.failed_at is not None and batch.output_file_id is None
+    assert [(e.code, e.line, e.param) for e in batch.errors.data] == [("mismatched_endpoint", 2, "url")]
+    empty = _run(client, ["", "  "])
+    assert empty.status == "failed" and empty.errors.data[0].code == "empty_file"
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [empty.id] and page.has_more
+    assert client.batches.list(limit=1, after=empty.id).data[0].id == batch.id
+
+
+def _error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"]
+    return error
+
+
+def test_unknown_ids_bad_parameters_and_auth_answer_openai_errors(served):
+    client, url = served["client"], served["url"]
+    http = httpx.Client(base_url=f"{url}/v1", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    for path in ("/files/file-nope", "/files/file-nope/content", "/batches/batch_nope"):
+        _error(http.get(path), 404, "id")
+    _error(http.delete("/files/file-nope"), 404, "id")
+    _error(http.post("/batches/batch_nope/cancel"), 404, "id")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    file_id = _upload(client, [_completion("x", PROMPTS[0])])
+    good = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    _error(http.post("/batches", json={**good, "endpoint": "/v1/embeddings"}), 400, "endpoint")
+    _error(http.post("/batches", json={**good, "completion_window": "48h"}), 400, "completion_window")
+    _error(http.post("/batches", json={k: v for k, v in good.items() if k != "input_file_id"}), 400, "input_file_id")
+    _error(http.post("/batches", json={**good, "metadata": {"k": 3}}), 400, "metadata")
+    _error(http.post("/batches", json={**good, "priority": 1}), 400, "priority")
+    _error(http.post("/batches", json={**good, "input_file_id": "file-nope"}), 404, "input_file_id")
+    _error(http.post("/batches", content=b"{not json"), 400, None)
+    _error(http.get("/batches", params={"limit": 0}), 400, "limit")
+    upload = {"file": ("input.jsonl", b"{}\n")}
+    _error(http.post("/files", files=upload, data={"purpose": "fine-tune"}), 400, "purpose")
+    _error(http.post("/files", files=upload), 400, "purpose")
+    _error(http.post("/files", data={"purpose": "batch"}), 400, "file")
+    big = {"file": ("big.jsonl", b"x" * (MAX_UPLOAD + 1))}
+    _error(http.post("/files", files=big, data={"purpose": "batch"}), 413, "file")
+    assert all(f.filename != "big.jsonl" for f in client.files.list()), "a refused upload was kept"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("input.jsonl", b"{}\n"), purpose="fine-tune")
+    assert refused.value.body["param"] == "purpose"
+    assert httpx.get(f"{url}/v1/batches").status_code == 401
+    assert httpx.get(f"{url}/v1/files/{file_id}").status_code == 401
+
+
+def test_build_app_with_a_data_dir_serves_the_batch_api(served, tmp_path):
+    with serving(build_app(served["loop"], data_dir=tmp_path)) as url:
+        client = openai_client(url)
+        file_id = _upload(client, [_completion("x", PROMPTS[0])])
+        assert client.files.retrieve(file_id).filename == "input.jsonl"
+        assert client.batches.list().data == []
+        with pytest.raises(RuntimeError, match="in use by another batchllm server"):
+            mount_batch_api(FastAPI(), served["loop"], tmp_path)
+    assert (tmp_path / "files" / file_id).read_bytes().startswith(b'{"custom_id": "x"')
+    again = mount_batch_api(FastAPI(), served["loop"], tmp_path)  # the stopped server released the data dir
+    assert again.files.get(file_id).filename == "input.jsonl"
+    again.close()
+
+
+def _start_server(data_dir: Path) -> tuple[subprocess.Popen, openai.OpenAI]:
+    (data_dir / "port").unlink(missing_ok=True)
+    process = subprocess.Popen([sys.executable, "-m", "tests.server.batch_server", str(data_dir)], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    wait_until(lambda: (data_dir / "port").exists() or process.poll() is not None, SLOW, "the server to start")
+    assert process.poll() is None, "the server process died at start"
+    return process, openai_client(f"http://127.0.0.1:{(data_dir / 'port').read_text()}")
+
+
+def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(served, tmp_path):
+    processes = []
+    try:
+        process, client = _start_server(tmp_path)
+        processes.append(process)
+        file_id = _upload(client, [_completion(f"k{i}", p) for i, p in enumerate(MANY)])
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        seen = _poll_batch(client, batch.id, lambda b: b.request_counts.completed > 0, SLOW, "the first answers")
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        assert seen.status == "in_progress" and seen.request_counts.completed < len(MANY), seen
+        process, client = _start_server(tmp_path)
+        processes.append(process)
+        done = _wait_status(client, batch.id, ("completed", "failed"), SLOW)
+        assert done.status == "completed", done
+        assert done.request_counts.model_dump() == {"total": len(MANY), "completed": len(MANY), "failed": 0}
+        answers = _by_id(_answers(client, done.output_file_id))
+        assert sorted(answers) == sorted(f"k{i}" for i in range(len(MANY))) and done.error_file_id is None
+        for custom_id, answer in answers.items():
+            assert answer["response"]["body"]["choices"][0]["text"] == served["ref"]["many"][int(custom_id[1:])]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
