@@ -37,10 +37,10 @@ SLOW = 300.0  # seconds: a bound for waits that take seconds on an idle CPU, muc
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    llm = LLM(max_num_seqs=8, num_kv_blocks=256)
-    ref = {"text": _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
-           "chat": _texts(llm.chat(CHATS, GREEDY, use_tqdm=False)),
-           "many": _texts(llm.generate(MANY, GREEDY, use_tqdm=False))}
+    llm = LLM(max_num_seqs=64, num_kv_blocks=256)  # room for every reference prompt in one batch: fewer steps
+    texts = _texts(llm.generate(PROMPTS + MANY, GREEDY, use_tqdm=False))
+    ref = {"text": texts[:len(PROMPTS)], "many": texts[len(PROMPTS):],
+           "chat": _texts(llm.chat(CHATS, GREEDY, use_tqdm=False))}
     loop = EngineLoop(llm)
     app = build_app(loop, api_key=KEY)
     mount_batch_api(app, loop, tmp_path_factory.mktemp("data"), api_key_checker(KEY), SETTINGS)
