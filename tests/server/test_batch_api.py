@@ -28,7 +28,7 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
 CHATS = [[{"role": "user", "content": "Name a prime number."}], [{"role": "user", "content": "Say hi to Bob."}]]
-MANY = [f"Write the number {i} in words:" for i in range(40)]  # long enough to cancel or kill half way
+MANY = [f"Write the number {i} in words:" for i in range(16)]  # 2 at a time (SETTINGS): seconds to cancel or kill in
 MAX_UPLOAD = 256 * 1024
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
 REPO = Path(__file__).resolve().parents[2]
@@ -252,6 +252,10 @@ def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(s
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
         assert seen.status == "in_progress" and seen.request_counts.completed < len(MANY), seen
+        job_output = tmp_path / "batches" / batch.id / "output.jsonl"
+        manifest = job_output.with_name("output.jsonl.manifest.jsonl").read_text()
+        records = [json.loads(line) for line in manifest[:manifest.rfind("\n")].splitlines()[1:]]  # not a torn one
+        saved = job_output.read_bytes()[:records[-1]["end_offset"]]  # what the killed server had made durable
         process, client = _start_server(tmp_path)
         processes.append(process)
         done = _wait_status(client, batch.id, ("completed", "failed"), SLOW)
@@ -259,6 +263,7 @@ def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(s
         assert done.request_counts.model_dump() == {"total": len(MANY), "completed": len(MANY), "failed": 0}
         answers = _by_id(_answers(client, done.output_file_id))
         assert sorted(answers) == sorted(f"k{i}" for i in range(len(MANY))) and done.error_file_id is None
+        assert job_output.read_bytes().startswith(saved), "the restarted server redid rows the first one had saved"
         for custom_id, answer in answers.items():
             assert answer["response"]["body"]["choices"][0]["text"] == served["ref"]["many"][int(custom_id[1:])]
     finally:
