@@ -7,8 +7,10 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,9 @@ from batchllm import LLM, SamplingParams
 from batchllm.server.app import api_key_checker, build_app
 from batchllm.server.batch_api import mount_batch_api
 from batchllm.server.batch_runner import BatchSettings
+from batchllm.server.batches import BatchRecord, BatchStore, RequestCounts, new_batch_id
 from batchllm.server.engine_loop import EngineLoop
+from batchllm.server.files import FileStore
 from tests.server.conftest import openai_client, serving, wait_until
 
 KEY = "batch-test-key"
@@ -28,7 +32,8 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
 CHATS = [[{"role": "user", "content": "Name a prime number."}], [{"role": "user", "content": "Say hi to Bob."}]]
-MANY = [f"Write the number {i} in words:" for i in range(16)]  # 2 at a time (SETTINGS): seconds to cancel or kill in
+MANY = [f"Write the number {i} in words:" for i in range(12)]  # 2 at a time (SETTINGS): seconds to cancel or kill in
+LONG_TOKENS = 32  # seconds of work per row on a CPU: time to signal while the rows run
 MAX_UPLOAD = 256 * 1024
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +45,9 @@ def served(tmp_path_factory):
     llm = LLM(max_num_seqs=64, num_kv_blocks=256)  # room for every reference prompt in one batch: fewer steps
     texts = _texts(llm.generate(PROMPTS + MANY, GREEDY, use_tqdm=False))
     ref = {"text": texts[:len(PROMPTS)], "many": texts[len(PROMPTS):],
-           "chat": _texts(llm.chat(CHATS, GREEDY, use_tqdm=False))}
+           "chat": _texts(llm.chat(CHATS, GREEDY, use_tqdm=False)),
+           "long": _texts(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=LONG_TOKENS, temperature=0,
+                                                                   ignore_eos=True), use_tqdm=False))}
     loop = EngineLoop(llm)
     app = build_app(loop, api_key=KEY)
     mount_batch_api(app, loop, tmp_path_factory.mktemp("data"), api_key_checker(KEY), SETTINGS)
@@ -232,6 +239,21 @@ def test_build_app_with_a_data_dir_serves_the_batch_api(served, tmp_path):
     again.close()
 
 
+def test_a_restart_finishes_a_cancel_that_a_kill_interrupted(served, tmp_path):
+    input_file = FileStore(tmp_path / "files").upload(io.BytesIO(_completion("x", PROMPTS[0]).encode()), "in.jsonl",
+                                                      "batch", MAX_UPLOAD)
+    record = BatchStore(tmp_path / "batches").add(BatchRecord(
+        new_batch_id(), "/v1/completions", input_file.id, "24h", int(time.time()), 4, status="cancelling",
+        request_counts=RequestCounts(1)))
+    service = mount_batch_api(FastAPI(), served["loop"], tmp_path)
+    try:
+        wait_until(lambda: service.batches.get(record.id).status == "cancelled", SLOW, "the cancel to end")
+        cancelled = service.batches.get(record.id)
+        assert cancelled.output_file_id is None and cancelled.request_counts == RequestCounts(1, 0, 0)
+    finally:
+        service.close()
+
+
 def _start_server(data_dir: Path) -> tuple[subprocess.Popen, openai.OpenAI]:
     (data_dir / "port").unlink(missing_ok=True)
     process = subprocess.Popen([sys.executable, "-m", "tests.server.batch_server", str(data_dir)], cwd=REPO,
@@ -266,6 +288,60 @@ def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(s
         assert job_output.read_bytes().startswith(saved), "the restarted server redid rows the first one had saved"
         for custom_id, answer in answers.items():
             assert answer["response"]["body"]["choices"][0]["text"] == served["ref"]["many"][int(custom_id[1:])]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+
+
+def _serve_cli(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    """`batchllm serve` on `port`, once it answers /health; one batch row at a time in the engine."""
+    process = subprocess.Popen([sys.executable, "-m", "batchllm", "serve", "--data-dir", str(data_dir), "--port",
+                                str(port), "--api-key", KEY, "--max-num-seqs", "2", "--grace-seconds", "0",
+                                "--log-level", "warning"], cwd=REPO, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+    def healthy() -> bool:
+        assert process.poll() is None, f"batchllm serve exited at start:\n{log.read_text()[-3000:]}"
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(healthy, SLOW, "batchllm serve to start")
+    return process
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_sigterm_with_the_last_rows_in_the_engine_saves_no_aborted_answer(served, tmp_path):
+    """The CLI's drain (--grace-seconds 0) aborts the rows in the engine. When they are the batch's last ones, the job
+    would end normally and finalize their aborted, empty answers: the next server must answer them instead."""
+    data_dir, port, log, processes = tmp_path / "data", _free_port(), tmp_path / "serve.log", []
+    lines = [_line(f"t{i}", "/v1/completions", {"prompt": p, "max_tokens": LONG_TOKENS, "temperature": 0,
+                                                 "ignore_eos": True}) for i, p in enumerate(PROMPTS[:2])]
+    try:
+        processes.append(_serve_cli(data_dir, port, log))
+        client = openai_client(f"http://127.0.0.1:{port}", KEY)
+        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/completions",
+                                      completion_window="24h")
+        _poll_batch(client, batch.id, lambda b: b.status != "validating", SLOW, "the batch to start")
+        time.sleep(1.0)  # both rows are in the engine now: they take seconds
+        processes[0].send_signal(signal.SIGTERM)
+        assert processes[0].wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert json.loads((data_dir / "batches" / f"{batch.id}.json").read_text())["status"] == "in_progress", \
+            "the batch ended before the signal, or ended with the aborted rows"
+        processes.append(_serve_cli(data_dir, port, log))
+        done = _wait_status(client, batch.id, ("completed", "failed"), SLOW)
+        assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}, done
+        answers = _by_id(_answers(client, done.output_file_id))
+        for i, text in enumerate(served["ref"]["long"]):
+            choice = answers[f"t{i}"]["response"]["body"]["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == (text, "length")
     finally:
         for process in processes:
             if process.poll() is None:
