@@ -36,7 +36,6 @@ from batchllm.server.batch_runner import BatchRunner, BatchSettings
 from batchllm.server.batches import CANCELLABLE, COMPLETION_WINDOW_SECONDS, BatchRecord, BatchStore, new_batch_id
 from batchllm.server.errors import APIError, bad_request
 from batchllm.server.files import INPUT_PURPOSE, FileStore, FileTooLarge
-from batchllm.server.request_stream import ServerShuttingDown
 
 _ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
@@ -84,7 +83,7 @@ def mount_batch_api(app: FastAPI, loop: Any, data_dir: Path, auth_dependency: Ca
     data_dir = Path(data_dir).expanduser()
     lock = _lock_data_dir(data_dir)
     files, batches = FileStore(data_dir / "files"), BatchStore(data_dir / "batches")
-    runner = BatchRunner(batches, files, lambda stop: _batch_engine(loop, stop), settings)
+    runner = BatchRunner(batches, files, lambda stop: loop.batch_engine(stop_event=stop), settings)
     service = BatchService(files, batches, runner, lock)
     router = APIRouter(prefix="/v1", dependencies=[Depends(auth_dependency)] if auth_dependency else [])
     _file_routes(router, service, settings.max_upload_bytes)
@@ -100,31 +99,18 @@ def mount_batch_api(app: FastAPI, loop: Any, data_dir: Path, auth_dependency: Ca
     return service
 
 
-def _batch_engine(loop: Any, stop: Any) -> Any:
-    """The job's engine, refusing rows that the loop aborted (its shutdown after a drain's grace period): such a
-    row has no real answer, and saving it would mark its request answered for good. The job then stops on the
-    exception and the next server runs those rows again."""
-    engine = loop.batch_engine(stop_event=stop)
-    stream = engine.stream
-
-    def rows_with_answers(requests: Any, *, max_in_flight: int | None = None) -> Any:
-        for key, output in stream(requests, max_in_flight=max_in_flight):
-            if any(c.finish_reason == "abort" for c in output.outputs):
-                raise ServerShuttingDown("the engine stopped before a batch row finished")
-            yield key, output
-
-    engine.stream = rows_with_answers
-    return engine
+def _found(record: Any, kind: str, object_id: str, param: str = "id") -> Any:
+    """`record`, or OpenAI's 404 for the `kind` object `object_id` that no store holds."""
+    if record is None:
+        raise APIError(404, f"No such {kind} object: {object_id}", param=param)
+    return record
 
 
 def _file_routes(router: APIRouter, service: BatchService, max_bytes: int) -> None:
     files = service.files
 
     def existing(file_id: str):
-        record = files.get(file_id)
-        if record is None:
-            raise APIError(404, f"No such File object: {file_id}", param="id")
-        return record
+        return _found(files.get(file_id), "File", file_id)
 
     @router.post("/files")
     async def upload(request: Request):
@@ -190,18 +176,13 @@ def _batch_routes(router: APIRouter, service: BatchService, settings: BatchSetti
         return record.to_openai(runner.progress(record))
 
     def existing(batch_id: str) -> BatchRecord:
-        record = batches.get(batch_id)
-        if record is None:
-            raise APIError(404, f"No such Batch object: {batch_id}", param="id")
-        return record
+        return _found(batches.get(batch_id), "Batch", batch_id)
 
     @router.post("/batches")
     async def create_batch(request: Request):
         body = await _json_object(request)
         input_file_id, endpoint, metadata = _batch_fields(body)
-        file = service.files.get(input_file_id)
-        if file is None:
-            raise APIError(404, f"No such File object: {input_file_id}", param="input_file_id")
+        file = _found(service.files.get(input_file_id), "File", input_file_id, "input_file_id")
         if file.purpose != INPUT_PURPOSE:
             raise bad_request(f"file {input_file_id} has purpose {file.purpose!r}; a batch's input needs "
                               f"{INPUT_PURPOSE!r}", "input_file_id")

@@ -11,7 +11,8 @@ It subclasses `LLM` only so that `get_llm`'s type check accepts it; it builds no
 
 Cancelling: when `stop_event` is set, the stream admits nothing more; the requests already out finish and are
 yielded (the job saves them), then the stream ends. With `abort_on_stop=True` those are aborted instead and
-not yielded, so the stream ends at once. Closing the stream early aborts what it has in flight.
+not yielded, so the stream ends at once. Closing the stream early aborts what it has in flight. A request the
+loop aborted itself (its shutdown) raises ServerShuttingDown instead of being yielded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchllm.llm import LLM
 from batchllm.request_source import RequestSource
-from batchllm.server.request_stream import EngineDead, RequestStream, StreamEvent
+from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
 from batchllm.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -90,6 +91,10 @@ class BatchEngine(LLM):
                     key = in_flight.pop(stream)
                     if event.error is not None:
                         raise event.error
+                    if any(c.finish_reason == "abort" for c in event.output.outputs):
+                        # The loop aborted it (its shutdown, past a drain's grace period): the row has no answer,
+                        # and a job that saved it would count its request answered for good.
+                        raise ServerShuttingDown("the engine stopped before a batch row finished")
                     yield key, event.output
         finally:
             for stream in in_flight:

@@ -22,7 +22,7 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_OVERHEAD_TOKENS = {"cpu": 8.0, "cuda": 96.0}
 # What a step that verifies drafts costs beyond its tokens, in the same units, by device and by where the drafts
 # come from. On an H200, with verification steps replayed from CUDA graphs, a verifying step still drains the
-# asynchronous loop and runs the rejection sampler: ~2 ms more than a decode step, ~0.4 forward passes of
+# asynchronous loop and runs the rejection sampler: ~1.2 ms more than a decode step (smollm2), ~0.25 passes of
 # llama3-8b (n-gram); a device proposer adds its own passes (EAGLE, k = 4: 6.7 ms, ~1.4 passes). See
 # benchmarks/README.md, "Speculative decoding". On the CPU, where no step has a graph, the measured speedups
 # match `overhead_tokens + T` alone.
