@@ -124,7 +124,8 @@ class EngineCore:
         """Speculative decoding drafts from a row's tokens, so the step in flight must be applied before the next
         is scheduled: always after a speculative step, and while speculation pays (`Speculator`)."""
         speculator = self.scheduler.speculator
-        return speculator is not None and (in_flight.speculative or speculator.needs_known_tokens())
+        return speculator is not None and (in_flight.speculative
+                                           or speculator.needs_known_tokens(len(self.scheduler.running)))
 
     def _apply(self, scheduler_output: SchedulerOutput, pending: PendingOutput) -> list[FinishedRequest]:
         runner_output: ModelRunnerOutput = pending.result()

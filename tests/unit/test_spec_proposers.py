@@ -157,3 +157,7 @@ def test_speculator_plans_nothing_past_the_rows_verification_graphs_cover():
         speculator.plan(three)
         assert [r.draft_token_ids for r in three] == [expected_at_three] * 3
         assert speculator.active == (not adaptive)
+        # No probing of the asynchronous loop while the batch is too large for any plan: it stays overlapped.
+        probes = [speculator.needs_known_tokens(3) for _ in range(20)]
+        assert probes == [True] * 20 if not adaptive else not any(probes)
+        assert any(speculator.needs_known_tokens(2) for _ in range(8))

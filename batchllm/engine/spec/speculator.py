@@ -11,9 +11,10 @@ nothing while more rows run than verification steps replay from CUDA graphs (`ma
 
 Asynchronous loop: drafts need the row's tokens, which a step in flight has not returned yet. The engine
 therefore waits for the step in flight (`needs_known_tokens`) while speculation pays, and otherwise only
-every `PROBE_INTERVAL` steps, to find out whether it has started to. Speculation stops paying when the policy
-plans no draft, or when the proposer has found none for `PROBE_INTERVAL` steps in a row (an n-gram lookup
-misses now and then even where the output copies its input: one miss must not cost the next steps).
+every `PROBE_INTERVAL` steps, to find out whether it has started to (never while more than `max_verify_rows`
+rows run: nothing could be planned). Speculation stops paying when the policy plans no draft, or when the
+proposer has found none for `PROBE_INTERVAL` steps in a row (an n-gram lookup misses now and then even where
+the output copies its input: one miss must not cost the next steps).
 """
 
 from __future__ import annotations
@@ -55,8 +56,15 @@ class Speculator:
         speculation off it skips them: its K/V there stays stale, which can only lower a later acceptance."""
         return self.active or not self.config.adaptive
 
-    def needs_known_tokens(self) -> bool:
-        """Whether the next step should be planned with every row's tokens known (asynchronous loop)."""
+    def too_many_rows(self, num_running: int) -> bool:
+        """Whether the adaptive policy plans nothing at this batch size (`max_verify_rows`)."""
+        return self.config.adaptive and self.max_verify_rows is not None and num_running > self.max_verify_rows
+
+    def needs_known_tokens(self, num_running: int) -> bool:
+        """Whether the next step should be planned with every row's tokens known (asynchronous loop); never
+        while too many rows run for anything to be planned, so a large batch keeps the loop overlapped."""
+        if self.too_many_rows(num_running):
+            return False
         self._steps_since_probe += 1
         if self.active or self._steps_since_probe >= PROBE_INTERVAL:
             self._steps_since_probe = 0
@@ -81,9 +89,7 @@ class Speculator:
             rows.append(request)
             candidates.append((request.request_id, max(0, min(k_max, room))))
         drafted = wanted = False
-        too_many = (self.config.adaptive and self.max_verify_rows is not None
-                    and len(running) > self.max_verify_rows)
-        plan = [0] * len(rows) if too_many else self.policy.plan(candidates) if rows else ()
+        plan = [0] * len(rows) if self.too_many_rows(len(running)) else self.policy.plan(candidates) if rows else ()
         for request, k in zip(rows, plan):
             wanted |= k > 0
             if self.ngram is not None:
