@@ -72,9 +72,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.handler(args, argv)
 
 
+def _version() -> str:
+    """The installed distribution's version; a source tree on PYTHONPATH (not installed) has only the package's."""
+    try:
+        return importlib.metadata.version("batchllm")
+    except importlib.metadata.PackageNotFoundError:
+        import batchllm
+
+        return batchllm.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchllm", description="Offline LLM batch inference.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('batchllm')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run", help="generate for every row of a table (Parquet, CSV, JSON lines) or an OpenAI batch JSONL file "

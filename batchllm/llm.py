@@ -6,13 +6,13 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.engine.detokenizer import Detokenizer
-from batchllm.engine.engine_core import EngineCore, FinishedRequest
+from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.spec.config import parse_speculative_config
@@ -22,14 +22,12 @@ from batchllm.host_gc import objects_frozen
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
 from batchllm.lora.registry import AdapterRegistry, check_lora_options
 from batchllm.lora.request import LoRARequest
-from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from batchllm.outputs import CompletionOutput, RequestOutput
+from batchllm.request_outputs import complete, completion_output, sample_params
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 from batchllm.structured_outputs import StructuredOutputsParams
-
-if TYPE_CHECKING:  # the runner imports torch; the facade imports it only when an LLM is built
-    pass
 
 Messages = list[dict[str, Any]]
 K = TypeVar("K")
@@ -218,11 +216,12 @@ class LLM:
         """
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
-        return self._stream(self._encoded(requests), max_in_flight)
+        return self._stream(self.encode_requests(requests), max_in_flight)
 
-    def _encoded(self, requests: Iterable[tuple | None]
-                 ) -> Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None]:
-        """Tokenize lazily, as the stream pulls: an unbounded source is never materialized."""
+    def encode_requests(self, requests: Iterable[tuple | None]
+                        ) -> Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None]:
+        """`stream`'s items as (key, text, token ids, params, adapter), tokenized lazily as the stream pulls (an
+        unbounded source is never materialized); adapters are checked, None (a pause) passes through."""
         for index, item in enumerate(requests):
             if item is None:
                 yield None
@@ -257,7 +256,7 @@ class LLM:
                         in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                         for sample in range(params.n):
                             fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
-                            engine.add_request(f"{prompt_id}.{sample}", token_ids, _sample_params(params, sample),
+                            engine.add_request(f"{prompt_id}.{sample}", token_ids, sample_params(params, sample),
                                                fork_of=fork_of, lora_request=lora)
                     if source.finished(len(in_flight)):
                         return
@@ -267,10 +266,10 @@ class LLM:
                     for finished in finished_requests:
                         prompt_id, sample = finished.request.request_id.rsplit(".", 1)
                         entry = in_flight[prompt_id]
-                        entry.completions[int(sample)] = self._completion(int(sample), finished)
+                        entry.completions[int(sample)] = completion_output(int(sample), finished, self.tokenizer)
                         if all(c is not None for c in entry.completions):
                             del in_flight[prompt_id]
-                            _complete(entry.output, entry.completions)
+                            complete(entry.output, entry.completions)
                             yield entry.key, entry.output
             finally:
                 # A step cut short (e.g. by KeyboardInterrupt) leaves the scheduler mid-update: nothing safe to do.
@@ -344,44 +343,9 @@ class LLM:
         Results still come back in input order."""
         return admission_order(token_lists, loras, self.reorder_by_prefix)
 
-    def _completion(self, index: int, finished: FinishedRequest) -> CompletionOutput:
-        request = finished.request
-        logprobs = cumulative = None
-        if request.sampling_params.logprobs is not None:
-            logprobs = [self._logprob_dict(token_id, s) for token_id, s in
-                        zip(request.output_token_ids, request.output_logprobs)]
-            cumulative = sum(s.logprob for s in request.output_logprobs if s.logprob is not None)
-        metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finished_time)
-        return CompletionOutput(index, finished.text, request.output_token_ids, cumulative, logprobs,
-                                request.finish_reason, request.stop_reason, request.error, metrics)
-
-    def _logprob_dict(self, token_id: int, sampled) -> dict[int, Logprob]:
-        entries = {tid: Logprob(lp) for tid, lp in (sampled.top_logprobs or {}).items()}
-        entries[token_id] = Logprob(sampled.logprob, sampled.rank)
-        for rank, tid in enumerate(sampled.top_logprobs or {}, start=1):
-            entries[tid].rank = rank
-        if self.tokenizer is not None:
-            for tid, entry in entries.items():
-                entry.decoded_token = self.tokenizer.decode([tid])
-        return entries
-
 
 @dataclasses.dataclass(slots=True)
 class _InFlight(Generic[K]):
     key: K
     output: RequestOutput
     completions: list[CompletionOutput | None]
-
-
-def _complete(output: RequestOutput, completions: list[CompletionOutput | None]) -> None:
-    output.outputs = [c for c in completions if c is not None]
-    output.finished = True
-    output.error = next((c.error for c in output.outputs if c.error), None)
-
-
-def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
-    """The `n` samples of one prompt run as independent requests; sample j of a seeded request uses seed + j."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + sample
-    return dataclasses.replace(params, n=1, seed=seed)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchllm.engine.engine_core import FinishedRequest
-from batchllm.llm import LLM, _complete, _sample_params
+from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, RequestOutput
+from batchllm.request_outputs import complete, completion_output, logprob_entries, sample_params
 from batchllm.sampling_params import SamplingParams
 from batchllm.server.request_stream import RequestStream, SampleUpdate, StreamEvent
 from batchllm.server.sample_progress import SampleProgress
@@ -47,8 +48,8 @@ class _Admitted:
 
 class AdmittedRequests:
     def __init__(self, llm: LLM) -> None:
-        self.llm = llm
         self._engine = llm.engine
+        self._tokenizer = llm.tokenizer
         self._backend = None if llm.tokenizer is None else llm.tokenizer.backend_tokenizer
         self._admitted: dict[str, _Admitted] = {}
         self.observer: LoopObserver | None = None
@@ -66,7 +67,7 @@ class AdmittedRequests:
             for index in range(params.n):
                 request_id = f"{stream.prompt_id}.{index}"
                 fork_of = f"{stream.prompt_id}.0" if index else None  # the samples share the prompt's K/V
-                self._engine.add_request(request_id, submission.prompt_token_ids, _sample_params(params, index),
+                self._engine.add_request(request_id, submission.prompt_token_ids, sample_params(params, index),
                                          fork_of=fork_of, lora_request=submission.lora_request)
                 samples.append(SampleProgress(request_id, index, params, self._backend, submission.incremental))
         except ValueError as exc:
@@ -108,7 +109,7 @@ class AdmittedRequests:
         new_ids = request.token_ids[request.num_prompt_tokens + start:]
         sample.num_tokens += len(new_ids)
         if ended is not None:
-            completion = admitted.completions[sample.index] = self.llm._completion(sample.index, ended)
+            completion = admitted.completions[sample.index] = completion_output(sample.index, ended, self._tokenizer)
             sample.done = True
             logprobs = None if completion.logprobs is None else completion.logprobs[start:]
             return SampleUpdate(sample.index, new_ids, sample.rest_of(completion.text), logprobs,
@@ -117,7 +118,7 @@ class AdmittedRequests:
             return None
         logprobs = None
         if request.sampling_params.logprobs is not None:
-            logprobs = [self.llm._logprob_dict(token_id, sampled)
+            logprobs = [logprob_entries(token_id, sampled, self._tokenizer)
                         for token_id, sampled in zip(new_ids, request.output_logprobs[start:])]
         return SampleUpdate(sample.index, new_ids, sample.text_of(new_ids), logprobs)
 
@@ -135,7 +136,7 @@ class AdmittedRequests:
         submission = admitted.submission
         output = RequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
                                finished=False)
-        _complete(output, admitted.completions)
+        complete(output, admitted.completions)
         if self.observer is not None:
             self.observer.request_finished(time.perf_counter() - submission.submitted_at)
         submission.stream.deliver(StreamEvent(updates if submission.incremental else [], output))
@@ -176,5 +177,5 @@ def aborted_output(submission: Submission) -> RequestOutput:
     _fill_aborted(completions)
     output = RequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
                            finished=False)
-    _complete(output, completions)
+    complete(output, completions)
     return output

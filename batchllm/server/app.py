@@ -30,6 +30,8 @@ from starlette.background import BackgroundTask
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig, read_hf_config
 from batchllm.outputs import RequestOutput
+from batchllm.server.batch_api import mount_batch_api
+from batchllm.server.batch_runner import BatchSettings
 from batchllm.server.engine_loop import LIVE, EngineLoop
 from batchllm.server.errors import APIError, bad_request, from_validation_errors, install_handlers, unavailable
 from batchllm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -43,10 +45,12 @@ _DISCONNECT_POLL_SECONDS = 0.5
 
 
 def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str | None = None,
-              loras: Mapping[str, LoRARequest] | None = None, data_dir: str | Path | None = None) -> FastAPI:
+              loras: Mapping[str, LoRARequest] | None = None, data_dir: str | Path | None = None,
+              batch_settings: BatchSettings | None = None) -> FastAPI:
     """`model_name`: the base model's name (default: its directory's name). `loras`: adapters by the name a
     request's `model` gives (already checked with `llm.check_lora`; the LLM needs enable_lora=True). `data_dir`:
-    where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API."""
+    where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API. `batch_settings`:
+    its shard size, save interval, rows in flight and upload limit."""
     llm = loop.llm
     model_name = model_name or llm.model_path.name
     loras = dict(loras or {})
@@ -100,7 +104,7 @@ def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str |
 
     app.include_router(v1)
     if data_dir is not None:
-        _mount_batch_api(app, loop, Path(data_dir), require_key)
+        mount_batch_api(app, loop, Path(data_dir), require_key, batch_settings)
     return app
 
 
@@ -117,18 +121,6 @@ def api_key_checker(api_key: str | None):
                            code="invalid_api_key")
 
     return check
-
-
-def _mount_batch_api(app: FastAPI, loop: EngineLoop, data_dir: Path, require_key) -> None:
-    try:
-        from batchllm.server.batch_api import mount_batch_api
-    except ModuleNotFoundError as exc:
-        if exc.name != "batchllm.server.batch_api":
-            raise
-        logger.warning("batchllm.server.batch_api is not installed: serving without the Batch API (/v1/files, "
-                       "/v1/batches)")
-        return
-    mount_batch_api(app, loop, data_dir, require_key)
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
@@ -179,18 +171,24 @@ async def _events(loop: EngineLoop, streams: list[RequestStream], sink: asyncio.
         for chunk in writer.opening(len(streams)):
             yield chunk
         while remaining:
-            stream, event = await sink.get()
-            if event.error is not None:
-                yield writer.error(str(event.error))
-                yield DONE
-                return
-            for update in event.updates:
-                completion_tokens += len(update.token_ids)
-                chunk = writer.update(prompt_index[stream], update)
-                if chunk is not None:
-                    yield chunk
-            if event.finished:
-                remaining.discard(stream)
+            # Everything queued goes out in one write: a client (or event loop) that fell behind catches up in
+            # one send, not one per token.
+            ready, chunks = [await sink.get()], []
+            while not sink.empty():
+                ready.append(sink.get_nowait())
+            for stream, event in ready:
+                if event.error is not None:
+                    yield "".join(chunks) + writer.error(str(event.error)) + DONE
+                    return
+                for update in event.updates:
+                    completion_tokens += len(update.token_ids)
+                    chunk = writer.update(prompt_index[stream], update)
+                    if chunk is not None:
+                        chunks.append(chunk)
+                if event.finished:
+                    remaining.discard(stream)
+            if chunks:
+                yield "".join(chunks)
         if include_usage:
             yield writer.usage(sum(s.num_prompt_tokens for s in streams), completion_tokens)
         yield DONE

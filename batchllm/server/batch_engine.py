@@ -63,7 +63,7 @@ class BatchEngine(LLM):
                ) -> Iterator[tuple[K, RequestOutput]]:
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
-        return self._stream(self._llm._encoded(requests), max_in_flight)
+        return self._stream(self._llm.encode_requests(requests), max_in_flight)
 
     def _stopped(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
 from typing import Any
@@ -24,8 +25,10 @@ from batchllm.cli_engine import (
     with_flag_names,
 )
 from batchllm.cli_types import adapter
+from batchllm.server.batch_runner import BatchSettings
 
 DEFAULT_DATA_DIR = "./batchllm-data"
+_BATCH_DEFAULTS = BatchSettings()
 logger = logging.getLogger("batchllm.server")
 
 
@@ -49,6 +52,16 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
@@ -62,6 +75,14 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every /v1 route")
     serve.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
                        help="where the Batch API keeps uploaded files, batch outputs and their state")
+    serve.add_argument("--batch-rows-per-shard", type=_positive, default=_BATCH_DEFAULTS.rows_per_shard, metavar="N",
+                       help="Batch API: request lines per output shard of a new batch (the unit a restart resumes)")
+    serve.add_argument("--batch-flush-seconds", type=_seconds, default=_BATCH_DEFAULTS.flush_seconds, metavar="S",
+                       help="Batch API: how often a running batch saves its answers (what a kill can lose)")
+    serve.add_argument("--batch-max-in-flight", type=_positive, default=None, metavar="N",
+                       help="Batch API: a batch's rows in the engine at once (None: the engine's max_num_seqs)")
+    serve.add_argument("--max-upload-mb", type=_positive, default=_BATCH_DEFAULTS.max_upload_bytes // 2 ** 20,
+                       metavar="MB", help="largest file POST /v1/files accepts (413 above)")
     serve.add_argument("--lora", type=adapter, action="append", metavar="NAME=PATH",
                        help="a PEFT LoRA adapter directory under a name (repeatable): a request's `model` names it")
     serve.add_argument("--grace-seconds", type=_seconds, default=30.0,
@@ -95,18 +116,38 @@ def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
         adapters = adapter_requests(sorted(loras.items()), llm) if loras else {}
     except USAGE_ERRORS as exc:
         return fail(with_flag_names(str(exc), args.flags_by_python_name))
-    loop = EngineLoop(llm)
+    # The engine steps in this thread, the one that built the LLM (engine_loop.py says why); HTTP is served from
+    # another, and SIGTERM / SIGINT, which only this thread can receive, are handed to the server.
+    loop = EngineLoop(llm, start=False)
     try:
-        app = build_app(loop, api_key=args.api_key, loras=adapters, data_dir=args.data_dir)
+        settings = BatchSettings(args.batch_rows_per_shard, args.batch_flush_seconds, args.batch_max_in_flight,
+                                 args.max_upload_mb * 2 ** 20)
+        app = build_app(loop, api_key=args.api_key, loras=adapters, data_dir=args.data_dir, batch_settings=settings)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
         server = _draining_server(uvicorn, uvicorn.Config(app, host=args.host, port=args.port,
                                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                                   loop, args.grace_seconds)
-        server.run()
+
+        def serve_http() -> None:
+            try:
+                server.run()
+            finally:
+                loop.shutdown(0)  # the server stopped (or never started): so does the engine
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, server.handle_exit)
+        http = threading.Thread(target=serve_http, name="batchllm-http")
+        http.start()
+        loop.run()
+        server.should_exit = True
+        http.join()
     finally:
         loop.shutdown(0)  # a no-op after a drain
         llm.shutdown()
+    if not server.started:
+        print("batchllm: the HTTP server did not start (its error is above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,7 +6,13 @@ engine's batches (continuous batching). Live requests (priority `LIVE`) are admi
 so a big batch never queues ahead of live traffic by more than that. After each step every admitted request's
 consumer gets the tokens (and logprobs, and text when streaming) it produced (`request_stream.py`).
 
-The thread sleeps on a condition while there is nothing to do. An exception from the engine fails every request
+The loop runs in a thread of its own (`EngineLoop(llm)`), or in the thread that calls `run()`
+(`EngineLoop(llm, start=False)`): `batchllm serve` runs it in the main thread, the one that built the LLM, and
+serves HTTP from another. On the CPU that matters: torch's OpenMP ops run several times slower in any thread
+other than the one whose thread pool came first (an elementwise op ~10x, measured on a 2-core machine), so an
+engine stepping in a second thread loses most of its speed. On CUDA the host-side tensor ops of every step pay it.
+
+The loop sleeps on a condition while there is nothing to do. An exception from the engine fails every request
 in flight with `EngineDead` and stops the loop (health checks then report it); an exception while admitting one
 request (e.g. an adapter on an engine without LoRA) fails that request alone.
 """
@@ -48,7 +54,8 @@ class EngineSnapshot:
 
 class EngineLoop:
     def __init__(self, llm: LLM, *, observer: LoopObserver | None = None,
-                 batch_waiting_limit: int | None = None) -> None:
+                 batch_waiting_limit: int | None = None, start: bool = True) -> None:
+        """`start`: run the loop in a new thread now; False: the caller runs it (`run()`)."""
         self.llm = llm
         self._engine = llm.engine
         self._book = AdmittedRequests(llm)  # engine thread only
@@ -66,13 +73,15 @@ class EngineLoop:
         self._idle = threading.Event()
         self._idle.set()
         self.snapshot = EngineSnapshot(num_blocks=self._engine.scheduler.kv_cache.pool.num_blocks)
-        self._thread = threading.Thread(target=self._run, name="batchllm-engine-loop", daemon=True)
-        self._thread.start()
+        self._running = True  # until run() returns (set now: a request may come before the caller runs it)
+        self._ended = threading.Event()
+        if start:
+            threading.Thread(target=self.run, name="batchllm-engine-loop", daemon=True).start()
 
     # -- any thread ------------------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._accepting and self._dead is None and self._thread.is_alive()
+        return self._accepting and self._dead is None and self._running
 
     @property
     def observer(self) -> LoopObserver | None:
@@ -141,7 +150,7 @@ class EngineLoop:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout=max(60.0, grace_seconds))
+        self._ended.wait(timeout=max(60.0, grace_seconds))
 
     def batch_engine(self, stop_event: threading.Event | None = None, abort_on_stop: bool = False):
         """An `llm=` for `run_jsonl_job` whose requests run here at BATCH priority (see `batch_engine.py`)."""
@@ -156,6 +165,14 @@ class EngineLoop:
             raise ServerShuttingDown("the server is shutting down")
 
     # -- the engine thread -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """The loop itself, in the calling thread, until `shutdown` (or the engine fails)."""
+        try:
+            self._run()
+        finally:
+            self._running = False
+            self._ended.set()
+
     def _run(self) -> None:
         try:
             with objects_frozen():  # the model and everything loaded stay out of the collector's scans

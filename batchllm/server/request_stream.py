@@ -1,8 +1,11 @@
 """What the engine thread hands a request's consumer: typed events, delivered across threads.
 
 The engine thread only ever calls `RequestStream.deliver`; the consumer reads events in its own thread, either
-in an asyncio event loop (the HTTP handlers: delivery goes through `loop.call_soon_threadsafe` into an
-`asyncio.Queue`) or in a plain thread (a `queue.Queue`, e.g. the Batch API's job thread). A consumer that
+in an asyncio event loop (the HTTP handlers: an `asyncio.Queue`, filled in the loop's thread) or in a plain
+thread (a `queue.Queue`, e.g. the Batch API's job thread). Deliveries into one event loop go through its
+`_Mailbox`: one `call_soon_threadsafe` (a wake-up of the loop) carries every event posted until the loop runs
+it, not one wake-up per event: a step that streams a token to 200 clients would otherwise wake the loop 200
+times, and each wake-up takes the GIL from the engine thread. A consumer that
 reads many streams at once may pass a shared sink instead (a `queue.Queue`, or an `asyncio.Queue` of the running
 event loop): it then receives `(stream, event)` pairs, and the stream's own `next_event*` methods are not used.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 from batchllm.outputs import RequestOutput, SampleLogprobs
@@ -54,6 +59,44 @@ class StreamEvent:
 _ids = itertools.count()
 
 
+class _Mailbox:
+    """Events for the asyncio queues of one event loop, posted from other threads, handed over in batches."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, target: asyncio.Queue, item: object) -> None:
+        with self._lock:
+            self._items.append((target, item))
+            if len(self._items) > 1:
+                return  # a hand-over is already scheduled and will take this one too
+        try:
+            self._loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the event loop is closed: nobody is left to read it
+            with self._lock:
+                self._items.clear()
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for target, item in items:
+            target.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    with _mailboxes_lock:
+        mailbox = _mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = _mailboxes[loop] = _Mailbox(loop)
+        return mailbox
+
+
 class RequestStream:
     """The consumer's end of one prompt's request (all its n samples). Made by `EngineLoop.submit`, in the
     consumer's thread: inside a running event loop it is read with `await next_event()` / `async for`, else
@@ -74,18 +117,15 @@ class RequestStream:
             except RuntimeError:
                 self._queue = queue.Queue()
         # An asyncio queue is only touched in its event loop's thread (the one creating the stream).
-        self._loop = asyncio.get_running_loop() if isinstance(self._queue, asyncio.Queue) else None
+        self._mailbox = _mailbox(asyncio.get_running_loop()) if isinstance(self._queue, asyncio.Queue) else None
 
     def deliver(self, event: StreamEvent) -> None:
         """Called by the engine thread."""
         item = (self, event) if self._tagged else event
-        if self._loop is None:
+        if self._mailbox is None:
             self._queue.put(item)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is left to read it
-            pass
+        else:
+            self._mailbox.post(self._queue, item)
 
     async def next_event(self) -> StreamEvent:
         return await self._queue.get()

@@ -11,6 +11,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
+import batchllm
 from batchllm import SamplingParams
 from batchllm.cli import main
 from batchllm.connectors import engine_cache
@@ -30,6 +31,16 @@ def test_version_is_the_installed_distributions(capsys):
         main(["--version"])
     assert exit.value.code == 0
     assert capsys.readouterr().out == f"batchllm {importlib.metadata.version('batchllm')}\n"
+
+
+def test_version_from_a_source_tree_that_is_not_installed(capsys, monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"batchllm {batchllm.__version__}\n"
 
 
 def test_help_shows_the_default_of_every_flag(capsys, monkeypatch):

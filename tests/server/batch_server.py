@@ -17,7 +17,6 @@ import uvicorn
 
 from batchllm import LLM
 from batchllm.server.app import build_app
-from batchllm.server.batch_api import mount_batch_api
 from batchllm.server.batch_runner import BatchSettings
 from batchllm.server.engine_loop import EngineLoop
 
@@ -26,8 +25,7 @@ SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2)
 
 def main(data_dir: Path) -> None:
     loop = EngineLoop(LLM(max_num_seqs=4, num_kv_blocks=128))
-    app = build_app(loop)
-    mount_batch_api(app, loop, data_dir, None, SETTINGS)
+    app = build_app(loop, data_dir=data_dir, batch_settings=SETTINGS)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 
 from batchllm import LLM, SamplingParams
-from batchllm.server.app import api_key_checker, build_app
+from batchllm.server.app import build_app
 from batchllm.server.batch_api import mount_batch_api
 from batchllm.server.batch_runner import BatchSettings
 from batchllm.server.batches import BatchRecord, BatchStore, RequestCounts, new_batch_id
@@ -49,8 +49,7 @@ def served(tmp_path_factory):
            "long": _texts(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=LONG_TOKENS, temperature=0,
                                                                    ignore_eos=True), use_tqdm=False))}
     loop = EngineLoop(llm)
-    app = build_app(loop, api_key=KEY)
-    mount_batch_api(app, loop, tmp_path_factory.mktemp("data"), api_key_checker(KEY), SETTINGS)
+    app = build_app(loop, api_key=KEY, data_dir=tmp_path_factory.mktemp("data"), batch_settings=SETTINGS)
     with serving(app) as base_url:
         yield {"ref": ref, "url": base_url, "client": openai_client(base_url, KEY), "loop": loop}
     loop.shutdown(5)

@@ -7,11 +7,13 @@ import concurrent.futures
 import json
 
 import httpx
+import jsonschema
 import pytest
 
 from batchllm import LLM, SamplingParams
 from batchllm.server.app import build_app
 from batchllm.server.engine_loop import EngineLoop
+from batchllm.structured_outputs import StructuredOutputsParams
 from tests.server.conftest import openai_client, serving, wait_until
 
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
@@ -21,6 +23,9 @@ SHORT = 4  # the 64 concurrent streams: one wave of 64 rows, few steps
 STOP = ["\n\nThe", "answer"]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 SEEDED = dict(n=2, temperature=0.9, seed=7, max_tokens=MAX_TOKENS)
+PRIME_SCHEMA = {"type": "object", "properties": {"prime": {"type": "integer"}}, "required": ["prime"],
+                "additionalProperties": False}
+JSON_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +43,9 @@ def served():
         "chat": llm.chat(CHATS, GREEDY, use_tqdm=False),
         "chat_logprobs": llm.chat(CHATS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=3),
                                   use_tqdm=False)[0],
+        "json": llm.chat(CHATS[0], SamplingParams(max_tokens=JSON_TOKENS, temperature=0,
+                                                  structured_outputs=StructuredOutputsParams(json=PRIME_SCHEMA)),
+                         use_tqdm=False)[0],
     }
     assert ref["stop"].outputs[0].stop_reason in STOP, "the stop test needs a prompt whose output hits a stop string"
     loop = EngineLoop(llm)
@@ -157,6 +165,17 @@ def test_seeded_samples_equal_generate(served, stream):
     texts, _, _ = _complete(served, stream, prompt=PROMPTS[1], **SEEDED)
     assert texts == {c.index: c.text for c in ref.outputs}
     assert ref.outputs[0].text != ref.outputs[1].text, "sample j must use seed + j"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_response_format_json_schema_gives_valid_json_equal_to_llm_chat(served, stream):
+    response_format = {"type": "json_schema", "json_schema": {"name": "prime", "schema": PRIME_SCHEMA}}
+    texts, reasons, _ = _chat(served, stream, messages=CHATS[0], max_tokens=JSON_TOKENS, temperature=0,
+                              response_format=response_format)
+    ref = served["ref"]["json"].outputs[0]
+    assert reasons == {0: "stop"}, "the reference must finish its JSON within JSON_TOKENS"
+    jsonschema.validate(json.loads(texts[0]), PRIME_SCHEMA)
+    assert texts == {0: ref.text}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

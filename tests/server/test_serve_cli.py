@@ -28,7 +28,8 @@ def test_help_shows_the_flags():
     result = _run("--help")
     assert result.returncode == 0
     for flag in ("--model", "--host", "--port", "--api-key", "--data-dir", "--lora", "--speculative-config",
-                 "--grace-seconds", "--device", "--dtype", "--max-model-len", "--max-num-seqs",
+                 "--grace-seconds", "--batch-rows-per-shard", "--batch-flush-seconds", "--batch-max-in-flight",
+                 "--max-upload-mb", "--device", "--dtype", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--gpu-memory-utilization", "--tensor-parallel-size"):
         assert flag in result.stdout, flag
     host_help = " ".join(result.stdout.split())
@@ -40,6 +41,8 @@ def test_help_shows_the_flags():
     (["--port", "99999"], "--port"),
     (["--port", "http"], "--port"),
     (["--grace-seconds", "-1"], "--grace-seconds"),
+    (["--batch-rows-per-shard", "0"], "--batch-rows-per-shard"),
+    (["--max-upload-mb", "lots"], "--max-upload-mb"),
     (["--speculative-config", "{not json"], "--speculative-config"),
     (["--lora", "no-equals-sign"], "--lora"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),  # checked by LLM() before any weights load

@@ -1,0 +1,323 @@
+"""Serving benchmark of `batchllm serve` (the `vllm bench serve` method): latency and throughput of the
+OpenAI-compatible server under Poisson arrivals, against offline `LLM.generate` on the same prompts.
+
+    python benchmarks/serve.py --shape llama3-8b --out $OUT                     # GPU: W1, 200 rows x 128 tokens
+    python benchmarks/serve.py --shape tiny-host --rows 16 --max-tokens 16 --rates 8 inf   # CPU check
+    python benchmarks/serve.py --rows 8 --max-tokens 16 --rates 4 inf           # CPU, the real default model
+
+Model: `--model DIR` (default: the bundled SmolLM2-135M-Instruct, `default_model_path()`), or `--shape NAME`:
+random weights (`make_shape_dir`, `--load-format dummy`) plus a synthetic word-level tokenizer (token i is the
+word "t{i}"), since the server streams a chunk only when it has text. Engine flags: `--dtype` (bfloat16 on
+CUDA, float32 on CPU) and `--engine-args "..."` (`batchllm serve`'s engine flags, e.g. "--max-num-seqs 512"),
+which the offline peer reads back with the server's own parser, so both build the same engine.
+
+Prompts: `--rows` token-id prompts of `--workload` (`make_prompts`), `--max-tokens` output tokens each, greedy,
+`ignore_eos` (every request yields exactly max_tokens). Every round (warm-up, each rate, offline) replaces the
+prompts' first token with its own id below 100 (`make_prompts` draws none), so no round reuses prefix-cache
+blocks of another; the offline peer runs the `inf` round's prompts.
+
+Server: `python -m batchllm serve` in a subprocess on a free loopback port. Once /health answers 200, every
+prompt at once warms it up (the shapes the timed rounds run compile first; the first W1 run of an engine takes
+about twice as long as the next); then, per rate of `--rates` (requests/s; inf: all at once),
+every prompt goes to POST /v1/completions (`stream`, `include_usage`) at Poisson arrival times (exponential
+gaps, `random.Random(0)`), concurrently, from one `httpx.AsyncClient`. Recorded per request: send time, the
+arrival of every chunk that carries text, end time, `usage.completion_tokens`. SIGTERM stops the server.
+
+Figures per rate (duration: first send to last end): req/s; output tok/s (completion tokens / duration);
+TTFT (send to first text chunk); ITL, the gaps between consecutive text chunks, per chunk (a chunk's gap is not
+divided among the tokens it carries: `tokens_per_chunk` in the record says how many that is); TPOT per request
+((last chunk - first chunk) / (tokens - 1)); E2E; goodput: req/s of the requests with TTFT <= --slo-ttft-ms and
+TPOT <= --slo-itl-ms. Offline peer: after the server has exited (its memory is free), `LLM` in this process,
+warmed up alike (every prompt once, salted apart), then `generate` on the prompts: output tok/s, and served `inf` / offline (target: >= 0.90 for
+llama3-8b on one H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from shapes import make_shape_dir, shape_config
+from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+import batchllm
+from batchllm import LLM, SamplingParams
+from batchllm.cli_engine import add_engine_flags, engine_options
+from batchllm.model.default_model import default_model_path
+
+READY_TIMEOUT_S = 600  # loading the model and capturing its graphs
+STOP_TIMEOUT_S = 60  # SIGTERM's drain, then SIGKILL
+REQUEST_TIMEOUT_S = 1800  # one request, from its send
+SLO_DEFAULTS_MS = {"cuda": (2000.0, 100.0), "cpu": (20000.0, 1000.0)}  # TTFT, TPOT
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A tokenizer for a shape directory: token i is the word "t{i}", text is the words joined by spaces, so
+    every token decodes to text; AutoTokenizer loads it as a PreTrainedTokenizerFast."""
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # no token has the prefix: joins by spaces
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "model_max_length": 1 << 20}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@dataclasses.dataclass
+class Result:
+    send: float
+    chunks: list[float]  # arrival times of the chunks that carry text
+    end: float
+    tokens: int  # usage.completion_tokens
+    error: str | None = None
+
+
+def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
+    return [[salt, *p[1:]] for p in prompts]
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def serving(model: Path, engine_argv: list[str], workdir: Path) -> Iterator[str]:
+    """`batchllm serve` in a subprocess, ready (/health 200) on a free loopback port: yields its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    repo = str(Path(batchllm.__file__).resolve().parents[1])  # the server runs the code this process imports
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "batchllm", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--data-dir", str(workdir / "data"), "--log-level", "warning", *engine_argv]
+    log_path = workdir / "server.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited with status {server.returncode}:\n{tail(log_path)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no /health 200 within {READY_TIMEOUT_S} s:\n{tail(log_path)}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                time.sleep(0.5)
+            yield url
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(STOP_TIMEOUT_S)
+    if server.returncode != 0:
+        print(f"warning: the server exited with status {server.returncode}:\n{tail(log_path)}", file=sys.stderr)
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Result:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    result = Result(time.perf_counter(), [], 0.0, 0)
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+            else:
+                await read_events(response, result)
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.end = time.perf_counter()
+    return result
+
+
+async def read_events(response: httpx.Response, result: Result) -> None:
+    """The server-sent events of one answer, up to `data: [DONE]` (or the end of the stream)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        event = json.loads(line[len("data: "):])
+        if "error" in event:
+            result.error = event["error"]["message"]
+        elif any(choice.get("text") for choice in event["choices"]):
+            result.chunks.append(time.perf_counter())
+        if event.get("usage"):
+            result.tokens = event["usage"]["completion_tokens"]
+    result.error = result.error or "the stream ended without [DONE]"
+
+
+async def send_all(client: httpx.AsyncClient, url: str, prompts: list[list[int]], max_tokens: int,
+                   rate: float) -> list[Result]:
+    """Every prompt at once (rate inf) or at Poisson arrival times of `rate` requests/s, concurrently."""
+    rng = random.Random(0)
+    offsets = [0.0]
+    for _ in prompts[1:]:
+        offsets.append(offsets[-1] + (0.0 if math.isinf(rate) else rng.expovariate(rate)))
+    start = time.perf_counter()
+
+    async def at(offset: float, prompt: list[int]) -> Result:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        try:
+            return await asyncio.wait_for(stream_one(client, url, prompt, max_tokens), REQUEST_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            now = time.perf_counter()
+            return Result(now - REQUEST_TIMEOUT_S, [], now, 0, f"no answer within {REQUEST_TIMEOUT_S} s")
+
+    return await asyncio.gather(*(at(offset, prompt) for offset, prompt in zip(offsets, prompts)))
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Mean, median and 99th percentile, in milliseconds."""
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p99": math.nan}
+    ms = 1000 * np.asarray(values)
+    return {"mean": round(float(ms.mean()), 2), "p50": round(float(np.percentile(ms, 50)), 2),
+            "p99": round(float(np.percentile(ms, 99)), 2)}
+
+
+def figures(results: list[Result], max_tokens: int, slo_ttft_s: float, slo_tpot_s: float) -> dict:
+    ok = [r for r in results if r.error is None and r.chunks]
+    errors = sorted({r.error or "no text chunk" for r in results if r not in ok})
+    if not ok:
+        return {"completed": 0, "failed": len(results), "errors": errors}
+    duration = max(r.end for r in ok) - min(r.send for r in ok)
+    tokens, chunks = sum(r.tokens for r in ok), sum(len(r.chunks) for r in ok)
+    ttft = [r.chunks[0] - r.send for r in ok]
+    tpot = [(r.chunks[-1] - r.chunks[0]) / (r.tokens - 1) if r.tokens > 1 else 0.0 for r in ok]
+    good = sum(t <= slo_ttft_s and p <= slo_tpot_s for t, p in zip(ttft, tpot))
+    return {"completed": len(ok), "failed": len(results) - len(ok), "errors": errors[:5],
+            "short": sum(r.tokens != max_tokens for r in ok), "duration_s": round(duration, 3),
+            "request_per_s": round(len(ok) / duration, 3), "output_tok_s": round(tokens / duration, 1),
+            "goodput_req_s": round(good / duration, 3), "tokens_per_chunk": round(tokens / chunks, 3),
+            "ttft_ms": summary(ttft), "itl_ms": summary([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
+            "tpot_ms": summary(tpot), "e2e_ms": summary([r.end - r.send for r in ok])}
+
+
+async def serve_rounds(url: str, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int,
+                       rates: list[float], slo: tuple[float, float]) -> dict[str, dict]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=60)
+    results: dict[str, dict] = {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        warm = await send_all(client, url, warmup, max_tokens, math.inf)
+        if any(r.error for r in warm):
+            raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
+        for i, rate in enumerate(rates):
+            timed = await send_all(client, url, salted(prompts, 11 + i), max_tokens, rate)
+            results[f"{rate:g}"] = entry = figures(timed, max_tokens, slo[0] / 1000, slo[1] / 1000)
+            print(f"rate {rate:g}: {json.dumps(entry)}", flush=True)
+    return results
+
+
+def offline(model: Path, engine: dict, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    llm = LLM(str(model), **engine)
+    ready = time.perf_counter() - start
+    llm.generate(warmup, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.shutdown()
+    return {"ready_s": round(ready, 1), "seconds": round(seconds, 3), "output_tokens": tokens,
+            "output_tok_s": round(tokens / seconds, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_group = parser.add_mutually_exclusive_group()
+    model_group.add_argument("--model", type=Path, help="model directory (default: the bundled SmolLM2-135M)")
+    model_group.add_argument("--shape", help="random weights of a shapes.py shape, e.g. llama3-8b, tiny-host")
+    parser.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
+    parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
+                        help="requests/s; inf: all at once")
+    parser.add_argument("--slo-ttft-ms", type=float, help="default: 2000 on CUDA, 20000 on CPU")
+    parser.add_argument("--slo-itl-ms", type=float, help="TPOT's SLO; default: 100 on CUDA, 1000 on CPU")
+    parser.add_argument("--engine-args", default="", help='more engine flags of `batchllm serve`, e.g. '
+                                                          '"--max-num-seqs 512 --max-num-batched-tokens 16384"')
+    parser.add_argument("--out", default=None, help="also copy the JSON record here (the device tool's $OUT)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    slo = (args.slo_ttft_ms or SLO_DEFAULTS_MS[device][0], args.slo_itl_ms or SLO_DEFAULTS_MS[device][1])
+    engine_argv = ["--dtype", dtype, *(["--load-format", "dummy"] if args.shape else []),
+                   *shlex.split(args.engine_args)]
+    engine_parser = argparse.ArgumentParser(prog="--engine-args")
+    add_engine_flags(engine_parser)
+    engine = engine_options(engine_parser.parse_args(engine_argv))  # as `batchllm serve` reads them
+    if args.shape:
+        model = make_shape_dir(args.shape)
+        vocab = shape_config(args.shape)["vocab_size"]
+        write_word_tokenizer(model, vocab)
+    else:
+        model = args.model or default_model_path()
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    name = args.shape or model.name
+    prompts = make_prompts(WORKLOADS[args.workload], args.rows, vocab)
+    warmup = salted(prompts, 10)  # every prompt at once: what the timed rounds run gets compiled first
+    peak = max(range(len(args.rates)), key=args.rates.__getitem__)  # inf, where it is one of the rates
+    final = salted(prompts, 11 + peak)  # the offline peer runs the peak rate's prompts
+    print(f"{args.workload}: {args.rows} rows, prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
+          f"{args.max_tokens} output tokens, {name} {dtype} on {device}, engine flags {engine_argv}", flush=True)
+
+    load_at_start = round(os.getloadavg()[0], 2)  # other processes on the cores skew every figure
+    if load_at_start > 0.5:
+        print(f"warning: load average {load_at_start} before the run; the figures will not be representative")
+    with tempfile.TemporaryDirectory(prefix="batchllm-serve-") as workdir:
+        with serving(model, engine_argv, Path(workdir)) as url:
+            served = asyncio.run(serve_rounds(url, prompts, warmup, args.max_tokens, args.rates, slo))
+    peer = offline(model, engine, final, warmup, args.max_tokens)
+    peak_rate = f"{args.rates[peak]:g}"
+    ratio = served[peak_rate].get("output_tok_s", 0.0) / peer["output_tok_s"]
+
+    device_name, device_info = hardware(device)
+    today = str(datetime.date.today())
+    record = dict(benchmark="serve", date=today, git=git_sha(), model=str(model), shape=args.shape, dtype=dtype,
+                  engine_args=engine_argv, workload=args.workload, rows=args.rows, max_tokens=args.max_tokens,
+                  prompt_tokens=sum(map(len, prompts)), slo_ms={"ttft": slo[0], "tpot": slo[1]}, device=device_name, **device_info,
+                  load_average_at_start=load_at_start, served=served,
+                  offline=peer, served_over_offline={"rate": peak_rate, "ratio": round(ratio, 3)})
+    save_record(f"{today}-serve-{name}-{device_name}.json", record, args.out)
+    print("\n| rate | req/s | out tok/s | TTFT mean/p50/p99 ms | ITL mean/p50/p99 ms | goodput req/s |")
+    print("|---|---|---|---|---|---|")
+    for rate, entry in served.items():
+        if not entry["completed"]:
+            print(f"| {rate} | all {entry['failed']} failed: {entry['errors'][:1]} | | | | |")
+            continue
+        ttft, itl = ("/".join(f"{entry[key][q]:.1f}" for q in ("mean", "p50", "p99")) for key in ("ttft_ms", "itl_ms"))
+        failed = f" ({entry['failed']} failed)" if entry["failed"] else ""
+        print(f"| {rate} | {entry['request_per_s']:.2f}{failed} | {entry['output_tok_s']:.1f} | {ttft} | {itl} | "
+              f"{entry['goodput_req_s']:.2f} |")
+    print(f"\noffline LLM.generate: {peer['output_tok_s']:.1f} out tok/s ({peer['seconds']:.2f} s)")
+    print(f"served (rate {peak_rate}) / offline output tok/s: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
