@@ -8,9 +8,10 @@ consumer gets the tokens (and logprobs, and text when streaming) it produced (`r
 
 The loop runs in a thread of its own (`EngineLoop(llm)`), or in the thread that calls `run()`
 (`EngineLoop(llm, start=False)`): `batchllm serve` runs it in the main thread, the one that built the LLM, and
-serves HTTP from another. On the CPU that matters: torch's OpenMP ops run several times slower in any thread
-other than the one whose thread pool came first (an elementwise op ~10x, measured on a 2-core machine), so an
-engine stepping in a second thread loses most of its speed. On CUDA the host-side tensor ops of every step pay it.
+serves HTTP from another. On the CPU that matters: once the main thread has used torch's OpenMP pool, the same
+ops ran ~10x slower in a second thread (an elementwise op: 112 vs 11 us, libgomp, 2 cores), and an engine
+stepping there lost most of its speed (64 rows: 6.1-8.7 s vs 1.5 s). The host-side tensor ops of a CUDA step
+are exposed to it too.
 
 The loop sleeps on a condition while there is nothing to do. An exception from the engine fails every request
 in flight with `EngineDead` and stops the loop (health checks then report it); an exception while admitting one

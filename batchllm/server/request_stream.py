@@ -5,9 +5,9 @@ in an asyncio event loop (the HTTP handlers: an `asyncio.Queue`, filled in the l
 thread (a `queue.Queue`, e.g. the Batch API's job thread). Deliveries into one event loop go through its
 `_Mailbox`: one `call_soon_threadsafe` (a wake-up of the loop) carries every event posted until the loop runs
 it, not one wake-up per event: a step that streams a token to 200 clients would otherwise wake the loop 200
-times, and each wake-up takes the GIL from the engine thread. A consumer that
-reads many streams at once may pass a shared sink instead (a `queue.Queue`, or an `asyncio.Queue` of the running
-event loop): it then receives `(stream, event)` pairs, and the stream's own `next_event*` methods are not used.
+times, and each wake-up takes the GIL from the engine thread. A consumer that reads many streams at once may pass
+a shared sink instead (a `queue.Queue`, or an `asyncio.Queue` of the running event loop): it then receives
+`(stream, event)` pairs, and the stream's own `next_event*` methods are not used.
 """
 
 from __future__ import annotations
