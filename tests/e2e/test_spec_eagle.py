@@ -20,6 +20,8 @@ from tests.e2e.test_generate_vs_hf import _prompts
 from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _greedy, _hf_greedy, _tight
 
 NUM_DRAFTS = 3
+CHECKED_PROPOSALS = 40
+SHORT_PROMPT = 200  # tokens
 DRAFT_VOCAB = 4096
 
 
@@ -194,6 +196,10 @@ def test_eagle_drafts_equal_the_reference(method, layout, eagle_heads, prompts, 
               enable_prefix_caching=False)
     if layout == "graph":
         llm.runner.graphs = EagerReplay(llm.runner)
+    # The short prompts only (309 of 1,292 tokens): the long ones' prefill steps and O(n^2) reference drafts would
+    # cost most of the time; the greedy test above runs them all.
+    short = [i for i, p in enumerate(prompts) if len(p) < SHORT_PROMPT]
+    prompts, hf_greedy = [prompts[i] for i in short], [hf_greedy[i] for i in short]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy
     sequences = {o.request_id: list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
@@ -206,9 +212,12 @@ def test_eagle_drafts_equal_the_reference(method, layout, eagle_heads, prompts, 
     assert len(records) > 50
     if layout == "graph":
         assert any(query_len > 1 for _, query_len in llm.runner.graphs.replayed)
+    # Each reference draft reruns the head over the whole sequence: checking evenly spaced proposals (every row,
+    # early and late positions) keeps the test's cost in the engine run.
+    checked = records[::max(1, len(records) // CHECKED_PROPOSALS)]
     matches = 0
-    for request_id, last_position, drafts in records:
+    for request_id, last_position, drafts in checked:
         sequence = sequences[request_id][:last_position + 1]
         expected = reference.drafts(sequence, features[request_id], len(drafts))
         matches += drafts == expected
-    assert matches >= 0.95 * len(records), f"{matches} of {len(records)} proposals match the reference"
+    assert matches >= 0.95 * len(checked), f"{matches} of {len(checked)} proposals match the reference"

@@ -48,10 +48,15 @@ def test_garbage_made_during_the_run_is_collected_during_it():
 
 def test_a_process_that_froze_objects_itself_keeps_its_freeze():
     gc.freeze()
-    count = gc.get_freeze_count()
-    with objects_frozen():
-        pass
-    assert gc.get_freeze_count() == count > 0
+    try:
+        count = gc.get_freeze_count()
+        with objects_frozen():
+            pass
+        # Not unfrozen (0), not frozen again (more). Other threads alive in the test process (Ray's, servers')
+        # may free a few frozen objects meanwhile, so the count may drop a little.
+        assert 0.99 * count <= gc.get_freeze_count() <= count
+    finally:
+        gc.unfreeze()
 
 
 def test_generation_runs_with_the_heap_frozen_and_leaves_it_unfrozen(tmp_path):
