@@ -10,7 +10,8 @@ policy's cost where nothing is accepted.
    random weights may flip a greedy token when the batch's shapes differ).
 2. Policy cost: the same row counts, and W1 (`--w1-rows` rows, `--max-tokens` out), with the adaptive policy
    on (n-gram, EAGLE), against off: total tok/s and the ratio. W1 is the best of two engines per config, built
-   in turn, two runs each (the spread is recorded as `W1_seconds`). Random bf16 llama weights accept nothing
+   in turn, two runs each (all recorded as `W1_seconds`). An engine's second run reuses its first run's
+   prefix-cache blocks, so the best is a decode-heavy W1; compare the cold first runs in `W1_seconds` too. Random bf16 llama weights accept nothing
    (the target: <= 3 % cost); random smollm2 weights in fp32 repeat tokens, which n-gram drafts accept.
 Engines run one after another in one process (each is freed before the next is built).
 """
@@ -107,7 +108,7 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    # W1: an engine's W1 time varies by up to ~12 % from one engine to the next (same config, same process), more
+    # W1: an engine's W1 time varied by up to ~12 % from one engine to the next (same config, same process), more
     # than the cost measured; so each config builds two engines, interleaved with the others', and keeps its best.
     w1_configs = ("off", "ngram adaptive", "eagle adaptive")
     for _ in range(W1_ROUNDS):
