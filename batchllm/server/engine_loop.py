@@ -74,15 +74,14 @@ class EngineLoop:
         self._idle = threading.Event()
         self._idle.set()
         self.snapshot = EngineSnapshot(num_blocks=self._engine.scheduler.kv_cache.pool.num_blocks)
-        self._running = True  # until run() returns (set now: a request may come before the caller runs it)
-        self._ended = threading.Event()
+        self._ended = threading.Event()  # set when run() returns; until then the loop counts as running
         if start:
             threading.Thread(target=self.run, name="batchllm-engine-loop", daemon=True).start()
 
     # -- any thread ------------------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._accepting and self._dead is None and self._running
+        return self._accepting and self._dead is None and not self._ended.is_set()
 
     @property
     def observer(self) -> LoopObserver | None:
@@ -171,7 +170,6 @@ class EngineLoop:
         try:
             self._run()
         finally:
-            self._running = False
             self._ended.set()
 
     def _run(self) -> None:
