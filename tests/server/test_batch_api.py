@@ -33,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
 CHATS = [[{"role": "user", "content": "Name a prime number."}], [{"role": "user", "content": "Say hi to Bob."}]]
 MANY = [f"Write the number {i} in words:" for i in range(12)]  # 2 at a time (SETTINGS): seconds to cancel or kill in
-LONG_TOKENS = 32  # seconds of work per row on a CPU: time to signal while the rows run
+LONG_TOKENS = 64  # seconds of work per row on a CPU, even in the CLI's main-thread engine: time to signal meanwhile
 MAX_UPLOAD = 256 * 1024
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
 REPO = Path(__file__).resolve().parents[2]
