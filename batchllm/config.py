@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREEMPTION_MODES = ("recompute", "swap")
+
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -12,6 +14,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV pool; None picks a default
     enable_prefix_caching: bool = True
+    swap_space: float = 0  # GiB of (pinned) host memory for KV blocks: swap space and the prefix cache's host tier
 
     def validate(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size > 0 and self.block_size % 8 == 0,
@@ -20,6 +23,12 @@ class CacheConfig:
                  "num_kv_blocks", self.num_blocks, "an int >= 1 or None")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
                  "in (0, 1]")
+        _require(isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool)
+                 and self.swap_space >= 0, "swap_space", self.swap_space, "a number of GiB >= 0")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * (1 << 30))
 
 
 @dataclass(slots=True)
@@ -28,12 +37,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0  # resolved from the model config and the KV pool size
     max_loras: int = 0  # distinct adapters among the running requests (device slots); 0: no LoRA
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (to the host tier, falling back to recompute)
+    # Swap only requests with at least this much computed K/V: a shorter one is recomputed within a later step's
+    # token budget, at less cost than two copies, each of which its step waits for.
+    swap_min_tokens: int = 32
 
     def validate(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
                  self.max_num_seqs, "an int >= 1")
         _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
                  "max_num_batched_tokens", self.max_num_batched_tokens, "an int >= 1")
+        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+                 " or ".join(map(repr, PREEMPTION_MODES)))
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

@@ -71,6 +71,14 @@ class LLM:
     target model's distribution exactly (greedy: the same tokens); an adaptive policy speculates only for the
     rows and depths where the expected accepted tokens pay for the verification, and turns itself off where
     nothing is accepted. `stats` reports drafted and accepted tokens, per draft position too.
+
+    `swap_space`: GiB of host memory (pinned on a GPU) for KV blocks behind the device pool, per engine (per
+    data-parallel replica, and per rank under tensor parallelism). With prefix caching on, cached blocks the
+    device pool evicts are copied there (LRU) and a later prompt with that prefix copies them back instead of
+    recomputing them. `preemption_mode="swap"` (needs `swap_space`): a preempted request's K/V moves there and
+    back instead of being recomputed; a request shorter than 32 tokens, or one the host tier has no room for,
+    is recomputed all the same. `stats` reports the blocks moved each way, the host tier's prefix hits, bytes
+    and copy time. See batchllm/engine/host_tier.py.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -84,7 +92,8 @@ class LLM:
                  async_scheduling: bool | None = None, structured_outputs_backend: str = "xgrammar",
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 speculative_config: dict[str, Any] | str | None = None) -> None:
+                 speculative_config: dict[str, Any] | str | None = None, swap_space: float = 0,
+                 preemption_mode: str = "recompute") -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import build_executor, check_quantization, resolve_device, resolve_dtype
         from batchllm.executor.model_runner import RunnerConfig
@@ -95,12 +104,14 @@ class LLM:
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
 
         cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
-                                   enable_prefix_caching)
+                                   enable_prefix_caching, swap_space)
         check_lora_options(enable_lora, max_loras, max_lora_rank)
         scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                           max_loras=max_loras if enable_lora else 0)
+                                           max_loras=max_loras if enable_lora else 0, preemption_mode=preemption_mode)
         cache_config.validate()
         scheduler_config.validate()
+        if preemption_mode == "swap" and not swap_space:
+            raise ValueError("LLM argument preemption_mode='swap' needs swap_space > 0 (GiB of host memory to swap to)")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         torch_device = resolve_device(device)
@@ -131,7 +142,7 @@ class LLM:
         runner = build_executor(runner_config, tensor_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
-        kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching)
+        kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching, runner.num_host_blocks)
         speculator = None if spec_config is None else Speculator(
             spec_config, spec_config.overhead_for(torch_device.type), runner.max_model_len,
             spec_config.verify_overhead_for(torch_device.type), runner.max_verify_rows)
@@ -148,6 +159,13 @@ class LLM:
         self._last_call_seconds = 0.0
         self.reorder_by_prefix = reorder_by_prefix and enable_prefix_caching
         self._adapters = AdapterRegistry(model_config, max_lora_rank, enable_lora)
+        self._transfer_seconds_before = 0.0
+
+    def _transfer_seconds(self) -> float:
+        """Time spent copying KV blocks to and from the host tier so far (in this process's runner; tensor-parallel
+        ranks keep theirs)."""
+        host_kv = getattr(self.runner, "host_kv", None)
+        return 0.0 if host_kv is None else host_kv.copy_seconds
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes now (otherwise: when the LLM is garbage collected or
@@ -172,7 +190,8 @@ class LLM:
         """Statistics of the most recent `generate` / `chat` call."""
         scheduler = self.engine.scheduler
         spec = None if scheduler.speculator is None else scheduler.speculator.stats
-        return EngineStats.collect(scheduler.stats, scheduler.kv_cache, self.runner, self._last_call_seconds, spec)
+        return EngineStats.collect(scheduler.stats, scheduler.kv_cache, self.runner, self._last_call_seconds, spec,
+                                   self._transfer_seconds() - self._transfer_seconds_before)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -241,6 +260,7 @@ class LLM:
                 max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput]]:
         engine = self.engine
         engine.scheduler.reset_stats()
+        self._transfer_seconds_before = self._transfer_seconds()
         start = time.perf_counter()
         in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
         source = RequestSource(requests)

@@ -38,15 +38,32 @@ class EngineStats:
     num_accepted_tokens: int = 0  # of those, accepted
     # Per draft position j (0 = the first draft after a row's last token): accepted / drafted there.
     draft_acceptance_per_position: list[float] = dataclasses.field(default_factory=list)
+    # The host tier (swap_space): its size, the blocks moved each way and why, and what the copies cost.
+    num_host_kv_blocks: int = 0
+    swapped_out_blocks: int = 0  # preempted requests' blocks copied out ...
+    swapped_in_blocks: int = 0  # ... and back in when they resumed
+    swap_preemptions: int = 0  # of num_preemptions, those that swapped instead of recomputing
+    spilled_blocks: int = 0  # cached blocks copied out as the device pool evicted them
+    host_tier_loaded_blocks: int = 0  # cached blocks copied back in for prompts with their prefix
+    host_prefix_hits: int = 0  # of prefix_cache_hits, the tokens served from the host tier
+    kv_transfer_bytes: int = 0  # bytes copied between the pools (one rank's share under tensor parallelism)
+    kv_transfer_seconds: float = 0.0  # time the copies took (0 under tensor parallelism: the ranks keep it)
 
     @classmethod
     def collect(cls, scheduler_stats: SchedulerStats, kv_cache: KVCacheManager, runner: Any,
-                elapsed_seconds: float, spec: SpecStats | None = None) -> EngineStats:
+                elapsed_seconds: float, spec: SpecStats | None = None, transfer_seconds: float = 0.0) -> EngineStats:
         fields = dataclasses.asdict(scheduler_stats)
         fields["num_kv_blocks"] = fields.pop("num_blocks")
         if spec is not None:
             fields.update(num_draft_tokens=spec.num_draft_tokens, num_accepted_tokens=spec.num_accepted_tokens,
                           draft_acceptance_per_position=spec.per_position_acceptance)
+        if kv_cache.host is not None:
+            tier = kv_cache.host.stats
+            fields.update(num_host_kv_blocks=kv_cache.host.pool.num_blocks, swapped_out_blocks=tier.swapped_out_blocks,
+                          swapped_in_blocks=tier.swapped_in_blocks, swap_preemptions=tier.swap_preemptions,
+                          spilled_blocks=tier.spilled_blocks, host_tier_loaded_blocks=tier.loaded_blocks,
+                          host_prefix_hits=tier.host_prefix_hits, kv_transfer_seconds=transfer_seconds,
+                          kv_transfer_bytes=tier.copied_blocks * runner.host_block_bytes)
         cache = kv_cache.stats
         return cls(**fields, block_size=runner.block_size, max_model_len=runner.max_model_len,
                    prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,

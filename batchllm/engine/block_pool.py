@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -66,7 +67,11 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    """`on_evict(block, block_hash)` is told of each cached block just before it is handed out for other
+    contents (the host tier copies it out then: see host_tier.py)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = False,
+                 on_evict: Callable[[KVCacheBlock, bytes], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"a KV-cache pool needs at least one block, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -74,6 +79,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:
@@ -98,6 +104,8 @@ class BlockPool:
         return taken
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block, block.block_hash)
         del self.cached[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1

@@ -76,6 +76,15 @@ class GrammarBitmask:
 
 
 @dataclass(slots=True)
+class BlockTransfers:
+    """A step's copies between the device pool and the host tier (engine/host_tier.py), as block-id pairs. The
+    runner runs every offload, then every load, then the step's copy-on-write copies and forward pass."""
+
+    offloads: list[tuple[int, int]]  # (device block, host block)
+    loads: list[tuple[int, int]]  # (host block, device block)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     requests: list[ScheduledRequest]
     num_scheduled_tokens: int
@@ -83,6 +92,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Copy-on-write: copy KV block src to dst (all layers) before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Copies between the device pool and the host tier, before the copy-on-write ones (engine/host_tier.py).
+    transfers: BlockTransfers | None = None
     # Sampled requests whose tokens a grammar constrains. With `grammar` None the runner runs the forward pass
     # and waits for the bitmask (`AwaitingGrammar`): the engine computes it once the previous step is applied.
     grammar_request_ids: list[str] = field(default_factory=list)

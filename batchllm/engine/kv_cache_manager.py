@@ -7,7 +7,9 @@ Invariants:
 - a block is written only by a request that owns it alone: before a request writes into a block it
   shares (a forked sample's last block), the block is copied to a fresh one (copy-on-write) and the copy
   is reported so the runner performs it before the step's forward pass;
-- prefix-cache hits cover full blocks only and never the request's last token, whose logits are needed.
+- prefix-cache hits cover full blocks only and never the request's last token, whose logits are needed;
+- with a host tier (host_tier.py) a request is in at most one place: on the device (`_blocks`) or swapped
+  out (`_swapped`, the host blocks holding its first `num_computed_tokens` tokens' K/V).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 from batchllm.engine.block_hash import extend_block_hashes
 from batchllm.engine.block_pool import BlockPool, KVCacheBlock
+from batchllm.engine.host_tier import HostTier
+from batchllm.engine.interfaces import BlockTransfers
 from batchllm.engine.request import Request
 
 
@@ -37,14 +41,31 @@ class BlockAllocation:
     copied: bool = False  # a shared block in the table was replaced by its private copy
 
 
+@dataclass(slots=True)
+class CachedPrefix:
+    """A prompt's longest cached prefix: full blocks found on the device, then the ones after them found only in
+    the host tier (their K/V is copied back into fresh device blocks)."""
+
+    device: list[KVCacheBlock]
+    host: list[KVCacheBlock]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.host)
+
+
+_NO_PREFIX = CachedPrefix([], [])
 _UNCHANGED = BlockAllocation([])  # shared, never mutated: the request's block table stays as it is
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.host = HostTier(num_host_blocks, enable_caching) if num_host_blocks else None
+        self.pool = BlockPool(num_blocks, enable_caching, None if self.host is None else self.host.spill)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._swapped: dict[str, list[KVCacheBlock]] = {}  # request id → its host blocks, while swapped out
         self._num_hashed_blocks: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the current step
         self.peak_used_blocks = 0
@@ -54,26 +75,34 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest run of cached full blocks that starts the request (excluding its last token)."""
         if not self.pool.enable_caching:
-            return []
+            return _NO_PREFIX
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        device: list[KVCacheBlock] = []
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hits.append(block)
-        return hits
+            device.append(block)
+        host: list[KVCacheBlock] = []
+        if self.host is not None:
+            for block_hash in hashes[len(device):]:
+                block = self.host.lookup(block_hash)
+                if block is None:
+                    break
+                host.append(block)
+        return CachedPrefix(device, host) if device or host else _NO_PREFIX
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[KVCacheBlock] | None = None) -> BlockAllocation | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones (and the `cached_blocks` hit
-        at admission). Returns what changed in the request's block table, or None, changing nothing, if the
-        pool is too short."""
+                       cached: CachedPrefix = _NO_PREFIX) -> BlockAllocation | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and the `cached` prefix found at
+        admission). Returns what changed in the request's block table, or None, changing nothing, if the pool
+        is too short."""
         owned = self._blocks.get(request.request_id)
-        if owned is not None and not cached_blocks:
+        if owned is not None and cached is _NO_PREFIX:
             # Most decode steps write into the request's own last block: nothing to allocate or copy.
             end = request.num_computed_tokens + num_new_tokens
             first_write = request.num_computed_tokens // self.block_size
@@ -81,30 +110,71 @@ class KVCacheManager:
             if first_write < num_owned and end <= num_owned * self.block_size and owned[first_write].ref_cnt == 1:
                 self._cache_full_blocks(request, owned, end)
                 return _UNCHANGED
-        cached_blocks = cached_blocks or []
         if owned is None:
             owned = self._blocks[request.request_id] = []
-        computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        computed = request.num_computed_tokens + cached.num_blocks * self.block_size
         end = computed + num_new_tokens
         first_write = computed // self.block_size
         needs_copy = first_write < len(owned) and owned[first_write].ref_cnt > 1
-        num_new_blocks = max(0, cdiv(end, self.block_size) - len(owned) - len(cached_blocks)) + needs_copy
+        # The host hits need device blocks too: fresh ones, the first allocated, which their loads fill.
+        num_new_blocks = max(0, cdiv(end, self.block_size) - len(owned) - len(cached.device)) + needs_copy
         # Touching a cached block that sits in the free queue takes it out of the free count too.
-        num_revived = sum(1 for block in cached_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in cached.device if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             if not owned:
                 del self._blocks[request.request_id]
             return None
-        self.pool.touch(cached_blocks)
-        owned.extend(cached_blocks)
+        if cached.host:
+            self.host.hold(cached.host)  # before the device allocation, whose evictions spill into the tier
+        self.pool.touch(cached.device)
+        owned.extend(cached.device)
         new_blocks = self.pool.allocate(num_new_blocks)
+        if cached.host:
+            self.host.load(cached.host, new_blocks)
+            self.host.stats.loaded_blocks += len(cached.host)
+            self.host.stats.host_prefix_hits += len(cached.host) * self.block_size
         if needs_copy:
             self._copy_on_write(owned, first_write, new_blocks.pop(0))
         owned.extend(new_blocks)
         self._cache_full_blocks(request, owned, end)
-        if num_new_blocks or cached_blocks:
+        if num_new_blocks or cached.device:
             self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return BlockAllocation([block.block_id for block in new_blocks], needs_copy)
+
+    def swap_out(self, request: Request) -> bool:
+        """Preempt by swapping: move the K/V of the request's computed tokens into the host tier and free its
+        device blocks. False, changing nothing, when there is no host tier or too little room in it."""
+        owned = self._blocks.get(request.request_id)
+        if self.host is None or owned is None:
+            return False
+        host_blocks = self.host.swap_out(owned[: cdiv(request.num_computed_tokens, self.block_size)])
+        if host_blocks is None:
+            return False
+        self.free(request)
+        self._swapped[request.request_id] = host_blocks
+        self.host.stats.swap_preemptions += 1
+        return True
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self._swapped
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> BlockAllocation | None:
+        """Bring a swapped-out request back: fresh device blocks, the first filled from its host blocks, and room
+        for `num_new_tokens` more. None, changing nothing, if the device pool is too short."""
+        host_blocks = self._swapped[request.request_id]
+        end = request.num_computed_tokens + num_new_tokens
+        num_blocks = max(cdiv(end, self.block_size), len(host_blocks))
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        del self._swapped[request.request_id]
+        self.host.hold(host_blocks)  # the step's reference replaces the request's
+        self.host.release(host_blocks)
+        blocks = self._blocks[request.request_id] = self.pool.allocate(num_blocks)
+        self.host.load(host_blocks, blocks)
+        self.host.stats.swapped_in_blocks += len(host_blocks)
+        self._cache_full_blocks(request, blocks, end)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        return BlockAllocation([block.block_id for block in blocks])
 
     def _copy_on_write(self, owned: list[KVCacheBlock], index: int, copy: KVCacheBlock) -> None:
         shared = owned[index]
@@ -146,10 +216,17 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def take_transfers(self) -> BlockTransfers | None:
+        """The step's copies between the device pool and the host tier (None: none)."""
+        return None if self.host is None else self.host.take_transfers()
+
     def block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self._blocks.get(request.request_id, ())]
 
     def free(self, request: Request) -> None:
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.host.release(swapped[::-1])
         blocks = self._blocks.pop(request.request_id, [])
         self._num_hashed_blocks.pop(request.request_id, None)
         # Tail first: the free queue evicts from its head, so a prefix outlives its suffix.

@@ -14,7 +14,7 @@ from batchllm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()  # waiting again, its KV blocks freed; recomputed when rescheduled
+    PREEMPTED = enum.auto()  # waiting again, its KV blocks freed (recomputed) or swapped out to the host tier
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ERROR = enum.auto()
@@ -37,7 +37,7 @@ FINISH_REASONS = {
 @dataclass(slots=True, eq=False)
 class Request:
     """Invariant: `token_ids == prompt_token_ids + output_token_ids`, and the first `num_computed_tokens`
-    of them have their K/V in the cache (0 after a preemption)."""
+    of them have their K/V in the cache (0 after a preemption, unless it swapped them out to the host tier)."""
 
     request_id: str
     prompt_token_ids: list[int]

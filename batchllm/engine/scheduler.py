@@ -4,7 +4,8 @@ Each step every request is given `num_tokens - num_computed_tokens` new tokens, 
 the step's token budget: a fresh prompt, the next chunk of a long prompt, a recompute after preemption and
 a one-token decode are the same operation. Running requests are served first, oldest first, then waiting
 requests in FIFO order. When the KV pool runs dry the newest running request is preempted (its blocks are
-freed and it is re-queued at the front of the waiting queue to be recomputed), which always lets the
+freed and it is re-queued at the front of the waiting queue to be recomputed, or, with
+`preemption_mode="swap"`, its K/V is swapped out to the host tier and back in), which always lets the
 oldest request progress: no deadlock, since a single request never exceeds `max_model_len` and
 `max_model_len` never exceeds the pool.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from batchllm.config import SchedulerConfig
+from batchllm.engine.host_tier import HostTierStats
 from batchllm.engine.interfaces import (
     ModelRunnerOutput,
     NewRequestData,
@@ -108,6 +110,8 @@ class Scheduler:
         self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
         self.kv_cache.peak_used_blocks = self.kv_cache.pool.num_used_blocks
         self.kv_cache.stats = PrefixCacheStats()
+        if self.kv_cache.host is not None:
+            self.kv_cache.host.stats = HostTierStats()
         if self.speculator is not None:
             self.speculator.reset_stats()
 
@@ -210,12 +214,17 @@ class Scheduler:
             self.stats.num_speculative_steps += 1
         observe = self.speculator is not None and (speculative or self.speculator.wants_observation)
         return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
-                               speculative=speculative, observe_drafts=observe)
+                               speculative=speculative, observe_drafts=observe,
+                               transfers=self.kv_cache.take_transfers())
 
     def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation] | None:
         """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus
         fresh ones. Returns (tokens to compute, allocation), or None if it must keep waiting."""
         kv = self.kv_cache
+        if kv.is_swapped(request):  # preempted by swapping: its K/V comes back from the host tier
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            allocation = kv.swap_in(request, num_new)
+            return None if allocation is None else (num_new, allocation)
         parent = self._fork_parent(request)
         if parent is _WAIT:
             return None
@@ -232,7 +241,7 @@ class Scheduler:
                 return None
             return num_new, allocation
         cached = kv.find_cached_prefix(request)
-        num_cached = len(cached) * kv.block_size
+        num_cached = cached.num_blocks * kv.block_size
         num_new = min(request.num_tokens - num_cached, budget)
         allocation = kv.allocate_slots(request, num_new, cached)
         if allocation is None:
@@ -268,9 +277,13 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        # Swapping costs two copies of the request's K/V; recomputing a short one rides in a later step's budget.
+        swap = (self.config.preemption_mode == "swap" and request.num_computed_tokens >= self.config.swap_min_tokens
+                and self.kv_cache.swap_out(request))
+        if not swap:
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.known_to_runner = False
         request.draft_token_ids = []
         request.num_lookahead = 0

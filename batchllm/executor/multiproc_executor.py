@@ -41,7 +41,8 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         ready: WorkerReady = self._group.call(None, first=True)
         self.num_blocks, self.max_model_len, self.block_size = ready.num_blocks, ready.max_model_len, ready.block_size
-        self.max_verify_rows = ready.max_verify_rows
+        self.max_verify_rows, self.num_host_blocks = ready.max_verify_rows, ready.num_host_blocks
+        self.host_block_bytes = ready.host_block_bytes
 
     @property
     def worker_pids(self) -> list[int]:

@@ -44,6 +44,8 @@ class WorkerReady:
     max_model_len: int
     block_size: int
     max_verify_rows: int | None
+    num_host_blocks: int
+    host_block_bytes: int
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -61,7 +63,8 @@ def worker_main(args: WorkerArgs) -> None:
         runner = _build_runner(args)
         if replies is not None:
             replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size,
-                                    runner.max_verify_rows))
+                                    runner.max_verify_rows, runner.num_host_blocks,
+                                    runner.host_block_bytes))
         # The rank lives for its runner: what exists now stays, so full collections need not scan it (host_gc.py).
         gc.collect()
         gc.freeze()

@@ -1,0 +1,99 @@
+"""The host tier of the KV cache: blocks in (pinned) CPU memory behind the device pool.
+
+It serves two purposes: swap space for preempted requests (their K/V moves out and comes back instead of
+being recomputed) and a second level of the prefix cache (a cached device block about to be evicted is
+copied out, LRU, and a later prompt with that prefix copies it back). The engine decides; the runner copies
+(executor/kv_transfer.py). Each step hands the runner two lists of block ids: offloads (device → host) and
+loads (host → device). The runner performs all offloads, then all loads, then the step's forward pass.
+
+Invariants that make that one order right:
+- a device block is offloaded in the step that frees it for good (swap-out) or hands it out again (eviction),
+  so its old contents are read before anything of this step writes them;
+- a host block a step copies into or out of is held (one extra reference) until the step's copies are taken,
+  so no other copy of the same step can reuse it: no host block is both read and written in one step;
+- a cached host block (`block_hash` set) holds that prefix's K/V from the moment its offload is issued: the
+  runner's copies run in issue order, so a load that follows the offload reads what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchllm.engine.block_pool import BlockPool, KVCacheBlock
+from batchllm.engine.interfaces import BlockTransfers
+
+
+@dataclass(slots=True)
+class HostTierStats:
+    swapped_out_blocks: int = 0  # device → host, for preempted requests
+    swapped_in_blocks: int = 0  # host → device, when they resume
+    spilled_blocks: int = 0  # cached device blocks copied out as they were evicted
+    loaded_blocks: int = 0  # cached host blocks copied back for a prompt with their prefix
+    host_prefix_hits: int = 0  # prompt tokens whose K/V came from the host tier
+    swap_preemptions: int = 0  # preemptions that swapped (the others recompute)
+    copied_blocks: int = 0  # offloads + loads handed to the runner (a block the tier holds already is not copied)
+
+
+class HostTier:
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.stats = HostTierStats()
+        self._offloads: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._held: list[KVCacheBlock] = []
+
+    def spill(self, device_block: KVCacheBlock, block_hash: bytes) -> None:
+        """The device pool evicts a cached block: keep its K/V here unless this tier has it already or every
+        host block is held (by swapped-out requests or this step's copies; then the prefix is simply dropped)."""
+        if not self.pool.enable_caching or self.pool.lookup(block_hash) is not None or not self.pool.num_free_blocks:
+            return
+        host_block = self.pool.allocate(1)[0]
+        self.pool.cache(host_block, block_hash)
+        self._held.append(host_block)
+        self._offloads.append((device_block.block_id, host_block.block_id))
+        self.stats.spilled_blocks += 1
+
+    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.pool.lookup(block_hash)
+
+    def swap_out(self, device_blocks: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+        """Host blocks holding a copy of each device block, each referenced once by the caller; a block whose
+        prefix the tier already caches is not copied again. None, changing nothing, when too few are free."""
+        existing = [None if b.block_hash is None else self.pool.lookup(b.block_hash) for b in device_blocks]
+        num_copies = existing.count(None)
+        num_revived = sum(1 for block in existing if block is not None and block.ref_cnt == 0)
+        if num_copies + num_revived > self.pool.num_free_blocks:
+            return None
+        reused = [block for block in existing if block is not None]
+        self.pool.touch(reused)  # first, so the allocation below cannot evict them
+        fresh = iter(self.pool.allocate(num_copies))
+        host_blocks = []
+        for device_block, host_block in zip(device_blocks, existing):
+            if host_block is None:
+                host_block = next(fresh)
+                self._offloads.append((device_block.block_id, host_block.block_id))
+                if device_block.block_hash is not None:
+                    self.pool.cache(host_block, device_block.block_hash)
+            host_blocks.append(host_block)
+        self.stats.swapped_out_blocks += len(device_blocks)
+        return host_blocks
+
+    def hold(self, host_blocks: list[KVCacheBlock]) -> None:
+        """Reference blocks a load of this step will read, before the step's allocations could evict them."""
+        self.pool.touch(host_blocks)
+        self._held += host_blocks
+
+    def load(self, host_blocks: list[KVCacheBlock], device_blocks: list[KVCacheBlock]) -> None:
+        """Copy held host blocks into device blocks before the step's forward pass."""
+        self._loads += [(h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks)]
+
+    def release(self, host_blocks: list[KVCacheBlock]) -> None:
+        self.pool.free(host_blocks)
+
+    def take_transfers(self) -> BlockTransfers | None:
+        """The step's copies (None: none); the host blocks they use become reusable (and evictable) again."""
+        transfers = BlockTransfers(self._offloads, self._loads) if self._offloads or self._loads else None
+        self.stats.copied_blocks += len(self._offloads) + len(self._loads)
+        self.pool.free(self._held[::-1])  # the newest last, so the prefix the step used outlives its tail
+        self._offloads, self._loads, self._held = [], [], []
+        return transfers

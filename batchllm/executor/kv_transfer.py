@@ -1,0 +1,143 @@
+"""The host tier's memory and the copies between it and the device KV pool (engine/host_tier.py decides them).
+
+The host pool is laid out block-major: one block's K/V, every layer, is one contiguous run, so a run of
+consecutive host blocks is one DMA. On a GPU the pool is pinned, and the copies run on a stream of their own:
+it waits for the work already queued on the compute stream (the steps that wrote the blocks it offloads),
+copies through a small device staging buffer, and the compute stream waits for it before the step's forward
+pass reads the loaded blocks or overwrites the offloaded ones. Both waits are stream-to-stream events: the
+host never syncs. On the CPU (the device pool is host memory too) the copies are plain indexed copies.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from batchllm.engine.interfaces import BlockTransfers
+
+STAGING_BYTES = 64 << 20  # device staging per cache: copies move this much at a time
+
+
+def host_blocks_for(swap_space_bytes: int, bytes_per_block: int) -> int:
+    return swap_space_bytes // bytes_per_block if bytes_per_block else 0
+
+
+class HostKVPool:
+    """`caches`: the device KV tensors that share the block ids (the target's, and a drafter's), each laid out
+    [2, layers, blocks, block_size, heads, head_dim]."""
+
+    def __init__(self, caches: list[torch.Tensor], num_blocks: int, device: torch.device) -> None:
+        # Block-major byte views of the device caches (dtype-agnostic: FP8 caches have no index_copy_).
+        self._device_views = [cache.view(torch.uint8).permute(2, 0, 1, 3, 4, 5) for cache in caches]
+        self._host = [_host_tensor((num_blocks, *view.shape[1:]), device) for view in self._device_views]
+        self.num_blocks = num_blocks
+        self.bytes_per_block = sum(host[0].numel() for host in self._host)
+        self._cuda = device.type == "cuda"
+        self._device = device
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device)
+            self._staging = [torch.empty((max(1, STAGING_BYTES // host[0].numel()), *host.shape[1:]),
+                                         dtype=torch.uint8, device=device) for host in self._host]
+            self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._copy_seconds = 0.0
+        self.bytes_moved = 0
+
+    def run(self, transfers: BlockTransfers) -> None:
+        """Offloads, then loads, ordered before anything later queued on the compute stream."""
+        self.bytes_moved += (len(transfers.offloads) + len(transfers.loads)) * self.bytes_per_block
+        if not self._cuda:
+            start = time.perf_counter()
+            for view, host in zip(self._device_views, self._host):
+                _copy_on_host(view, host, transfers)
+            self._copy_seconds += time.perf_counter() - start
+            return
+        compute = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(compute)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            begin.record()
+            for view, host, staging in zip(self._device_views, self._host, self._staging):
+                if transfers.offloads:
+                    self._offload(view, host, staging, transfers.offloads)
+                if transfers.loads:
+                    self._load(view, host, staging, transfers.loads)
+            end.record()
+        compute.wait_stream(self._stream)
+        self._timings.append((begin, end))
+        if len(self._timings) > 64:
+            self._collect_timings(wait=False)
+
+    def _offload(self, view: torch.Tensor, host: torch.Tensor, staging: torch.Tensor,
+                 pairs: list[tuple[int, int]]) -> None:
+        for start in range(0, len(pairs), len(staging)):
+            chunk = pairs[start : start + len(staging)]
+            src = torch.tensor([d for d, _ in chunk], device=self._device)
+            torch.index_select(view, 0, src, out=staging[: len(chunk)])
+            for first, dst, count in _runs([h for _, h in chunk]):
+                host[dst : dst + count].copy_(staging[first : first + count], non_blocking=True)
+
+    def _load(self, view: torch.Tensor, host: torch.Tensor, staging: torch.Tensor,
+              pairs: list[tuple[int, int]]) -> None:
+        for start in range(0, len(pairs), len(staging)):
+            chunk = pairs[start : start + len(staging)]
+            for first, src, count in _runs([h for h, _ in chunk]):
+                staging[first : first + count].copy_(host[src : src + count], non_blocking=True)
+            dst = torch.tensor([d for _, d in chunk], device=self._device)
+            view.index_copy_(0, dst, staging[: len(chunk)])
+
+    def _collect_timings(self, wait: bool) -> None:
+        pending = []
+        for begin, end in self._timings:
+            if wait:
+                end.synchronize()
+            if end.query():
+                self._copy_seconds += begin.elapsed_time(end) / 1000
+            else:
+                pending.append((begin, end))
+        self._timings = pending
+
+    @property
+    def copy_seconds(self) -> float:
+        """Time the copies took (on a GPU: the copy stream's busy time; reading it waits for copies in flight)."""
+        if self._cuda:
+            self._collect_timings(wait=True)
+        return self._copy_seconds
+
+
+def _copy_on_host(view: torch.Tensor, host: torch.Tensor, transfers: BlockTransfers) -> None:
+    if transfers.offloads:
+        src, dst = np.array(transfers.offloads, dtype=np.int64).T
+        host.index_copy_(0, torch.from_numpy(dst), view.index_select(0, torch.from_numpy(src)))
+    if transfers.loads:
+        src, dst = np.array(transfers.loads, dtype=np.int64).T
+        view.index_copy_(0, torch.from_numpy(dst), host.index_select(0, torch.from_numpy(src)))
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in `ids`, first id, count) of each run of consecutive ids: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for index, block_id in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id and runs[-1][0] + runs[-1][2] == index:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((index, block_id, 1))
+    return runs
+
+
+def _host_tensor(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Host memory for the pool; pinned (page-locked) for a GPU, registered in place: torch's pinned allocator
+    rounds each allocation up to a power of two, which would nearly double a 20 GiB swap space."""
+    tensor = torch.empty(shape, dtype=torch.uint8)
+    if device.type != "cuda" or not tensor.numel():
+        return tensor
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    if error != 0:
+        raise RuntimeError(f"could not pin {tensor.numel() / (1 << 30):.1f} GiB of host memory for swap_space "
+                           f"(CUDA error {int(error)}): lower swap_space")
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    return tensor
