@@ -12,20 +12,23 @@ import sys
 from typing import Any
 
 from batchllm.cli_types import speculative_config
+from batchllm.config import PREEMPTION_MODES
 from batchllm.engine.structured_output import GRAMMAR_BACKENDS
 from batchllm.llm import LLM
 from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
-                "max_loras": int, "max_lora_rank": int}
+                "max_loras": int, "max_lora_rank": int, "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
-                      "speculative_config")
+                      "speculative_config", "preemption_mode")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
-               "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank"}
+               "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank",
+               "swap_space": "GiB of host memory for KV blocks: the prefix cache's host tier, and swap space for "
+                             "--preemption-mode swap (0: off)"}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +48,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["structured_outputs_backend"],
                         help="engine: the grammar engine of structured outputs (llguidance: compiles schemas 10-20x "
                              "faster, for many distinct --schema-column schemas)")
+    parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=ENGINE_DEFAULTS["preemption_mode"],
+                        help="engine: what a preempted request's K/V does: recompute, or swap to --swap-space and back")
     parser.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                         default=ENGINE_DEFAULTS["speculative_config"],
                         help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
