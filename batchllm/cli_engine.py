@@ -19,7 +19,7 @@ from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
-                "max_loras": int, "max_lora_rank": int, "swap_space": float}
+                "max_loras": int, "max_lora_rank": int, "num_kv_blocks": int, "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
                       "speculative_config", "preemption_mode")
@@ -27,6 +27,7 @@ USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADi
 ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
                "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank",
+               "num_kv_blocks": "KV-cache blocks on the device (None: sized from free memory)",
                "swap_space": "GiB of host memory for KV blocks: the prefix cache's host tier, and swap space for "
                              "--preemption-mode swap (0: off)"}
 
