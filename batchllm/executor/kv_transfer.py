@@ -74,7 +74,7 @@ class HostKVPool:
                  pairs: list[tuple[int, int]]) -> None:
         for start in range(0, len(pairs), len(staging)):
             chunk = pairs[start : start + len(staging)]
-            src = torch.tensor([d for d, _ in chunk], device=self._device)
+            src = self._index([d for d, _ in chunk])
             torch.index_select(view, 0, src, out=staging[: len(chunk)])
             for first, dst, count in _runs([h for _, h in chunk]):
                 host[dst : dst + count].copy_(staging[first : first + count], non_blocking=True)
@@ -85,8 +85,13 @@ class HostKVPool:
             chunk = pairs[start : start + len(staging)]
             for first, src, count in _runs([h for h, _ in chunk]):
                 staging[first : first + count].copy_(host[src : src + count], non_blocking=True)
-            dst = torch.tensor([d for _, d in chunk], device=self._device)
+            dst = self._index([d for _, d in chunk])
             view.index_copy_(0, dst, staging[: len(chunk)])
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, uploaded from pinned memory: a plain `torch.tensor(..., device=)` would wait
+        for the copy stream, and so for the compute stream's queued steps."""
+        return torch.tensor(ids, dtype=torch.int64).pin_memory().to(self._device, non_blocking=True)
 
     def _collect_timings(self, wait: bool) -> None:
         pending = []
@@ -120,7 +125,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """(index in `ids`, first id, count) of each run of consecutive ids: one copy each."""
     runs: list[tuple[int, int, int]] = []
     for index, block_id in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == block_id and runs[-1][0] + runs[-1][2] == index:
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
             first, start, count = runs[-1]
             runs[-1] = (first, start, count + 1)
         else:
