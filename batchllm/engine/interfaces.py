@@ -106,7 +106,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        """Nothing for the runner to do: no request and no K/V copy (a swap-out can empty a step of requests)."""
+        return not self.requests and self.transfers is None
 
 
 @dataclass(slots=True)

@@ -178,7 +178,7 @@ class ModelRunner:
             self.kv_cache.copy_blocks(so.block_copies)
             if self.drafter is not None:
                 self.drafter.copy_blocks(so.block_copies)
-        if so.is_empty:
+        if not so.requests:  # a step may only copy K/V (a swap-out that emptied it)
             return StepOutput([], None, self._host_tokens.take(), _ignore)
 
         # Runs for every request of every step: Python lists here, one conversion to arrays after the loop.
