@@ -5,6 +5,7 @@ Invariants:
 - `ref_cnt` never goes negative (freeing a free block raises);
 - the free queue is ordered by eviction priority: the head is taken first. Freed blocks join the tail, so
   a block that was used recently is reused last (LRU), which is what lets cached contents survive longest;
+  a block whose contents live on elsewhere (a host block copied back to the device) may join the head;
 - `cached[h] is b` iff `b.block_hash == h`: a full block keeps its hash (and stays findable) while it sits
   in the free queue, and loses it only when it is handed out again (lazy eviction).
 """
@@ -20,6 +21,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set while the block is full and indexed in the prefix cache
+    reused: bool = False  # found by a prefix-cache lookup since it was last handed out
     # Intrusive links of the free queue: O(1) removal from the middle without a search.
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
@@ -42,6 +44,14 @@ class FreeBlockQueue:
         last.next_free = block
         block.prev_free, block.next_free = last, self._tail
         self._tail.prev_free = block
+        self.num_free += 1
+
+    def prepend(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free, block.next_free = self._head, first
+        first.prev_free = block
         self.num_free += 1
 
     def pop_front(self) -> KVCacheBlock:
@@ -79,6 +89,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.num_free_uncached = num_blocks  # free blocks that hold nothing cached: handing one out evicts nothing
         self.on_evict = on_evict
 
     @property
@@ -100,7 +111,10 @@ class BlockPool:
         for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
+            else:
+                self.num_free_uncached -= 1
             block.ref_cnt = 1
+            block.reused = False
         return taken
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -118,6 +132,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_free_uncached -= block.block_hash is None
             block.ref_cnt += 1
 
     def cache(self, block: KVCacheBlock, block_hash: bytes) -> None:
@@ -127,11 +142,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
-    def free(self, blocks: list[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the free queue in the given order."""
+    def free(self, blocks: list[KVCacheBlock], first_out: bool = False) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free queue in the given order, at
+        its tail, or with `first_out` at its head (each before the ones freed earlier: the last is evicted first)."""
+        enqueue = self.free_queue.prepend if first_out else self.free_queue.append
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"KV-cache block {block.block_id} freed more often than allocated")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                enqueue(block)
+                self.num_free_uncached += block.block_hash is None

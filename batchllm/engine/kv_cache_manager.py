@@ -127,10 +127,14 @@ class KVCacheManager:
         if cached.host:
             self.host.hold(cached.host)  # before the device allocation, whose evictions spill into the tier
         self.pool.touch(cached.device)
+        for block in cached.device:
+            block.reused = True
         owned.extend(cached.device)
         new_blocks = self.pool.allocate(num_new_blocks)
         if cached.host:
             self.host.load(cached.host, new_blocks)
+            for block in new_blocks[: len(cached.host)]:
+                block.reused = True  # a host-tier hit: as much a reuse as a device hit
             self.host.stats.loaded_blocks += len(cached.host)
             self.host.stats.host_prefix_hits += len(cached.host) * self.block_size
         if needs_copy:

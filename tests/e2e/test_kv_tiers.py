@@ -191,20 +191,46 @@ def test_bad_tier_arguments_are_rejected_before_the_model_loads(kwargs, argument
         LLM(device="cpu", **kwargs)
 
 
+# ---- CUDA: the copy stream (executor/kv_transfer.py) ------------------------------------------------------------
+# The default model's shape with random weights, so the test needs no checkpoint on the GPU machine. The reference
+# is the same CUDA engine with a pool that never preempts nor evicts: it shares the device's arithmetic (HF's is
+# another), and float32 keeps greedy ties apart.
+GPU_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+             "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+             "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def _gpu_engine(shape_dir, async_scheduling: bool, **options) -> LLM:
+    return LLM(str(shape_dir), device="cuda", dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+               reorder_by_prefix=False, async_scheduling=async_scheduling, **options)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_swapping_on_cuda_changes_no_output(stories, async_scheduling):
-    """The copies run on their own stream (executor/kv_transfer.py): the outputs must equal the same CUDA engine's
-    with a pool large enough never to preempt (the reference shares the device's arithmetic, not HF's)."""
-    reference = LLM(device="cuda", dtype="float32", num_kv_blocks=64, async_scheduling=async_scheduling)
-    expected = _generate(reference, stories, MAX_NEW)
+def test_swapping_and_the_prefix_tier_on_cuda_change_no_output(tmp_path, async_scheduling):
+    import json
+    import random
+
+    (tmp_path / "config.json").write_text(json.dumps(GPU_SHAPE))
+    rng = random.Random(0)
+    stories = [[rng.randrange(100, 49000) for _ in range(22)] for _ in range(6)]
+    prefix = [rng.randrange(100, 49000) for _ in range(NUM_PREFIX_BLOCKS * BLOCK)]
+    prefixed = [prefix + [rng.randrange(100, 49000) for _ in range(5)] for _ in range(2)]
+    reference = _gpu_engine(tmp_path, async_scheduling, num_kv_blocks=64)
+    expected = [_generate(reference, prefixed, PREFIX_NEW), _generate(reference, stories, MAX_NEW)]
     assert reference.stats.num_preemptions == 0
     del reference
-    llm = LLM(device="cuda", dtype="float32", num_kv_blocks=10, swap_space=0.1, preemption_mode="swap", reorder_by_prefix=False,
-              async_scheduling=async_scheduling)
-    assert _generate(llm, stories, MAX_NEW) == expected
+    llm = _gpu_engine(tmp_path, async_scheduling, num_kv_blocks=10, swap_space=0.1, preemption_mode="swap")
+    # The stories swap in and out of 10 blocks and evict the prefix to the host tier, where the second call finds it.
+    assert _generate(llm, prefixed, PREFIX_NEW) == expected[0]
+    assert _generate(llm, stories, MAX_NEW) == expected[1]
     stats = llm.stats
-    assert stats.swap_preemptions > 0 and stats.swapped_in_blocks > 0 and stats.kv_transfer_bytes > 0, stats
-    assert stats.kv_transfer_seconds > 0, stats
+    assert stats.swap_preemptions > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks > 0, stats
+    assert stats.spilled_blocks >= NUM_PREFIX_BLOCKS, stats
+    assert _generate(llm, prefixed, PREFIX_NEW) == expected[0]
+    stats = llm.stats
+    assert stats.host_tier_loaded_blocks >= NUM_PREFIX_BLOCKS and stats.host_prefix_hits > 0, stats
+    assert stats.kv_transfer_bytes > 0 and stats.kv_transfer_seconds > 0, stats
     _assert_pools_free(llm)

@@ -38,6 +38,38 @@ def test_remove_from_middle_is_constant_time_and_consistent():
         pool.free_queue.remove(pool.blocks[2])
 
 
+def test_first_out_frees_join_the_head_the_last_freed_first():
+    pool = BlockPool(5)
+    blocks = pool.allocate(3)  # 0, 1, 2; free queue [3, 4]
+    pool.free(blocks, first_out=True)
+    assert _ids(pool.free_queue) == [2, 1, 0, 3, 4]
+
+
+def test_free_uncached_count_matches_the_free_queue_under_random_operations():
+    """`num_free_uncached` (free blocks whose allocation evicts nothing) against a count of the free queue."""
+    rng = random.Random(0)
+    pool = BlockPool(12, enable_caching=True)
+    owned: list = []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.4 and pool.num_free_blocks:
+            owned += pool.allocate(rng.randint(1, pool.num_free_blocks))
+        elif op < 0.6 and owned:
+            block = rng.choice(owned)
+            pool.cache(block, bytes([rng.randrange(40)]))
+        elif op < 0.7 and pool.cached:
+            hit = rng.choice(list(pool.cached.values()))
+            pool.touch([hit])
+            owned.append(hit)
+        elif owned:
+            rng.shuffle(owned)
+            count = rng.randint(1, len(owned))
+            pool.free(owned[:count], first_out=rng.random() < 0.5)
+            owned = owned[count:]
+        expected = sum(1 for block in pool.free_queue if block.block_hash is None)
+        assert pool.num_free_uncached == expected, step
+
+
 def test_ref_counts_never_negative():
     pool = BlockPool(2)
     block = pool.allocate(1)

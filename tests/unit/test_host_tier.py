@@ -418,3 +418,76 @@ def test_recompute_mode_with_a_host_tier_spills_and_loads_but_never_swaps(async_
     assert tier.spilled_blocks > 0 and tier.loaded_blocks > 0 and tier.host_prefix_hits > 0, tier
     assert tier.host_prefix_hits == tier.loaded_blocks * BLOCK
     _assert_all_free(engine)
+
+
+# ---- what a full tier keeps (HostTier alone, with device blocks standing in for evicted ones) ----------------------
+
+def _device_block(block_id: int, reused: bool = False):
+    from batchllm.engine.block_pool import KVCacheBlock
+
+    return KVCacheBlock(block_id, reused=reused)
+
+
+def _full_tier():
+    """A 2-block tier holding a (host block 0) and b (host block 1), both spilled unused in one step and freed tail
+    first: b is the least recently used."""
+    from batchllm.engine.host_tier import HostTier
+
+    tier = HostTier(2, enable_caching=True)
+    tier.spill(_device_block(10), b"a")
+    tier.spill(_device_block(11), b"b")
+    assert tier.take_transfers().offloads == [(10, 0), (11, 1)], "a tier with room takes every block"
+    assert [block.block_id for block in tier.pool.free_queue] == [1, 0] and tier.pool.num_free_uncached == 0
+    return tier
+
+
+def test_a_full_tier_takes_an_unused_block_only_at_its_second_eviction():
+    tier = _full_tier()
+    tier.spill(_device_block(12), b"c")  # never hit since it was computed: likely one row's own suffix
+    assert tier.take_transfers() is None and tier.lookup(b"b") is not None
+    tier.spill(_device_block(13), b"c")  # evicted again: it was computed twice, so it is shared after all
+    assert tier.take_transfers().offloads == [(13, 1)]  # in b's place, the least recently used
+    assert tier.lookup(b"b") is None and tier.lookup(b"c").block_id == 1 and tier.lookup(b"a") is not None
+
+
+def test_a_full_tier_takes_a_reused_block_at_once():
+    tier = _full_tier()
+    tier.spill(_device_block(12, reused=True), b"c")
+    assert tier.take_transfers().offloads == [(12, 1)] and tier.lookup(b"b") is None
+
+
+def _load(tier, name: bytes, device_id: int):
+    block = tier.lookup(name)
+    tier.hold([block])
+    tier.load([block], [_device_block(device_id)])
+    return tier.take_transfers()
+
+
+def test_a_block_loaded_back_is_the_first_a_full_tier_evicts():
+    tier = _full_tier()
+    assert _load(tier, b"a", 20).loads == [(0, 20)]
+    # a's K/V is on the device now: a new block evicts a, the more recently used, rather than b.
+    tier.spill(_device_block(12, reused=True), b"c")
+    assert tier.take_transfers().offloads == [(12, 0)]
+    assert tier.lookup(b"a") is None and tier.lookup(b"b") is not None
+
+
+def test_a_loaded_block_the_device_evicts_again_becomes_the_most_recent():
+    tier = _full_tier()
+    _load(tier, b"b", 20)
+    tier.spill(_device_block(20, reused=True), b"b")  # the device evicts its copy: the tier has it, no copy
+    assert tier.take_transfers() is None
+    tier.spill(_device_block(12, reused=True), b"c")
+    assert tier.take_transfers().offloads == [(12, 0)]  # a, now the least recently used, makes room
+    assert tier.lookup(b"a") is None and tier.lookup(b"b").block_id == 1
+
+
+def test_a_tier_with_room_keeps_a_loaded_block_as_recently_used():
+    from batchllm.engine.host_tier import HostTier
+
+    tier = HostTier(3, enable_caching=True)
+    tier.spill(_device_block(10), b"a")
+    tier.spill(_device_block(11), b"b")
+    tier.take_transfers()
+    _load(tier, b"b", 20)
+    assert [block.block_id for block in tier.pool.free_queue] == [2, 0, 1]  # the empty block first, b last
