@@ -47,6 +47,7 @@ def run(args, label: str, prompts: list[list[int]], max_tokens: int, **options) 
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     stats = llm.stats
+    print(f"  {label}: {seconds:.2f} s, hit rate {stats.prefix_cache_hit_rate:.3f}", flush=True)
     kv = llm.engine.scheduler.kv_cache
     pools = [kv.pool] + ([kv.host.pool] if kv.host is not None else [])
     leaked = sum(pool.num_used_blocks for pool in pools)

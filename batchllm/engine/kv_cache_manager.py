@@ -9,7 +9,10 @@ Invariants:
   is reported so the runner performs it before the step's forward pass;
 - prefix-cache hits cover full blocks only and never the request's last token, whose logits are needed;
 - with a host tier (host_tier.py) a request is in at most one place: on the device (`_blocks`) or swapped
-  out (`_swapped`, the host blocks holding its first `num_computed_tokens` tokens' K/V).
+  out (`_swapped`, the host blocks holding its first `num_computed_tokens` tokens' K/V);
+- K/V loaded from the host tier in a step is read from the next step on: the copies run while the step
+  computes (executor/kv_transfer.py). A request whose blocks a step loads, or that hits blocks the step loads
+  for another, is `loading`: the scheduler computes nothing of it in that step.
 """
 
 from __future__ import annotations
@@ -66,10 +69,21 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, None if self.host is None else self.host.spill)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._swapped: dict[str, list[KVCacheBlock]] = {}  # request id → its host blocks, while swapped out
+        self._loading: set[str] = set()  # requests that wait for this step's loads
+        self._landing: set[int] = set()  # device blocks this step's loads fill (indexed already: others may hit)
         self._num_hashed_blocks: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the current step
         self.peak_used_blocks = 0
         self.stats = PrefixCacheStats()
+
+    def begin_step(self) -> None:
+        """A new step: the last step's loads land before its forward pass, so what they fill can be read."""
+        if self._loading or self._landing:
+            self._loading.clear()
+            self._landing.clear()
+
+    def is_loading(self, request: Request) -> bool:
+        return request.request_id in self._loading
 
     @property
     def capacity_tokens(self) -> int:
@@ -131,15 +145,21 @@ class KVCacheManager:
             block.reused = True
         owned.extend(cached.device)
         new_blocks = self.pool.allocate(num_new_blocks)
+        loading = bool(cached.host) or any(block.block_id in self._landing for block in cached.device)
         if cached.host:
-            self.host.load(cached.host, new_blocks)
-            for block in new_blocks[: len(cached.host)]:
+            loaded = new_blocks[: len(cached.host)]
+            self.host.load(cached.host, loaded)
+            for block in loaded:
                 block.reused = True  # a host-tier hit: as much a reuse as a device hit
+                self._landing.add(block.block_id)
             self.host.stats.loaded_blocks += len(cached.host)
             self.host.stats.host_prefix_hits += len(cached.host) * self.block_size
         if needs_copy:
             self._copy_on_write(owned, first_write, new_blocks.pop(0))
         owned.extend(new_blocks)
+        if loading:  # it computes from the next step: only its cached prefix is indexed now
+            self._loading.add(request.request_id)
+            end = computed
         self._cache_full_blocks(request, owned, end)
         if num_new_blocks or cached.device:
             self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
@@ -162,23 +182,24 @@ class KVCacheManager:
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._swapped
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> BlockAllocation | None:
-        """Bring a swapped-out request back: fresh device blocks, the first filled from its host blocks, and room
-        for `num_new_tokens` more. None, changing nothing, if the device pool is too short."""
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Bring a swapped-out request back: fresh device blocks, the first filled from its host blocks by this
+        step's loads (it is `loading`), and room for `num_new_tokens` more. False, changing nothing, if the device
+        pool is too short."""
         host_blocks = self._swapped[request.request_id]
         end = request.num_computed_tokens + num_new_tokens
         num_blocks = max(cdiv(end, self.block_size), len(host_blocks))
         if num_blocks > self.pool.num_free_blocks:
-            return None
+            return False
         del self._swapped[request.request_id]
         self.host.hold(host_blocks)  # the step's reference replaces the request's
         self.host.release(host_blocks)
         blocks = self._blocks[request.request_id] = self.pool.allocate(num_blocks)
         self.host.load(host_blocks, blocks)
         self.host.stats.swapped_in_blocks += len(host_blocks)
-        self._cache_full_blocks(request, blocks, end)
+        self._loading.add(request.request_id)  # its blocks are indexed once it computes, in the next step
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
-        return BlockAllocation([block.block_id for block in blocks])
+        return True
 
     def _copy_on_write(self, owned: list[KVCacheBlock], index: int, copy: KVCacheBlock) -> None:
         shared = owned[index]
@@ -228,6 +249,7 @@ class KVCacheManager:
         return [block.block_id for block in self._blocks.get(request.request_id, ())]
 
     def free(self, request: Request) -> None:
+        self._loading.discard(request.request_id)
         swapped = self._swapped.pop(request.request_id, None)
         if swapped is not None:
             self.host.release(swapped[::-1])

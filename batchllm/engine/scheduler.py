@@ -154,6 +154,7 @@ class Scheduler:
         return rejected
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         self._preempted_this_step = False
@@ -186,7 +187,11 @@ class Scheduler:
         # A step that had to preempt admits nobody new: the pool is already too tight.
         max_seqs = self.config.max_num_seqs
         adapters = None  # the adapters of the running requests, gathered when an adapter's request waits
-        while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs:
+        # Requests whose K/V this step loads from the host tier join `running` but compute from the next step on
+        # (kv_cache_manager.py), at most a step's budget of them, so the copies run while this step computes.
+        num_loading_tokens = 0
+        while (not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs
+               and num_loading_tokens < self.config.max_num_batched_tokens):
             request = self.waiting[0]
             lora = request.lora_request
             if lora is not None:
@@ -203,6 +208,9 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if self.kv_cache.is_loading(request):
+                num_loading_tokens += num_new
+                continue
             scheduled.append(self._schedule_request(request, num_new, allocation))
             budget -= num_new
 
@@ -217,14 +225,14 @@ class Scheduler:
                                speculative=speculative, observe_drafts=observe,
                                transfers=self.kv_cache.take_transfers())
 
-    def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation] | None:
+    def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation | None] | None:
         """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus
-        fresh ones. Returns (tokens to compute, allocation), or None if it must keep waiting."""
+        fresh ones. Returns (tokens to compute, allocation), or None if it must keep waiting. A request left
+        `loading` (its K/V comes from the host tier) computes from the next step: it has no allocation then."""
         kv = self.kv_cache
         if kv.is_swapped(request):  # preempted by swapping: its K/V comes back from the host tier
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            allocation = kv.swap_in(request, num_new)
-            return None if allocation is None else (num_new, allocation)
+            return (num_new, None) if kv.swap_in(request, num_new) else None
         parent = self._fork_parent(request)
         if parent is _WAIT:
             return None
@@ -259,6 +267,8 @@ class Scheduler:
         parent = self.requests.get(request.fork_of)
         if parent is None or parent.status is not RequestStatus.RUNNING:
             return None
+        if self.kv_cache.is_loading(parent):
+            return _WAIT  # its blocks fill while this step runs
         # Only K/V written in earlier steps can be copied before this step's forward pass.
         ready = parent.num_computed_tokens - self._scheduled_now.get(parent.request_id, 0)
         return parent if ready >= request.num_prompt_tokens else _WAIT

@@ -1,11 +1,15 @@
 """The host tier's memory and the copies between it and the device KV pool (engine/host_tier.py decides them).
 
 The host pool is laid out block-major: one block's K/V, every layer, is one contiguous run, so a run of
-consecutive host blocks is one DMA. On a GPU the pool is pinned, and the copies run on a stream of their own:
-it waits for the work already queued on the compute stream (the steps that wrote the blocks it offloads),
-copies through a small device staging buffer, and the compute stream waits for it before the step's forward
-pass reads the loaded blocks or overwrites the offloaded ones. Both waits are stream-to-stream events: the
-host never syncs. On the CPU (the device pool is host memory too) the copies are plain indexed copies.
+consecutive host blocks is one DMA. On a GPU the pool is pinned, and the copies run on a stream of their own,
+through a small device staging buffer:
+- it first waits for the work already queued on the compute stream (the steps that wrote the blocks it
+  offloads);
+- the step's forward pass waits for the offloads, since it may overwrite those blocks;
+- the loads run while it computes: the engine computes nothing on loaded blocks before the next step
+  (engine/kv_cache_manager.py), whose forward pass waits for them (`wait_for_loads`).
+Every wait is a stream-to-stream event: the host never syncs. On the CPU (the device pool is host memory
+too) the copies are plain indexed copies, done when `run` returns.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ class HostKVPool:
             self._staging = [torch.empty((max(1, STAGING_BYTES // host[0].numel()), *host.shape[1:]),
                                          dtype=torch.uint8, device=device) for host in self._host]
             self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+            self._loads_landed: torch.cuda.Event | None = None
         self._copy_seconds = 0.0
         self.bytes_moved = 0
 
     def run(self, transfers: BlockTransfers) -> None:
-        """Offloads, then loads, ordered before anything later queued on the compute stream."""
+        """Offloads, then loads: the compute stream's later work waits for the offloads, the next step for the loads."""
         self.bytes_moved += (len(transfers.offloads) + len(transfers.loads)) * self.bytes_per_block
         if not self._cuda:
             start = time.perf_counter()
@@ -59,16 +64,25 @@ class HostKVPool:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             begin.record()
-            for view, host, staging in zip(self._device_views, self._host, self._staging):
-                if transfers.offloads:
+            if transfers.offloads:
+                for view, host, staging in zip(self._device_views, self._host, self._staging):
                     self._offload(view, host, staging, transfers.offloads)
-                if transfers.loads:
+                compute.wait_stream(self._stream)
+            if transfers.loads:
+                for view, host, staging in zip(self._device_views, self._host, self._staging):
                     self._load(view, host, staging, transfers.loads)
             end.record()
-        compute.wait_stream(self._stream)
+        if transfers.loads:
+            self._loads_landed = end
         self._timings.append((begin, end))
         if len(self._timings) > 64:
             self._collect_timings(wait=False)
+
+    def wait_for_loads(self) -> None:
+        """Called before each step: its forward pass may read what the previous step's loads wrote."""
+        if self._cuda and self._loads_landed is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._loads_landed)
+            self._loads_landed = None
 
     def _offload(self, view: torch.Tensor, host: torch.Tensor, staging: torch.Tensor,
                  pairs: list[tuple[int, int]]) -> None:

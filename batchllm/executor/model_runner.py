@@ -172,8 +172,10 @@ class ModelRunner:
             state = self._states.pop(request_id, None)
             if state is not None:
                 self._block_tables.remove(state.row)
-        if so.transfers is not None:
-            self.host_kv.run(so.transfers)
+        if self.host_kv is not None:
+            self.host_kv.wait_for_loads()
+            if so.transfers is not None:
+                self.host_kv.run(so.transfers)
         if so.block_copies:
             self.kv_cache.copy_blocks(so.block_copies)
             if self.drafter is not None:

@@ -116,6 +116,7 @@ def test_speculator_stays_on_through_misses_and_turns_off_after_eight():
     speculator = Speculator(SpeculativeConfig("ngram", 3), overhead_tokens=8.0, max_model_len=1000)
     request = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=100))
     request.num_computed_tokens = len(request.token_ids) - 1  # decoding, nothing in flight
+    request.known_to_runner = True
     speculator.plan([request])
     assert request.draft_token_ids == [3, 1, 2] and speculator.active
     for step in range(PROBE_INTERVAL):
@@ -146,6 +147,7 @@ def test_speculator_plans_nothing_past_the_rows_verification_graphs_cover():
         requests = [Request(str(i), [1, 2, 3, 1, 2], SamplingParams(max_tokens=100)) for i in range(n)]
         for request in requests:
             request.num_computed_tokens = len(request.token_ids) - 1
+            request.known_to_runner = True
         return requests
 
     for adaptive, expected_at_three in ((True, []), (False, [3, 1, 2])):
@@ -161,3 +163,18 @@ def test_speculator_plans_nothing_past_the_rows_verification_graphs_cover():
         probes = [speculator.needs_known_tokens(3) for _ in range(20)]
         assert probes == [True] * 20 if not adaptive else not any(probes)
         assert any(speculator.needs_known_tokens(2) for _ in range(8))
+
+
+def test_a_row_new_to_the_runner_gets_no_drafts():
+    """A request swapped back in decodes from its first step back, but the runner meets it in that step: its row
+    is laid out as a new request, without drafts to verify."""
+    from batchllm.engine.request import Request
+    from batchllm.engine.spec.config import SpeculativeConfig
+    from batchllm.engine.spec.speculator import Speculator
+    from batchllm.sampling_params import SamplingParams
+
+    speculator = Speculator(SpeculativeConfig("ngram", 3), overhead_tokens=8.0, max_model_len=1000)
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=100))
+    request.num_computed_tokens = len(request.token_ids) - 1
+    speculator.plan([request])
+    assert request.draft_token_ids == [] and request.num_lookahead == 0

@@ -78,7 +78,7 @@ class Speculator:
         k_max = self.config.num_speculative_tokens
         for request in running:
             request.num_lookahead = 0
-            if (request.num_pending_tokens or request.matcher is not None
+            if (request.num_pending_tokens or request.matcher is not None or not request.known_to_runner
                     or request.num_computed_tokens != len(request.token_ids) - 1):
                 request.draft_token_ids = []
                 continue
