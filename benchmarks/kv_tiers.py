@@ -144,7 +144,8 @@ def main() -> None:
         del r["outputs"]
     machine, details = hardware("cuda" if cuda else "cpu")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d")
-    name = f"{stamp}-kv-tiers-{args.shape or 'smollm2-135m-real'}-{machine}.json"
+    workloads = "-".join(sorted({r["workload"] for r in results}))
+    name = f"{stamp}-kv-tiers-{workloads}-{args.shape or 'smollm2-135m-real'}-{machine}.json"
     path = save_record(name, {"shape": args.shape, "swap_space_gib": args.swap_space, "hardware": details,
                               "git_sha": git_sha(), "results": results}, args.out)
     print(f"wrote {path}")
