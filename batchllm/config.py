@@ -41,6 +41,8 @@ class SchedulerConfig:
     # Swap only requests with at least this much computed K/V: a shorter one is recomputed within a later step's
     # token budget, at less cost than two copies, each of which its step waits for.
     swap_min_tokens: int = 32
+    # Pipeline parallelism: steps in flight at once, each with requests of its own (see engine_core.py).
+    num_micro_batches: int = 1
 
     def validate(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
@@ -49,6 +51,8 @@ class SchedulerConfig:
                  "max_num_batched_tokens", self.max_num_batched_tokens, "an int >= 1")
         _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
                  " or ".join(map(repr, PREEMPTION_MODES)))
+        _require(isinstance(self.num_micro_batches, int) and self.num_micro_batches >= 1, "pipeline_parallel_size",
+                 self.num_micro_batches, "an int >= 1")
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

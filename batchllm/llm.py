@@ -44,6 +44,11 @@ class LLM:
     interpreter exit). As with any `spawn`, a script building such an LLM needs the
     `if __name__ == "__main__":` guard.
 
+    `pipeline_parallel_size=P` splits the decoder layers into P stages of balanced parameter counts (P processes,
+    each its own GPU; times `tensor_parallel_size` for both), activations passing down the pipeline; P steps are
+    in flight at once, each with its own requests, so every stage has work. Not with speculative decoding or LoRA
+    (refused), and its stages run without CUDA graphs.
+
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
     where the host and the "device" are the same cores and nothing overlaps.
@@ -93,9 +98,15 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | str | None = None, swap_space: float = 0,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", pipeline_parallel_size: int = 1) -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
-        from batchllm.executor.build import build_executor, check_quantization, resolve_device, resolve_dtype
+        from batchllm.executor.build import (
+            build_executor,
+            check_parallel_sizes,
+            check_quantization,
+            resolve_device,
+            resolve_dtype,
+        )
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
@@ -106,8 +117,10 @@ class LLM:
         cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
                                    enable_prefix_caching, swap_space)
         check_lora_options(enable_lora, max_loras, max_lora_rank)
+        check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
         scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                           max_loras=max_loras if enable_lora else 0, preemption_mode=preemption_mode)
+                                           max_loras=max_loras if enable_lora else 0, preemption_mode=preemption_mode,
+                                           num_micro_batches=pipeline_parallel_size)
         cache_config.validate()
         scheduler_config.validate()
         if preemption_mode == "swap" and not swap_space:
@@ -122,6 +135,9 @@ class LLM:
             async_scheduling = torch_device.type == "cuda"
         check_backend(structured_outputs_backend, "LLM argument structured_outputs_backend")
         spec_config = parse_speculative_config(speculative_config, "LLM argument speculative_config")
+        if pipeline_parallel_size > 1 and (spec_config is not None or enable_lora):
+            raise ValueError(f"LLM argument pipeline_parallel_size={pipeline_parallel_size} does not work with "
+                             f"{'speculative_config' if spec_config is not None else 'enable_lora=True'} yet")
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
@@ -135,11 +151,12 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
                                                                          trust_remote_code=trust_remote_code)
         eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
+        # Pipelined steps carry no placeholder tokens: a request's next step waits for its token (engine_core.py).
         runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
                                      max_model_len, seed, eos_token_ids, load_format, enforce_eager,
-                                     async_scheduling, scheduler_config.max_loras, max_lora_rank, quantization,
-                                     kv_cache_dtype, spec_config)
-        runner = build_executor(runner_config, tensor_parallel_size)
+                                     async_scheduling and pipeline_parallel_size == 1, scheduler_config.max_loras,
+                                     max_lora_rank, quantization, kv_cache_dtype, spec_config)
+        runner = build_executor(runner_config, tensor_parallel_size, pipeline_parallel_size)
         scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching, runner.num_host_blocks)
@@ -152,7 +169,7 @@ class LLM:
         if self.tokenizer is not None:
             structured = StructuredOutputManager(self.tokenizer, model_config.vocab_size, eos_token_ids,
                                                  structured_outputs_backend)
-        self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured)
+        self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured, pipeline_parallel_size)
         self.runner = runner
         self.load_seconds = time.perf_counter() - start
         self._request_counter = itertools.count()

@@ -82,8 +82,8 @@ def generate(ds: ray.data.Dataset, *, concurrency: int = 1, batch_size: int | No
 
     `options` are `batchllm.generate`'s keywords (except `llm=`: every replica builds its own engine from
     `model=` / `engine_kwargs=`). `concurrency` replicas each hold one engine; each gets
-    `num_gpus_per_replica` GPUs (default: `engine_kwargs["tensor_parallel_size"]`, or 1, when the cluster
-    has GPUs, else none). `batch_size` rows go to a replica at a time (default: 4 × max_num_seqs).
+    `num_gpus_per_replica` GPUs (default: `engine_kwargs["tensor_parallel_size"]` times
+    `engine_kwargs["pipeline_parallel_size"]`, each 1 when absent, when the cluster has GPUs, else none). `batch_size` rows go to a replica at a time (default: 4 × max_num_seqs).
     """
     check_options(options)
     _check_count("concurrency", concurrency)
@@ -118,15 +118,18 @@ def default_batch_size(engine_kwargs: Mapping[str, Any]) -> int:
 
 
 def gpus_per_replica(requested: float | None, engine_kwargs: Mapping[str, Any]) -> float:
-    """GPUs Ray reserves for each actor: all of one replica's tensor-parallel ranks, on one node."""
+    """GPUs Ray reserves for each actor: all of one replica's ranks (tensor-parallel times pipeline stages), on one
+    node."""
     tensor_parallel = _check_count("tensor_parallel_size", engine_kwargs.get("tensor_parallel_size", 1))
+    stages = _check_count("pipeline_parallel_size", engine_kwargs.get("pipeline_parallel_size", 1))
+    needed = tensor_parallel * stages
     if requested is None:
-        return tensor_parallel if _cluster_gpus() > 0 else 0
+        return needed if _cluster_gpus() > 0 else 0
     if isinstance(requested, bool) or not isinstance(requested, (int, float)) or requested < 0:
         raise ValueError(f"num_gpus_per_replica must be a number >= 0, got {requested!r}")
-    if 0 < requested < tensor_parallel:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel} needs {tensor_parallel} GPUs per replica, got "
-                         f"num_gpus_per_replica={requested}")
+    if 0 < requested < needed:
+        sizes = f"tensor_parallel_size={tensor_parallel}" + (f" x pipeline_parallel_size={stages}" if stages > 1 else "")
+        raise ValueError(f"{sizes} needs {needed} GPUs per replica, got num_gpus_per_replica={requested}")
     return requested
 
 

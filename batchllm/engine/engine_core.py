@@ -11,11 +11,17 @@ With speculative decoding the loop waits for the step in flight before it schedu
 A step with grammar-constrained rows is launched in two parts: the forward pass first, then, once the
 previous step's tokens have advanced the matchers, the bitmask that its sampling needs
 (`structured_output.py`).
+
+Pipeline parallelism (`pipeline_depth` = P stages): the loop keeps up to P steps in flight, one in each stage,
+each with requests of its own (the scheduler leaves out a request whose token is still in flight, and caps a
+step at 1/P of `max_num_seqs`): the stages work on different micro-batches at once, as vLLM's virtual engines
+do. Each step's tokens are known when it is scheduled, so its grammar bitmask goes with it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,16 +53,20 @@ class FinishedRequest:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, detokenizer: Detokenizer,
-                 async_scheduling: bool = False, structured: StructuredOutputManager | None = None) -> None:
-        if async_scheduling and not hasattr(executor, "execute_model_async"):
+                 async_scheduling: bool = False, structured: StructuredOutputManager | None = None,
+                 pipeline_depth: int = 1) -> None:
+        if (async_scheduling or pipeline_depth > 1) and not hasattr(executor, "execute_model_async"):
             raise ValueError(f"async_scheduling needs an executor that can launch steps ({type(executor).__name__} "
                              f"cannot)")
         self.scheduler = scheduler
         self.executor = executor
         self.detokenizer = detokenizer
-        self.async_scheduling = async_scheduling
+        self.async_scheduling = async_scheduling or pipeline_depth > 1
         self.structured = structured
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        self.pipelined = pipeline_depth > 1
+        # Steps launched and not yet applied, oldest first; at most this many once a step returns.
+        self._max_in_flight = pipeline_depth - 1 if self.pipelined else 1
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_of: str | None = None, lora_request: LoRARequest | None = None) -> None:
@@ -86,7 +96,7 @@ class EngineCore:
         return request
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def step(self) -> list[FinishedRequest]:
         """Run one engine step; returns the requests that finished in it (rejected ones included).
@@ -95,11 +105,12 @@ class EngineCore:
         finished = [FinishedRequest(r, "") for r in self.scheduler.take_rejected()]
         for item in finished:
             self._release(item.request)
-        if self._in_flight is not None and self._wait_for_tokens(self._in_flight[0]):
-            finished += self._apply(*self._in_flight)
-            self._in_flight = None
+        in_flight = self._in_flight
+        if in_flight and self._wait_for_tokens(in_flight[-1][0]):
+            while in_flight:
+                finished += self._apply(*in_flight.popleft())
         so = self.scheduler.schedule()
-        if so.is_empty and self._in_flight is None and (self.scheduler.running or self.scheduler.waiting):
+        if so.is_empty and not in_flight and (self.scheduler.running or self.scheduler.waiting):
             raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
         if self.structured is not None and not so.is_empty:
             so.grammar_request_ids = self.structured.constrained_ids(so, self.scheduler.requests)
@@ -110,14 +121,20 @@ class EngineCore:
                 finished += self._apply(so, ReadyOutput(self.executor.execute_model(so)))
             return finished
 
-        launched = None if so.is_empty else (so, self.executor.execute_model_async(so))  # type: ignore[attr-defined]
-        previous, self._in_flight = self._in_flight, launched
-        if previous is not None:
-            finished += self._apply(*previous)
-        if launched is not None and isinstance(launched[1], AwaitingGrammar):
+        if self.pipelined and so.grammar_request_ids:
+            so.grammar = self.structured.bitmask(so.grammar_request_ids, self.scheduler.requests)
+        launched = None if so.is_empty else self.executor.execute_model_async(so)  # type: ignore[attr-defined]
+        if launched is None:  # nothing to launch: apply the oldest step, whose requests may then run again
+            if in_flight:
+                finished += self._apply(*in_flight.popleft())
+            return finished
+        in_flight.append((so, launched))
+        while len(in_flight) > self._max_in_flight:
+            finished += self._apply(*in_flight.popleft())
+        if isinstance(launched, AwaitingGrammar):
             # The forward pass runs on the device meanwhile; the matchers have just taken step N's tokens.
             grammar = self.structured.bitmask(so.grammar_request_ids, self.scheduler.requests)
-            self._in_flight = (so, launched[1].sample(grammar))
+            in_flight[-1] = (so, launched.sample(grammar))
         return finished
 
     def _wait_for_tokens(self, in_flight: SchedulerOutput) -> bool:

@@ -9,6 +9,10 @@ freed and it is re-queued at the front of the waiting queue to be recomputed, or
 oldest request progress: no deadlock, since a single request never exceeds `max_model_len` and
 `max_model_len` never exceeds the pool.
 
+Pipeline parallelism (`num_micro_batches` = P > 1): P steps are in flight, each with requests of its own. A
+request whose token is still in flight is left out (no placeholder), and a step takes at most
+`max_num_seqs / P` requests, so that the next steps have requests to run.
+
 Asynchronous scheduling: step N+1 is scheduled while step N runs, before its sampled tokens are known.
 A request that step N samples counts that token as pending (`num_pending_tokens`); the next step
 schedules it as a placeholder, which the runner fills in on the device. Step N's results are applied
@@ -164,10 +168,12 @@ class Scheduler:
 
         i = 0
         running, max_model_len = self.running, self.config.max_model_len
-        while i < len(running) and budget > 0:
+        pipelined = self.config.num_micro_batches > 1
+        max_rows = -(-self.config.max_num_seqs // self.config.num_micro_batches)
+        while i < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[i]
             with_pending = len(request.token_ids) + request.num_pending_tokens
-            if with_pending >= max_model_len or (request.num_pending_tokens and request.surely_finishes):
+            if with_pending >= max_model_len or (request.num_pending_tokens and (request.surely_finishes or pipelined)):
                 i += 1
                 continue
             num_new = with_pending - request.num_computed_tokens
@@ -191,7 +197,7 @@ class Scheduler:
         # (kv_cache_manager.py), at most a step's budget of them, so the copies run while this step computes.
         num_loading_tokens = 0
         while (not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs
-               and num_loading_tokens < self.config.max_num_batched_tokens):
+               and num_loading_tokens < self.config.max_num_batched_tokens and len(scheduled) < max_rows):
             request = self.waiting[0]
             lora = request.lora_request
             if lora is not None:

@@ -1,4 +1,4 @@
-"""Building the executor of an `LLM`: the device, the dtype, and one model runner or a tensor-parallel group."""
+"""Building the executor of an `LLM`: the device, the dtype, and one model runner or a model-parallel group."""
 
 from __future__ import annotations
 
@@ -12,26 +12,34 @@ from batchllm.executor.multiproc_executor import MultiprocExecutor
 from batchllm.model.config import ModelConfig, read_hf_config
 from batchllm.model.quantization import FP8, check_on_load, resolve_kv_cache_dtype, resolve_quantization
 from batchllm.model.quantization.fp8 import check_fp8_device
+from batchllm.model.stages import stage_layers
 
 
-def build_executor(config: RunnerConfig, tensor_parallel_size: int) -> Any:
-    """The model runner in this process, or with tensor parallelism a group of worker processes."""
-    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-        raise ValueError(f"LLM argument tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-    if tensor_parallel_size == 1:
+def build_executor(config: RunnerConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> Any:
+    """The model runner in this process, or with model parallelism a group of worker processes."""
+    check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
+    world = tensor_parallel_size * pipeline_parallel_size
+    if world == 1:
         return ModelRunner(config)
     model = ModelConfig.from_hf_dict(read_hf_config(config.model_path))
     check_tensor_parallel_shape(model.num_heads, model.num_kv_heads, model.intermediate_size, tensor_parallel_size)
+    stage_layers(model, pipeline_parallel_size)  # raises if the model has fewer layers than stages
+    sizes = f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size}"
     if config.device.type == "cuda" and config.device.index is not None:
-        raise ValueError(f"device={str(config.device)!r} names one GPU, but tensor_parallel_size="
-                         f"{tensor_parallel_size} uses GPUs 0..{tensor_parallel_size - 1}: pass device='cuda' and "
-                         f"choose the GPUs with CUDA_VISIBLE_DEVICES")
-    if config.device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
-                         f"{torch.cuda.device_count()} are visible")
+        raise ValueError(f"device={str(config.device)!r} names one GPU, but {sizes} uses GPUs 0..{world - 1}: pass "
+                         f"device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    if config.device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"{sizes} needs {world} GPUs, {torch.cuda.device_count()} are visible")
     # Each CPU rank gets its share of this process's threads, so ranks do not oversubscribe the cores.
-    num_threads = max(1, torch.get_num_threads() // tensor_parallel_size)
-    return MultiprocExecutor(config, tensor_parallel_size, num_threads)
+    num_threads = max(1, torch.get_num_threads() // world)
+    return MultiprocExecutor(config, tensor_parallel_size, num_threads, pipeline_parallel_size)
+
+
+def check_parallel_sizes(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"LLM argument {name} must be an int >= 1, got {value!r}")
 
 
 def resolve_device(device: str) -> torch.device:

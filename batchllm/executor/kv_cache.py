@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from batchllm.distributed.parallel_state import get_tp, kv_heads_per_rank
+from batchllm.distributed.parallel_state import get_pp, get_tp, kv_heads_per_rank
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.attention import Attention
+from batchllm.model.stages import StagePlan
 
 
 @dataclass(slots=True)
@@ -26,17 +27,23 @@ class KVCache:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes on this rank, which holds only its tensor-parallel share of the KV heads."""
+    """Bytes one block takes on this rank, which holds only its tensor-parallel share of the KV heads, of its
+    pipeline stage's layers."""
     element_size = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp().size)
-    return 2 * config.num_layers * block_size * num_kv_heads * config.head_dim * element_size
+    return 2 * num_stage_layers(config) * block_size * num_kv_heads * config.head_dim * element_size
+
+
+def num_stage_layers(config: ModelConfig) -> int:
+    pp = get_pp()
+    return config.num_layers if pp.size == 1 else StagePlan(config, pp.rank, pp.size).num_layers
 
 
 def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                       device: torch.device, dtype: torch.dtype) -> KVCache:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if len(layers) != config.num_layers:
-        raise RuntimeError(f"found {len(layers)} attention layers, the config says {config.num_layers}")
+    if len(layers) != num_stage_layers(config):
+        raise RuntimeError(f"found {len(layers)} attention layers, the config says {num_stage_layers(config)}")
     tensor = torch.empty(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, config.head_dim,
                          dtype=dtype, device=device)
     for i, layer in enumerate(layers):

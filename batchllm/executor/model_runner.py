@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
-from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, get_tp
+from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, get_pp, get_tp
 from batchllm.engine.interfaces import (
     AwaitingGrammar,
     GrammarBitmask,
@@ -32,6 +32,7 @@ from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache
 from batchllm.executor.kv_transfer import HostKVPool, host_blocks_for
 from batchllm.executor.lora_slots import LoRASlotManager
+from batchllm.executor.pipeline import StageLink
 from batchllm.executor.profiling import kv_pool_blocks
 from batchllm.executor.sampled_rows import RequestState, SampledRows, record_tokens
 from batchllm.executor.sampling_table import SamplingTable
@@ -72,7 +73,9 @@ class RunnerConfig:
 
 class ModelRunner:
     """Runs the model on one device. Under tensor parallelism every rank has one, fed the same
-    `SchedulerOutput`; each holds its shard of the weights and of the KV heads, and only rank 0 samples."""
+    `SchedulerOutput`; each holds its shard of the weights and of the KV heads, and only rank 0 samples. Under
+    pipeline parallelism each stage holds its layers (and their KV), takes the previous stage's activations and
+    hands its own to the next; the last stage samples."""
 
     def __init__(self, config: RunnerConfig) -> None:
         torch.manual_seed(config.seed)
@@ -85,6 +88,8 @@ class ModelRunner:
                                                    load_format=config.load_format, seed=config.seed,
                                                    quantization=config.quantization)
         self.model.eval()
+        self.pp = get_pp()
+        self.stage_link = StageLink(self.model_config.hidden_size, self.dtype, device) if self.pp.size > 1 else None
         # Adapter slots are allocated before the KV pool is sized from what memory is left.
         self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
                                      self.scheduler_config.max_num_batched_tokens, device, self.dtype)
@@ -127,7 +132,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self._unread: StepOutput | None = None  # the newest step whose tokens the host has not read yet
-        use_graphs = device.type == "cuda" and not config.enforce_eager
+        # Pipeline stages run eagerly: a decode graph replays the whole model from token ids to hidden states.
+        use_graphs = device.type == "cuda" and not config.enforce_eager and self.pp.size == 1
         self.graphs = self._capture_graphs() if use_graphs else None
         # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
         self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows
@@ -248,6 +254,13 @@ class ModelRunner:
             self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
         if shape is not None and self.graphs is not None:
             hidden = self.graphs.replay(*shape)
+        elif self.stage_link is not None:
+            previous = None if self.pp.is_first else self.stage_link.receive(input_ids.shape[0])
+            with set_forward_context(metadata):
+                hidden = self.model(input_ids, positions, previous)
+            if not self.pp.is_last:
+                self.stage_link.send(*hidden)
+                return StepOutput([], None, self._host_tokens.take(), _ignore)
         else:
             with set_forward_context(metadata), set_lora_batch(lora_batch):
                 hidden = self.model(input_ids, positions)

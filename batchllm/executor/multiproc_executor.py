@@ -1,11 +1,13 @@
-"""The tensor-parallel executor: `tensor_parallel_size` spawned worker processes, one per rank.
+"""The model-parallel executor: `pipeline_parallel_size * tensor_parallel_size` spawned worker processes, one
+per rank.
 
 The engine stays in the caller's process and never touches `torch.distributed`: each step it writes the
-`SchedulerOutput` once into a shared-memory broadcast queue that every rank reads, and reads rank 0's
-sampled tokens back from a second queue. Only rank 0 samples (from logits gathered across the ranks), so
-ranks cannot disagree about a token. Keeping the engine out of the process group means a waiting engine
-can always notice a dead worker and fail with a clear error, whatever the backend is doing; and the
-seam (one message in, one reply out) is where pipeline stages would also plug in.
+`SchedulerOutput` once into a shared-memory broadcast queue that every rank reads, and reads the driver's
+sampled tokens back from a second queue. Only the driver (the last stage's tensor-parallel rank 0) samples,
+from logits gathered across its stage's ranks, so ranks cannot disagree about a token. Pipeline stages read the
+same messages and hand activations down the pipeline themselves; the engine keeps several steps in flight,
+and the replies come back in launch order. Keeping the engine out of the process group means a waiting engine
+can always notice a dead worker and fail with a clear error, whatever the backend is doing.
 
 Lifecycle: workers are daemonic `spawn` processes. `shutdown()` (also run when the executor is garbage
 collected, at interpreter exit, after a failed or interrupted step) asks them to exit, then terminates and
@@ -24,19 +26,20 @@ from typing import Any
 
 from batchllm.distributed.shm_queue import ShmReader, ShmWriter, create_queue, unlink_queue
 from batchllm.engine.interfaces import AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from batchllm.executor.tp_worker import POLL_S, WorkerArgs, WorkerReady, worker_main
+from batchllm.executor.tp_worker import POLL_S, WorkerArgs, WorkerReady, worker_main, worker_name
 
 _JOIN_S = 5.0
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process ended while the engine needed it."""
+    """A model-parallel worker process ended while the engine needed it."""
 
 
 class MultiprocExecutor:
-    def __init__(self, runner_config: Any, tensor_parallel_size: int, num_threads: int) -> None:
+    def __init__(self, runner_config: Any, tensor_parallel_size: int, num_threads: int,
+                 pipeline_parallel_size: int = 1) -> None:
         context = multiprocessing.get_context("spawn")
-        self._group = _WorkerGroup(context, runner_config, tensor_parallel_size, num_threads)
+        self._group = _WorkerGroup(context, runner_config, tensor_parallel_size, pipeline_parallel_size, num_threads)
         # At garbage collection and interpreter exit alike; holds the group, not self, so self can be collected.
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         ready: WorkerReady = self._group.call(None, first=True)
@@ -70,17 +73,19 @@ class MultiprocExecutor:
 
 
 class _WorkerGroup:
-    def __init__(self, context: Any, runner_config: Any, tp_size: int, num_threads: int) -> None:
-        self.steps = create_queue(context, tp_size)
+    def __init__(self, context: Any, runner_config: Any, tp_size: int, pp_size: int, num_threads: int) -> None:
+        world = tp_size * pp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
+        self.steps = create_queue(context, world)
         self.replies = create_queue(context, 1)
         self.errors = context.Queue()
         self.failure: str | None = None
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.processes = [
-            context.Process(target=worker_main, name=f"batchllm-tp-rank{rank}", daemon=True, args=(WorkerArgs(
-                runner_config, rank, tp_size, init_method, num_threads, os.getpid(), self.steps, self.replies,
-                self.errors),))
-            for rank in range(tp_size)
+            context.Process(target=worker_main, name=f"batchllm-rank{rank}", daemon=True, args=(WorkerArgs(
+                runner_config, rank, tp_size, pp_size, init_method, num_threads, os.getpid(), self.steps,
+                self.replies, self.errors),))
+            for rank in range(world)
         ]
         try:
             for process in self.processes:
@@ -92,10 +97,10 @@ class _WorkerGroup:
             raise
 
     def call(self, message: SchedulerOutput | GrammarBitmask | None, first: bool = False, wait: bool = True) -> Any:
-        """Broadcast `message` (None: only wait) and return rank 0's reply (`wait=False`: only broadcast);
+        """Broadcast `message` (None: only wait) and return the driver's reply (`wait=False`: only broadcast);
         any failure shuts the group down."""
         if self.failure is not None:
-            raise WorkerDiedError(f"the tensor-parallel workers are shut down: {self.failure}")
+            raise WorkerDiedError(f"the model-parallel workers are shut down: {self.failure}")
         try:
             if message is not None:
                 self.writer.put(message)
@@ -123,12 +128,15 @@ class _WorkerGroup:
         silent = [(rank, p) for rank, p in dead if rank not in reports]
         if silent:
             rank, process = silent[0]
-            self.failure = f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+            self.failure = f"{self._name(rank)} (pid {process.pid}) exited with code {process.exitcode}"
         else:
             rank = min(reports)
-            self.failure = f"rank {rank} (pid {self.processes[rank].pid}) failed"
+            self.failure = f"{self._name(rank)} (pid {self.processes[rank].pid}) failed"
         detail = reports.get(rank, "")
-        raise WorkerDiedError(f"tensor-parallel worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
+        raise WorkerDiedError(f"model-parallel worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
+
+    def _name(self, rank: int) -> str:
+        return worker_name(rank, self.tp_size, self.pp_size)
 
     def _drain_errors(self, wait_s: float) -> dict[int, str]:
         """The (rank → traceback) reports waiting on the error queue; waits up to `wait_s` for the first."""
@@ -167,7 +175,7 @@ class _WorkerGroup:
 
 
 class _Reply:
-    """Rank 0's reply to a launched step, read when the engine asks for it."""
+    """The driver's reply to a launched step, read when the engine asks for it."""
 
     def __init__(self, group: _WorkerGroup) -> None:
         self._group = group

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.distributed.parallel_state import get_pp
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
@@ -44,9 +45,16 @@ def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, confi
     torch.cuda.reset_peak_memory_stats()
     input_ids, positions, metadata, logits_indices = inputs.prepare(
         [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), tables, np.arange(num_seqs), np.arange(num_seqs))
+    pp = get_pp()
     with set_forward_context(metadata):
-        hidden = model(input_ids, positions)
-    logits = model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
+        if pp.is_first:
+            hidden = model(input_ids, positions)
+        else:  # a later pipeline stage continues from the previous stage's hidden states and residual
+            hidden = model(input_ids, positions, tuple(torch.zeros(num_tokens, model_config.hidden_size, dtype=dtype,
+                                                                   device=device) for _ in range(2)))
+    logits = None
+    if pp.is_last:
+        logits = model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
     if logits is not None:
         torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
     torch.cuda.synchronize()

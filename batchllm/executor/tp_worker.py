@@ -1,9 +1,11 @@
-"""The body of a tensor-parallel worker process: one rank, one `ModelRunner`, one step per message.
+"""The body of a model-parallel worker process: one rank, one `ModelRunner`, one step per message.
 
-Each rank joins the process group, builds its shard of the model and KV cache, then loops: read the step's
-`SchedulerOutput` from the shared-memory broadcast, run it, and (rank 0 only) write the sampled tokens
-back. `None` is the shutdown message. A failure is reported on the error queue with its traceback before
-the process exits, so the engine can raise it instead of hanging.
+Each rank joins the process group, builds its shard of the model and KV cache (its tensor-parallel share of
+its pipeline stage's layers), then loops: read the step's `SchedulerOutput` from the shared-memory broadcast,
+run it, and (the driver: the last stage's tensor-parallel rank 0) write the sampled tokens back. Under pipeline
+parallelism a stage moves on to the next message as soon as it has handed its activations on, so several
+steps are in flight along the pipeline. `None` is the shutdown message. A failure is reported on the error
+queue with its traceback before the process exits, so the engine can raise it instead of hanging.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ POLL_S = 1.0  # how often a waiting process checks that the other side is still 
 @dataclass(frozen=True, slots=True)
 class WorkerArgs:
     runner: Any  # RunnerConfig (typed loosely: this module is imported before torch in the worker)
-    rank: int
+    rank: int  # global: stage * tp_size + tensor-parallel rank
     tp_size: int
+    pp_size: int
     init_method: str
     num_threads: int
     parent_pid: int
@@ -38,7 +41,7 @@ class WorkerArgs:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReady:
-    """Rank 0's first reply: the facts the engine sizes its scheduler by, agreed by every rank."""
+    """The driver's first reply: the facts the engine sizes its scheduler by, agreed by every rank."""
 
     num_blocks: int
     max_model_len: int
@@ -54,12 +57,14 @@ def worker_main(args: WorkerArgs) -> None:
 
     def exit_if_orphaned() -> None:
         if os.getppid() != args.parent_pid:
-            raise SystemExit(f"batchllm tensor-parallel rank {args.rank}: the engine process is gone")
+            raise SystemExit(f"batchllm worker {worker_name(args.rank, args.tp_size, args.pp_size)}: the engine "
+                         f"process is gone")
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a rank is stuck
     try:
         steps = ShmReader(args.steps, args.rank, exit_if_orphaned, POLL_S)
-        replies = ShmWriter(args.replies, exit_if_orphaned, POLL_S) if args.rank == 0 else None
+        driver = args.rank == (args.pp_size - 1) * args.tp_size
+        replies = ShmWriter(args.replies, exit_if_orphaned, POLL_S) if driver else None
         runner = _build_runner(args)
         if replies is not None:
             replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size,
@@ -84,15 +89,15 @@ def worker_main(args: WorkerArgs) -> None:
         args.errors.close()
         args.errors.join_thread()
         os._exit(1)
-    from batchllm.distributed.parallel_state import destroy_tensor_parallel
+    from batchllm.distributed.parallel_state import destroy_model_parallel
 
-    destroy_tensor_parallel()
+    destroy_model_parallel()
 
 
 def _build_runner(args: WorkerArgs):
     import torch
 
-    from batchllm.distributed.parallel_state import init_tensor_parallel
+    from batchllm.distributed.parallel_state import init_model_parallel
     from batchllm.executor.model_runner import ModelRunner
 
     config = args.runner
@@ -103,5 +108,10 @@ def _build_runner(args: WorkerArgs):
     else:
         device, backend = config.device, "gloo"
         torch.set_num_threads(args.num_threads)
-    init_tensor_parallel(args.rank, args.tp_size, backend, args.init_method, timeout_s=1800)
+    init_model_parallel(args.rank, args.tp_size, args.pp_size, backend, args.init_method, timeout_s=1800)
     return ModelRunner(dataclasses.replace(config, device=device))
+
+
+def worker_name(rank: int, tp_size: int, pp_size: int) -> str:
+    """How errors name a worker: `rank 1`, or under pipeline parallelism `stage 1 (rank 3)`."""
+    return f"rank {rank}" if pp_size == 1 else f"stage {rank // tp_size} (rank {rank})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchllm.distributed.parallel_state import get_pp
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.activation import SiluAndMul
 from batchllm.model.layers.attention import Attention
@@ -17,6 +18,10 @@ from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logi
 from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.layers.rotary import RotaryEmbedding
+from batchllm.model.stages import StagePlan
+
+# What a pipeline stage hands the next: the hidden states and the residual stream, both [T, H].
+StageOutput = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaSelfAttention(nn.Module):
@@ -80,28 +85,43 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class HeldElsewhere(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: layer indices (and parameter names) stay those of
+    the checkpoint."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp()
+        self.stage = StagePlan(config, pp.rank, pp.size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.stage.has_embedding else None
         # One cos/sin table shared by every layer: for long-context models it is tens of MB.
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) if self.stage.holds_layer(i)
+                                    else HeldElsewhere() for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        """The final hidden states `[T, H]`; under pipeline parallelism a stage other than the first continues
+        from `previous_stage`, and one other than the last returns what the next stage continues from."""
+        if previous_stage is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = previous_stage
         aux = []
-        for i, layer in enumerate(self.layers):
+        for i in range(self.stage.start, self.stage.end):
             if i in self.aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
         if aux:
             self.aux_hidden = torch.cat(aux, dim=-1)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -129,11 +149,17 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied models read logits off the embedding table instead of holding a second copy.
         self.lm_head = (
-            None if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
+            None if config.tie_word_embeddings or not self.model.stage.is_last
+            else LMHead(config.vocab_size, config.hidden_size)
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        return self.model(input_ids, positions, previous_stage)
+
+    def held_elsewhere(self, checkpoint_name: str) -> bool:
+        """A checkpoint tensor of a part another pipeline stage holds."""
+        return self.model.stage.held_elsewhere(checkpoint_name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits `[N, vocab_size]` for the hidden states of the tokens that need them; under tensor
@@ -142,4 +168,4 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]

@@ -100,6 +100,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, q
     `packed_modules_mapping`), checked for shape; a missing or unexpected tensor is an error, except the
     names in `ignore`, which the caller reads itself."""
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
+    held_elsewhere = getattr(model, "held_elsewhere", None)  # pipeline parallelism: another stage's tensors
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[tuple[str, Hashable]] = set()
@@ -120,7 +121,8 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, q
         for file, checkpoint in zip(files, checkpoints, strict=True):
             for name in checkpoint.keys():
                 if (name.endswith(_UNUSED_SUFFIXES) or name in ignore
-                        or (name == "lm_head.weight" and config.tie_word_embeddings)):
+                        or (name == "lm_head.weight" and config.tie_word_embeddings)
+                        or (held_elsewhere is not None and held_elsewhere(name))):
                     continue
                 if quant is not None and name.endswith(COMPONENT_SUFFIXES if quant.method == INT else SCALE_SUFFIXES):
                     continue  # read with their weights

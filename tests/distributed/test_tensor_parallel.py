@@ -38,8 +38,8 @@ SHAPES = {
 
 
 def write_checkpoint(directory: Path, **shape) -> Path:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
-                         **shape)
+    config = LlamaConfig(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                            "max_position_embeddings": 256, **shape})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
