@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Any
 
-from batchllm.cli_types import speculative_config
+from batchllm.cli_types import disaggregated_layout, speculative_config
 from batchllm.config import PREEMPTION_MODES
 from batchllm.engine.structured_output import GRAMMAR_BACKENDS
 from batchllm.llm import LLM
@@ -22,7 +22,7 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
                 "pipeline_parallel_size": int, "max_loras": int, "max_lora_rank": int, "num_kv_blocks": int, "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
-                      "speculative_config", "preemption_mode")
+                      "speculative_config", "preemption_mode", "disaggregated")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
@@ -55,6 +55,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["speculative_config"],
                         help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              '(vLLM\'s keys; outputs keep the model\'s distribution, greedy ones are unchanged)')
+    parser.add_argument("--disaggregated", type=disaggregated_layout, metavar="JSON",
+                        default=ENGINE_DEFAULTS["disaggregated"],
+                        help='engine: a prefill engine hands each prompt\'s K/V to a decode engine, each on its own '
+                             'GPU (or process), e.g. \'{"prefill": 1, "decode": 1}\'')
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

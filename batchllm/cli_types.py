@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchllm.disaggregation import parse_layout
 from batchllm.engine.spec.config import parse_speculative_config
 from batchllm.structured_outputs import StructuredOutputsParams
 
@@ -70,6 +71,16 @@ def adapter(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter name and its PEFT directory), got {text!r}")
     return name.strip(), path
+
+
+def disaggregated_layout(text: str) -> dict[str, Any]:
+    """`--disaggregated JSON`, e.g. '{"prefill": 1, "decode": 1}': checked here, passed on as the dict."""
+    try:
+        layout = json.loads(text)
+        parse_layout(layout)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("LLM argument disaggregated", "--disaggregated")) from None
+    return layout
 
 
 def speculative_config(text: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.disaggregation import build_disaggregated, parse_layout
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.kv_cache_manager import KVCacheManager
@@ -48,6 +49,12 @@ class LLM:
     each its own GPU; times `tensor_parallel_size` for both), activations passing down the pipeline; P steps are
     in flight at once, each with its own requests, so every stage has work. Not with speculative decoding or LoRA
     (refused), and its stages run without CUDA graphs.
+
+    `disaggregated={"prefill": 1, "decode": 1}`: a prefill engine computes the prompts and hands their K/V to a
+    decode engine, which generates; each in a worker process of its own, on two GPUs (or sharing one, or the
+    CPU). Outputs are one engine's (the decode engine samples every token). Optional `"buffer_blocks"`: the K/V
+    blocks of the buffer between them. Not with tensor or pipeline parallelism, LoRA or speculative decoding.
+    See batchllm/disaggregation.py.
 
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
@@ -98,7 +105,8 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | str | None = None, swap_space: float = 0,
-                 preemption_mode: str = "recompute", pipeline_parallel_size: int = 1) -> None:
+                 preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
+                 disaggregated: dict[str, int] | None = None) -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import (
             build_executor,
@@ -138,6 +146,14 @@ class LLM:
         if pipeline_parallel_size > 1 and (spec_config is not None or enable_lora):
             raise ValueError(f"LLM argument pipeline_parallel_size={pipeline_parallel_size} does not work with "
                              f"{'speculative_config' if spec_config is not None else 'enable_lora=True'} yet")
+        layout = parse_layout(disaggregated)
+        if layout is not None:
+            conflicts = [name for name, used in (("tensor_parallel_size", tensor_parallel_size > 1),
+                                                 ("pipeline_parallel_size", pipeline_parallel_size > 1),
+                                                 ("speculative_config", spec_config is not None),
+                                                 ("enable_lora", enable_lora)) if used]
+            if conflicts:
+                raise ValueError(f"LLM argument disaggregated does not work with {conflicts[0]} yet")
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
@@ -156,21 +172,26 @@ class LLM:
                                      max_model_len, seed, eos_token_ids, load_format, enforce_eager,
                                      async_scheduling and pipeline_parallel_size == 1, scheduler_config.max_loras,
                                      max_lora_rank, quantization, kv_cache_dtype, spec_config)
-        runner = build_executor(runner_config, tensor_parallel_size, pipeline_parallel_size)
-        scheduler_config.max_model_len = runner.max_model_len
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
-        kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching, runner.num_host_blocks)
-        speculator = None if spec_config is None else Speculator(
-            spec_config, spec_config.overhead_for(torch_device.type), runner.max_model_len,
-            spec_config.verify_overhead_for(torch_device.type), runner.max_verify_rows)
-        scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop, speculator)
         structured = None
         model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
         if self.tokenizer is not None:
             structured = StructuredOutputManager(self.tokenizer, model_config.vocab_size, eos_token_ids,
                                                  structured_outputs_backend)
-        self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured, pipeline_parallel_size)
-        self.runner = runner
+        if layout is not None:
+            self.engine, self.runner = build_disaggregated(layout, runner_config, scheduler_config, detokenizer,
+                                                           structured, async_scheduling)
+        else:
+            runner = build_executor(runner_config, tensor_parallel_size, pipeline_parallel_size)
+            scheduler_config.max_model_len = runner.max_model_len
+            kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching, runner.num_host_blocks)
+            speculator = None if spec_config is None else Speculator(
+                spec_config, spec_config.overhead_for(torch_device.type), runner.max_model_len,
+                spec_config.verify_overhead_for(torch_device.type), runner.max_verify_rows)
+            scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop, speculator)
+            self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured,
+                                     pipeline_parallel_size)
+            self.runner = runner
         self.load_seconds = time.perf_counter() - start
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0

@@ -48,6 +48,10 @@ class EngineStats:
     host_prefix_hits: int = 0  # of prefix_cache_hits, the tokens served from the host tier
     kv_transfer_bytes: int = 0  # bytes copied between the pools (one rank's share under tensor parallelism)
     kv_transfer_seconds: float = 0.0  # time the copies took (0 under tensor parallelism: the ranks keep it)
+    # Disaggregated prefill / decode (the decode engine's figures above; these count what crossed over).
+    kv_handoffs: int = 0  # requests admitted with their prompt's K/V from the prefill engine
+    kv_handoff_blocks: int = 0
+    kv_handoffs_recomputed: int = 0  # handed over without K/V (the buffer was full), computed by the decode engine
 
     @classmethod
     def collect(cls, scheduler_stats: SchedulerStats, kv_cache: KVCacheManager, runner: Any,
@@ -64,6 +68,10 @@ class EngineStats:
                           spilled_blocks=tier.spilled_blocks, host_tier_loaded_blocks=tier.loaded_blocks,
                           host_prefix_hits=tier.host_prefix_hits, kv_transfer_seconds=transfer_seconds,
                           kv_transfer_bytes=tier.copied_blocks * runner.host_block_bytes)
+        handoff = getattr(kv_cache, "handoff", None)
+        if handoff is not None:
+            fields.update(kv_handoffs=handoff.requests, kv_handoff_blocks=handoff.blocks,
+                          kv_handoffs_recomputed=handoff.recomputed)
         cache = kv_cache.stats
         return cls(**fields, block_size=runner.block_size, max_model_len=runner.max_model_len,
                    prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,

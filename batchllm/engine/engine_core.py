@@ -95,6 +95,10 @@ class EngineCore:
             self.detokenizer.release([request_id])
         return request
 
+    def in_flight_outputs(self) -> list[SchedulerOutput]:
+        """The steps launched and not yet applied, oldest first."""
+        return [so for so, _ in self._in_flight]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 

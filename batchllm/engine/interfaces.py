@@ -94,6 +94,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Copies between the device pool and the host tier, before the copy-on-write ones (engine/host_tier.py).
     transfers: BlockTransfers | None = None
+    # Disaggregated prefill / decode: copies between the device pool and the buffer the two engines share
+    # (engine/kv_handoff.py), as `transfers`: the prefill engine's offloads, the decode engine's loads.
+    link_transfers: BlockTransfers | None = None
     # Sampled requests whose tokens a grammar constrains. With `grammar` None the runner runs the forward pass
     # and waits for the bitmask (`AwaitingGrammar`): the engine computes it once the previous step is applied.
     grammar_request_ids: list[str] = field(default_factory=list)
@@ -107,7 +110,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do: no request and no K/V copy (a swap-out can empty a step of requests)."""
-        return not self.requests and self.transfers is None
+        return not self.requests and self.transfers is None and self.link_transfers is None
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from batchllm.engine.block_hash import extend_block_hashes
 from batchllm.engine.block_pool import BlockPool, KVCacheBlock
-from batchllm.engine.host_tier import HostTier
+from batchllm.engine.host_tier import HostTier, HostTierStats
 from batchllm.engine.interfaces import BlockTransfers
 from batchllm.engine.request import Request
 
@@ -75,6 +75,12 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the current step
         self.peak_used_blocks = 0
         self.stats = PrefixCacheStats()
+
+    def reset_stats(self) -> None:
+        self.peak_used_blocks = self.pool.num_used_blocks
+        self.stats = PrefixCacheStats()
+        if self.host is not None:
+            self.host.stats = HostTierStats()
 
     def begin_step(self) -> None:
         """A new step: the last step's loads land before its forward pass, so what they fill can be read."""
@@ -178,6 +184,14 @@ class KVCacheManager:
         self._swapped[request.request_id] = host_blocks
         self.host.stats.swap_preemptions += 1
         return True
+
+    def arrived_tokens(self, request: Request) -> int:
+        """Tokens whose K/V another engine computed for this request (kv_handoff.py); 0: none."""
+        return 0
+
+    def take_link_transfers(self) -> BlockTransfers | None:
+        """The step's copies to or from another engine's buffer (kv_handoff.py); None: none."""
+        return None
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._swapped

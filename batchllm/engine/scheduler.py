@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from batchllm.config import SchedulerConfig
-from batchllm.engine.host_tier import HostTierStats
 from batchllm.engine.interfaces import (
     ModelRunnerOutput,
     NewRequestData,
@@ -36,7 +35,7 @@ from batchllm.engine.interfaces import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager, PrefixCacheStats
+from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.engine.spec.speculator import Speculator
 
@@ -112,10 +111,7 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
-        self.kv_cache.peak_used_blocks = self.kv_cache.pool.num_used_blocks
-        self.kv_cache.stats = PrefixCacheStats()
-        if self.kv_cache.host is not None:
-            self.kv_cache.host.stats = HostTierStats()
+        self.kv_cache.reset_stats()
         if self.speculator is not None:
             self.speculator.reset_stats()
 
@@ -229,7 +225,8 @@ class Scheduler:
         observe = self.speculator is not None and (speculative or self.speculator.wants_observation)
         return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
                                speculative=speculative, observe_drafts=observe,
-                               transfers=self.kv_cache.take_transfers())
+                               transfers=self.kv_cache.take_transfers(),
+                               link_transfers=self.kv_cache.take_link_transfers())
 
     def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation | None] | None:
         """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus
@@ -239,6 +236,13 @@ class Scheduler:
         if kv.is_swapped(request):  # preempted by swapping: its K/V comes back from the host tier
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             return (num_new, None) if kv.swap_in(request, num_new) else None
+        arrived = kv.arrived_tokens(request)
+        if arrived:  # disaggregated decode: a prefill engine computed its prompt's K/V
+            num_new = min(request.num_tokens - arrived, budget)
+            if not kv.receive(request, num_new):
+                return None
+            request.num_computed_tokens = arrived
+            return num_new, None
         parent = self._fork_parent(request)
         if parent is _WAIT:
             return None

@@ -10,12 +10,19 @@ through a small device staging buffer:
   (engine/kv_cache_manager.py), whose forward pass waits for them (`wait_for_loads`).
 Every wait is a stream-to-stream event: the host never syncs. On the CPU (the device pool is host memory
 too) the copies are plain indexed copies, done when `run` returns.
+
+The same pool, backed by a shared file (`backing`), is the buffer through which a disaggregated prefill engine
+hands K/V to the decode engine (engine/kv_handoff.py): one process offloads into it, the other loads from it.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
 import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,10 +40,13 @@ class HostKVPool:
     """`caches`: the device KV tensors that share the block ids (the target's, and a drafter's), each laid out
     [2, layers, blocks, block_size, heads, head_dim]."""
 
-    def __init__(self, caches: list[torch.Tensor], num_blocks: int, device: torch.device) -> None:
+    def __init__(self, caches: list[torch.Tensor], num_blocks: int, device: torch.device,
+                 backing: Path | None = None) -> None:
         # Block-major byte views of the device caches (dtype-agnostic: FP8 caches have no index_copy_).
         self._device_views = [cache.view(torch.uint8).permute(2, 0, 1, 3, 4, 5) for cache in caches]
-        self._host = [_host_tensor((num_blocks, *view.shape[1:]), device) for view in self._device_views]
+        if backing is not None and len(caches) != 1:
+            raise ValueError("a shared K/V buffer holds one cache")
+        self._host = [_host_tensor((num_blocks, *view.shape[1:]), device, backing) for view in self._device_views]
         self.num_blocks = num_blocks
         self.bytes_per_block = sum(host[0].numel() for host in self._host)
         self._cuda = device.type == "cuda"
@@ -77,6 +87,11 @@ class HostKVPool:
         self._timings.append((begin, end))
         if len(self._timings) > 64:
             self._collect_timings(wait=False)
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued so far is done (another process reads what the offloads wrote)."""
+        if self._cuda:
+            self._stream.synchronize()
 
     def wait_for_loads(self) -> None:
         """Called before each step: its forward pass may read what the previous step's loads wrote."""
@@ -147,10 +162,26 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _host_tensor(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Host memory for the pool; pinned (page-locked) for a GPU, registered in place: torch's pinned allocator
-    rounds each allocation up to a power of two, which would nearly double a 20 GiB swap space."""
-    tensor = torch.empty(shape, dtype=torch.uint8)
+def create_shared_buffer(num_bytes: int) -> Path:
+    """A file of `num_bytes` in shared memory (/dev/shm where there is one) for `HostKVPool(backing=...)`; the
+    caller deletes it once every process has mapped it."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    handle, name = tempfile.mkstemp(prefix="batchllm-kv-link-", dir=directory)
+    try:
+        os.ftruncate(handle, num_bytes)
+    finally:
+        os.close(handle)
+    return Path(name)
+
+
+def _host_tensor(shape: tuple[int, ...], device: torch.device, backing: Path | None = None) -> torch.Tensor:
+    """Host memory for the pool (or the shared file `backing`, mapped); pinned (page-locked) for a GPU, registered
+    in place: torch's pinned allocator rounds each allocation up to a power of two, which would nearly double a
+    20 GiB swap space."""
+    if backing is None:
+        tensor = torch.empty(shape, dtype=torch.uint8)
+    else:
+        tensor = torch.from_file(str(backing), shared=True, size=math.prod(shape), dtype=torch.uint8).view(shape)
     if device.type != "cuda" or not tensor.numel():
         return tensor
     cudart = torch.cuda.cudart()

@@ -69,6 +69,8 @@ class RunnerConfig:
     quantization: str | None = None  # "fp8"; a quantized checkpoint is detected from its config.json
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8"
     speculative: SpeculativeConfig | None = None
+    # Disaggregated prefill / decode: the buffer shared with the other engine (a file), and its blocks.
+    kv_link: tuple[Path, int] | None = None
 
 
 class ModelRunner:
@@ -118,6 +120,8 @@ class ModelRunner:
         self.host_kv = self._allocate_host_tier(config.cache.swap_space_bytes)
         self.num_host_blocks = 0 if self.host_kv is None else self.host_kv.num_blocks
         self.host_block_bytes = 0 if self.host_kv is None else self.host_kv.bytes_per_block
+        self.kv_link = None if config.kv_link is None else HostKVPool([self.kv_cache.tensor], config.kv_link[1], device,
+                                                                      backing=config.kv_link[0])
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, num_blocks)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -182,6 +186,12 @@ class ModelRunner:
             self.host_kv.wait_for_loads()
             if so.transfers is not None:
                 self.host_kv.run(so.transfers)
+        if self.kv_link is not None:
+            self.kv_link.wait_for_loads()
+            if so.link_transfers is not None:
+                self.kv_link.run(so.link_transfers)
+                if so.link_transfers.offloads:
+                    self.kv_link.synchronize()  # the decode engine may read them once this step is applied
         if so.block_copies:
             self.kv_cache.copy_blocks(so.block_copies)
             if self.drafter is not None:

@@ -37,9 +37,11 @@ class WorkerDiedError(RuntimeError):
 
 class MultiprocExecutor:
     def __init__(self, runner_config: Any, tensor_parallel_size: int, num_threads: int,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, label: str = "model-parallel") -> None:
+        """`label` names the workers in errors ("model-parallel", or a disaggregated engine's "prefill")."""
         context = multiprocessing.get_context("spawn")
-        self._group = _WorkerGroup(context, runner_config, tensor_parallel_size, pipeline_parallel_size, num_threads)
+        self._group = _WorkerGroup(context, runner_config, tensor_parallel_size, pipeline_parallel_size, num_threads,
+                                   label)
         # At garbage collection and interpreter exit alike; holds the group, not self, so self can be collected.
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         ready: WorkerReady = self._group.call(None, first=True)
@@ -73,9 +75,10 @@ class MultiprocExecutor:
 
 
 class _WorkerGroup:
-    def __init__(self, context: Any, runner_config: Any, tp_size: int, pp_size: int, num_threads: int) -> None:
+    def __init__(self, context: Any, runner_config: Any, tp_size: int, pp_size: int, num_threads: int,
+                 label: str) -> None:
         world = tp_size * pp_size
-        self.tp_size, self.pp_size = tp_size, pp_size
+        self.tp_size, self.pp_size, self.label = tp_size, pp_size, label
         self.steps = create_queue(context, world)
         self.replies = create_queue(context, 1)
         self.errors = context.Queue()
@@ -100,7 +103,7 @@ class _WorkerGroup:
         """Broadcast `message` (None: only wait) and return the driver's reply (`wait=False`: only broadcast);
         any failure shuts the group down."""
         if self.failure is not None:
-            raise WorkerDiedError(f"the model-parallel workers are shut down: {self.failure}")
+            raise WorkerDiedError(f"the {self.label} workers are shut down: {self.failure}")
         try:
             if message is not None:
                 self.writer.put(message)
@@ -133,7 +136,7 @@ class _WorkerGroup:
             rank = min(reports)
             self.failure = f"{self._name(rank)} (pid {self.processes[rank].pid}) failed"
         detail = reports.get(rank, "")
-        raise WorkerDiedError(f"model-parallel worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
+        raise WorkerDiedError(f"{self.label} worker {self.failure}" + (f"; its error:\n{detail}" if detail else ""))
 
     def _name(self, rank: int) -> str:
         return worker_name(rank, self.tp_size, self.pp_size)

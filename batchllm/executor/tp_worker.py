@@ -102,7 +102,8 @@ def _build_runner(args: WorkerArgs):
 
     config = args.runner
     if config.device.type == "cuda":
-        device = torch.device("cuda", args.rank)
+        # From the GPU a runner config names (disaggregated engines each start at their own), one GPU per rank.
+        device = torch.device("cuda", (config.device.index or 0) + args.rank)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:

@@ -1,0 +1,111 @@
+"""Building a disaggregated prefill / decode engine (`LLM(model, disaggregated={"prefill": 1, "decode": 1})`).
+
+Two engines of the same model, each in a worker process of its own: on two GPUs, the first for prefill and the
+second for decode; on one GPU, both on it (the prefill engine takes half of `gpu_memory_utilization`, the decode
+engine what is left of it); on the CPU, two processes sharing the cores. They share a buffer of K/V blocks in
+shared memory (pinned on a GPU), through which each prompt's K/V goes from one to the other
+(engine/kv_handoff.py). The engine loop is engine/disaggregated.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from batchllm.config import SchedulerConfig
+from batchllm.engine.block_pool import BlockPool
+from batchllm.engine.detokenizer import Detokenizer
+from batchllm.engine.disaggregated import DisaggregatedEngineCore
+from batchllm.engine.engine_core import EngineCore
+from batchllm.engine.kv_handoff import DecodeKVCacheManager, PrefillKVCacheManager
+from batchllm.engine.scheduler import Scheduler
+from batchllm.engine.structured_output import StructuredOutputManager
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    prefill: int = 1  # GPUs (processes) of the prefill engine
+    decode: int = 1
+    buffer_blocks: int | None = None  # K/V blocks of the shared buffer; None: a step's budget plus a block a row
+
+
+def parse_layout(value: Any) -> Layout | None:
+    name = "LLM argument disaggregated"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"prefill", "decode", "buffer_blocks"}:
+        raise ValueError(f"{name} must be a dict with the keys 'prefill', 'decode' (and 'buffer_blocks'), got {value!r}")
+    layout = Layout(**value)
+    if (layout.prefill, layout.decode) != (1, 1):
+        raise ValueError(f'{name} supports {{"prefill": 1, "decode": 1}} (one engine each), got {value!r}')
+    blocks = layout.buffer_blocks
+    if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1):
+        raise ValueError(f"{name}['buffer_blocks'] must be an int >= 1, got {blocks!r}")
+    return layout
+
+
+class EnginePair:
+    """The two executors, seen by `LLM` as its runner: the decode engine's figures, both engines' processes."""
+
+    def __init__(self, prefill: Any, decode: Any) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.block_size, self.max_model_len = decode.block_size, min(prefill.max_model_len, decode.max_model_len)
+        self.num_blocks, self.host_block_bytes = decode.num_blocks, decode.host_block_bytes
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self.prefill.worker_pids + self.decode.worker_pids
+
+    def shutdown(self) -> None:
+        self.prefill.shutdown()
+        self.decode.shutdown()
+
+
+def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: SchedulerConfig,
+                        detokenizer: Detokenizer, structured: StructuredOutputManager | None,
+                        async_scheduling: bool) -> tuple[DisaggregatedEngineCore, EnginePair]:
+    import torch
+
+    from batchllm.executor.kv_cache import kv_bytes_per_block
+    from batchllm.executor.kv_transfer import create_shared_buffer
+    from batchllm.executor.multiproc_executor import MultiprocExecutor
+    from batchllm.model.config import ModelConfig, read_hf_config
+    from batchllm.model.quantization.fp8 import FP8_DTYPE
+
+    config = runner_config
+    model = ModelConfig.from_hf_dict(read_hf_config(config.model_path))
+    kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else config.dtype
+    block_size = config.cache.block_size
+    num_slots = layout.buffer_blocks or (-(-scheduler_config.max_num_batched_tokens // block_size)
+                                         + scheduler_config.max_num_seqs)
+    buffer = create_shared_buffer(num_slots * kv_bytes_per_block(model, block_size, kv_dtype))
+    try:
+        devices = [config.device, config.device]
+        utilization = config.cache.gpu_memory_utilization
+        prefill_cache = config.cache
+        if config.device.type == "cuda":
+            if torch.cuda.device_count() >= 2:
+                devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+            else:  # one GPU: the prefill engine starts first and takes half; the decode engine what is left
+                devices = [torch.device("cuda", 0)] * 2
+                prefill_cache = dataclasses.replace(config.cache, gpu_memory_utilization=utilization / 2)
+        threads = max(1, torch.get_num_threads() // 2)
+        prefill = MultiprocExecutor(dataclasses.replace(config, device=devices[0], cache=prefill_cache,
+                                                        kv_link=(buffer, num_slots)), 1, threads, label="prefill engine")
+        decode = MultiprocExecutor(dataclasses.replace(config, device=devices[1], kv_link=(buffer, num_slots)), 1,
+                                   threads, label="decode engine")
+    finally:
+        buffer.unlink()  # mapped by both workers by now (or never to be)
+    pair = EnginePair(prefill, decode)
+    scheduler_config.max_model_len = pair.max_model_len
+    link = BlockPool(num_slots)
+    caching = config.cache.enable_prefix_caching
+    prefill_kv = PrefillKVCacheManager(prefill.num_blocks, block_size, caching, link, prefill.num_host_blocks)
+    decode_kv = DecodeKVCacheManager(decode.num_blocks, block_size, caching, link, decode.num_host_blocks)
+    no_text = Detokenizer(None, frozenset())  # the prefill engine's one sample per prompt is thrown away
+    prefill_scheduler = Scheduler(dataclasses.replace(scheduler_config), prefill_kv, no_text.check_stop)
+    prefill_core = EngineCore(prefill_scheduler, prefill, no_text, async_scheduling=True)
+    decode_core = EngineCore(Scheduler(scheduler_config, decode_kv, detokenizer.check_stop), decode, detokenizer,
+                             async_scheduling, structured)
+    return DisaggregatedEngineCore(prefill_core, decode_core), pair

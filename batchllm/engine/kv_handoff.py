@@ -1,0 +1,166 @@
+"""Disaggregated prefill / decode: moving a prompt's K/V from the prefill engine to the decode engine.
+
+The two engines share a buffer of K/V blocks (executor/kv_transfer.py maps it in both processes), whose slots
+the coordinator (disaggregated.py) hands out from one `BlockPool`:
+- the prefill engine computes every prompt token but the last (its request is the prompt less its last token,
+  one discarded greedy sample); when such a request ends, its blocks are copied into free slots by the next
+  prefill step (offloads, run before that step's forward pass may reuse the blocks). While too few slots are
+  free it keeps its blocks and waits, in order (the decode engine frees slots as it admits requests); one
+  larger than the whole buffer is handed over without K/V, for the decode engine to compute;
+- the decode engine admits the full prompt with those tokens already computed: its blocks are allocated and
+  loaded from the slots in one step, and it computes from the next (the last prompt token, then decoding) as
+  a request swapped back in does. Sampling, grammars, logprobs and stops all happen in the decode engine, so
+  its outputs are one engine's.
+A slot is free again three decode steps after its load was issued: by then the step after the loading one,
+whose forward pass waited for the loads, has been applied (one step in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchllm.engine.block_pool import BlockPool
+from batchllm.engine.interfaces import BlockTransfers
+from batchllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from batchllm.engine.request import Request, RequestStatus
+
+RELEASE_AFTER_STEPS = 3
+
+
+@dataclass(slots=True)
+class Handoff:
+    """A prompt whose first `num_tokens` tokens' K/V the prefill engine computed, in `slots` (None: the buffer was
+    full, so the decode engine computes them again)."""
+
+    request_id: str
+    num_tokens: int
+    slots: list[int] | None
+
+
+class PrefillKVCacheManager(KVCacheManager):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+        self.link = link
+        self._sends: list[tuple[int, int]] = []  # (device block, slot) for the next step
+        self._ready: list[Handoff] = []  # copied by the next step
+        self._awaiting: list[Request] = []  # ended, holding their blocks until enough slots are free
+        self.batches: list[tuple[BlockTransfers | None, list[Handoff]]] = []  # taken, with the step's copies
+
+    def free(self, request: Request) -> None:
+        """A prompt that ended (its one sample drawn) hands its blocks over before they are freed."""
+        if request.status is RequestStatus.FINISHED_LENGTH and self._blocks.get(request.request_id):
+            if cdiv(request.num_computed_tokens, self.block_size) <= self.link.num_blocks:
+                self._awaiting.append(request)
+                return
+            self._ready.append(Handoff(request.request_id, request.num_computed_tokens, None))
+        super().free(request)
+
+    def has_pending(self) -> bool:
+        return bool(self._ready or self._awaiting)
+
+    def take_link_transfers(self) -> BlockTransfers | None:
+        """The step's copies into the buffer, for the ended prompts that slots are free for, in order; their
+        blocks are freed (this step's allocations are made: the copies run before any later step's writes)."""
+        while self._awaiting:
+            request = self._awaiting[0]
+            count = cdiv(request.num_computed_tokens, self.block_size)
+            if count > self.link.num_free_blocks:
+                break
+            self._awaiting.pop(0)
+            slots = [slot.block_id for slot in self.link.allocate(count)]
+            self._sends += [(block.block_id, slot) for block, slot in zip(self._blocks[request.request_id], slots)]
+            self._ready.append(Handoff(request.request_id, request.num_computed_tokens, slots))
+            super().free(request)
+        if not self._ready:
+            return None
+        transfers = BlockTransfers(self._sends, []) if self._sends else None
+        self.batches.append((transfers, self._ready))
+        self._sends, self._ready = [], []
+        return transfers
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a handoff not yet taken by a step (an abort); True if there was one."""
+        for index, request in enumerate(self._awaiting):
+            if request.request_id == request_id:
+                del self._awaiting[index]
+                super().free(request)
+                return True
+        for index, handoff in enumerate(self._ready):
+            if handoff.request_id == request_id:
+                del self._ready[index]
+                if handoff.slots is not None:
+                    self._sends = [(d, s) for d, s in self._sends if s not in handoff.slots]
+                    self.link.free([self.link.blocks[slot] for slot in handoff.slots])
+                return True
+        return False
+
+
+@dataclass(slots=True)
+class HandoffStats:
+    requests: int = 0  # admitted with their prompt's K/V from the prefill engine
+    blocks: int = 0  # blocks loaded from the buffer
+    recomputed: int = 0  # handed over without K/V (the buffer was full): this engine computed their prompts
+
+
+class DecodeKVCacheManager(KVCacheManager):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+        self.link = link
+        self._arrivals: dict[str, Handoff] = {}
+        self._loads: list[tuple[int, int]] = []  # (slot, device block) for this step
+        self._release: list[tuple[int, list[int]]] = []  # (step after which the slots are free, slots)
+        self._step = 0
+        self.handoff = HandoffStats()
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.handoff = HandoffStats()
+
+    def expect(self, handoff: Handoff) -> None:
+        self._arrivals[handoff.request_id] = handoff
+
+    def arrived_tokens(self, request: Request) -> int:
+        handoff = self._arrivals.get(request.request_id)
+        return 0 if handoff is None else handoff.num_tokens
+
+    def receive(self, request: Request, num_new_tokens: int) -> bool:
+        """Allocate the request's blocks and load the first from its slots this step (it computes from the next);
+        False, changing nothing, if the device pool is too short."""
+        handoff = self._arrivals[request.request_id]
+        num_blocks = cdiv(handoff.num_tokens + num_new_tokens, self.block_size)
+        if num_blocks > self.pool.num_free_blocks:
+            return False
+        del self._arrivals[request.request_id]
+        blocks = self._blocks[request.request_id] = self.pool.allocate(num_blocks)
+        self._loads += [(slot, block.block_id) for slot, block in zip(handoff.slots, blocks)]
+        self.handoff.requests += 1
+        self.handoff.blocks += len(handoff.slots)
+        self._release.append((self._step + RELEASE_AFTER_STEPS, handoff.slots))
+        self._loading.add(request.request_id)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        return True
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self._step += 1
+        while self._release and self._release[0][0] <= self._step:
+            _, slots = self._release.pop(0)
+            self.link.free([self.link.blocks[slot] for slot in slots])
+
+    def take_link_transfers(self) -> BlockTransfers | None:
+        if not self._loads:
+            return None
+        transfers, self._loads = BlockTransfers([], self._loads), []
+        return transfers
+
+    def free(self, request: Request) -> None:
+        handoff = self._arrivals.pop(request.request_id, None)  # aborted before its K/V was loaded
+        if handoff is not None:
+            self._release.append((self._step + RELEASE_AFTER_STEPS, handoff.slots))
+        super().free(request)
+
+    @property
+    def num_slots_held(self) -> int:
+        return sum(len(slots) for _, slots in self._release) + sum(len(h.slots) for h in self._arrivals.values())
