@@ -11,8 +11,9 @@ through a small device staging buffer:
 Every wait is a stream-to-stream event: the host never syncs. On the CPU (the device pool is host memory
 too) the copies are plain indexed copies, done when `run` returns.
 
-The same pool, backed by a shared file (`backing`), is the buffer through which a disaggregated prefill engine
-hands K/V to the decode engine (engine/kv_handoff.py): one process offloads into it, the other loads from it.
+The same pool, backed by a shared file (`backing`, not pinned), is the buffer through which a disaggregated
+prefill engine hands K/V to the decode engine (engine/kv_handoff.py): one process offloads into it, the other
+loads from it.
 """
 
 from __future__ import annotations
@@ -182,7 +183,10 @@ def _host_tensor(shape: tuple[int, ...], device: torch.device, backing: Path | N
         tensor = torch.empty(shape, dtype=torch.uint8)
     else:
         tensor = torch.from_file(str(backing), shared=True, size=math.prod(shape), dtype=torch.uint8).view(shape)
-    if device.type != "cuda" or not tensor.numel():
+    if device.type != "cuda" or not tensor.numel() or backing is not None:
+        # A shared buffer stays pageable: pinning a shared file mapping is not known to work in every sandbox (an
+        # H200 machine under gVisor stopped answering in the run that tried it), and copies from pageable memory
+        # are only slower (the driver stages them and the host waits).
         return tensor
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
