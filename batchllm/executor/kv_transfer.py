@@ -184,9 +184,9 @@ def _host_tensor(shape: tuple[int, ...], device: torch.device, backing: Path | N
     else:
         tensor = torch.from_file(str(backing), shared=True, size=math.prod(shape), dtype=torch.uint8).view(shape)
     if device.type != "cuda" or not tensor.numel() or backing is not None:
-        # A shared buffer stays pageable: pinning a shared file mapping is not known to work in every sandbox (an
-        # H200 machine under gVisor stopped answering in the run that tried it), and copies from pageable memory
-        # are only slower (the driver stages them and the host waits).
+        # A shared buffer stays pageable: an H200 machine (gVisor) stopped answering during the first run that
+        # pinned a shared file mapping (cause not established), and copies from pageable memory are only slower
+        # (the driver stages them and the host waits).
         return tensor
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
