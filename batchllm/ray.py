@@ -122,7 +122,7 @@ def gpus_per_replica(requested: float | None, engine_kwargs: Mapping[str, Any]) 
     node."""
     tensor_parallel = _check_count("tensor_parallel_size", engine_kwargs.get("tensor_parallel_size", 1))
     stages = _check_count("pipeline_parallel_size", engine_kwargs.get("pipeline_parallel_size", 1))
-    needed = tensor_parallel * stages
+    needed = tensor_parallel * stages * (2 if engine_kwargs.get("disaggregated") else 1)
     if requested is None:
         return needed if _cluster_gpus() > 0 else 0
     if isinstance(requested, bool) or not isinstance(requested, (int, float)) or requested < 0:

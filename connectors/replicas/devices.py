@@ -30,21 +30,24 @@ def plan_placements(num_replicas: int, engine_kwargs: Mapping[str, Any]) -> list
         threads = max(1, _usable_cpus() // num_replicas)
         return [Placement({}, threads) for _ in range(num_replicas)]
     groups = gpu_groups(num_replicas, engine_kwargs.get("tensor_parallel_size", 1), gpu_count,
-                        os.environ.get("CUDA_VISIBLE_DEVICES"), engine_kwargs.get("pipeline_parallel_size", 1))
+                        os.environ.get("CUDA_VISIBLE_DEVICES"), engine_kwargs.get("pipeline_parallel_size", 1),
+                        2 if engine_kwargs.get("disaggregated") else 1)
     return [Placement({"CUDA_VISIBLE_DEVICES": group}, None) for group in groups]
 
 
 def gpu_groups(num_replicas: int, tensor_parallel_size: Any, device_count: int, visible: str | None,
-               pipeline_parallel_size: Any = 1) -> list[str]:
-    """The `CUDA_VISIBLE_DEVICES` value of each replica: its tensor-parallel ranks times its pipeline stages."""
+               pipeline_parallel_size: Any = 1, engines: int = 1) -> list[str]:
+    """The `CUDA_VISIBLE_DEVICES` value of each replica: its tensor-parallel ranks times its pipeline stages, times
+    its `engines` (2: disaggregated prefill and decode)."""
     sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
     for name, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be an int >= 1, got {size!r}")
-    per_replica = tensor_parallel_size * pipeline_parallel_size
+    per_replica = tensor_parallel_size * pipeline_parallel_size * engines
     needed = num_replicas * per_replica
     if needed > device_count:
         named = " x ".join(f"{name}={size}" for name, size in sizes.items() if size > 1 or name[0] == "t")
+        named += " x 2 engines (disaggregated)" if engines == 2 else ""
         raise ValueError(f"data_parallel_size={num_replicas} x {named} needs {needed} GPUs, but {device_count} are "
                          f"visible")
     ids = [s.strip() for s in visible.split(",")][:device_count] if visible else [str(i) for i in range(device_count)]

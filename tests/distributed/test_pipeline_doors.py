@@ -80,3 +80,4 @@ def test_data_parallel_replicas_each_take_a_pipeline_of_gpus():
     with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=1 x pipeline_parallel_size=2 "
                                          "needs 4 GPUs, but 3 are visible"):
         gpu_groups(2, 1, 3, None, pipeline_parallel_size=2)
+    assert gpu_groups(2, 1, 4, None, engines=2) == ["0,1", "2,3"]  # disaggregated: a prefill and a decode GPU each
