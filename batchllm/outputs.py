@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -60,4 +63,48 @@ class RequestOutput:
     finished: bool = True
     # Set when the request failed as a whole (e.g. its prompt exceeds max_model_len); outputs then carry
     # finish_reason="error" and no tokens. Other requests of the same call are not affected.
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """`data`: the pooled vector (float32 numpy); `embedding` the same as a list, as vLLM spells it."""
+
+    data: Any
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """`logits`: the classification head's outputs (float32 numpy, one per label)."""
+
+    logits: Any
+
+    @property
+    def probs(self) -> list[float]:
+        shifted = np.exp(self.logits - self.logits.max())
+        return (shifted / shifted.sum()).tolist()
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.logits)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # cosine similarity of two embeddings, or a one-label cross-encoder's sigmoid
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One input's result from `LLM.embed` / `classify` / `score`; `outputs` is None when it failed (`error`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput | None
+    finished: bool = True
     error: str | None = None

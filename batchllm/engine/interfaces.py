@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from batchllm.lora.request import LoRARequest
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # a pooling request: its last chunk is pooled, not sampled
 
 
 @dataclass(slots=True)
@@ -130,6 +132,8 @@ class ModelRunnerOutput:
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Device proposers: each lookahead row's drafts for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests whose prompt this step finished: the pooled vector (float32 numpy), by request id.
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 class PendingOutput(Protocol):

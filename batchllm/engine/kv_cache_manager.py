@@ -97,7 +97,7 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest run of cached full blocks that starts the request (excluding its last token)."""
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or (request.pooling is not None and request.pooling.reads_every_token):
             return _NO_PREFIX
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]

@@ -8,6 +8,7 @@ from typing import Any
 
 from batchllm.engine.interfaces import SampledToken
 from batchllm.lora.request import LoRARequest
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 
@@ -67,6 +68,9 @@ class Request:
     # Speculative decoding: the drafts to verify in the next step, and (device proposers) how many to make.
     draft_token_ids: list[int] = field(default_factory=list)
     num_lookahead: int = 0
+    # A pooling request (an embedding, a classification): its prompt is computed, then pooled; nothing is sampled.
+    pooling: PoolingParams | None = None
+    pooled: Any = None  # the result: a float32 vector (numpy), set when it finishes
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -86,6 +90,8 @@ class Request:
         would only compute a token to throw away (the scheduler checks max_model_len the same way)."""
         if not self.num_pending_tokens:
             return False
+        if self.pooling is not None:
+            return True  # its prompt's last chunk is in flight: it ends with it
         max_tokens = self.sampling_params.max_tokens
         return max_tokens is not None and self.num_output_tokens + self.num_pending_tokens >= max_tokens
 

@@ -102,6 +102,11 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             return "the prompt is empty (0 tokens)"
+        if request.pooling is not None:  # nothing to generate: the prompt may fill max_model_len
+            if n > self.config.max_model_len:
+                return (f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the "
+                        f"model and by the KV pool of {self.kv_cache.capacity_tokens} tokens)")
+            return None
         if n >= self.config.max_model_len:
             return (
                 f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the model "
@@ -169,7 +174,9 @@ class Scheduler:
         while i < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[i]
             with_pending = len(request.token_ids) + request.num_pending_tokens
-            if with_pending >= max_model_len or (request.num_pending_tokens and (request.surely_finishes or pipelined)):
+            # At max_model_len a generation has ended (or ends with its pending token); a pooling prompt may fill it.
+            if ((with_pending >= max_model_len and request.pooling is None)
+                    or (request.num_pending_tokens and (request.surely_finishes or pipelined))):
                 i += 1
                 continue
             num_new = with_pending - request.num_computed_tokens
@@ -322,7 +329,7 @@ class Scheduler:
         new_data = None
         if not request.known_to_runner:
             new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
-                                      request.sampling_params, request.lora_request)
+                                      request.sampling_params, request.lora_request, request.pooling)
             request.known_to_runner = True
         full_table = new_data is not None or allocation.copied
         block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids
@@ -372,6 +379,12 @@ class Scheduler:
             was_preempted = request.status is RequestStatus.PREEMPTED
             if request.first_token_time is None:
                 request.first_token_time = now
+            if request.pooling is not None:  # its prompt is done: the pooled vector is its whole answer
+                request.pooled = runner_output.pooled[scheduled.request_id]
+                request.status = RequestStatus.FINISHED_STOPPED
+                finished.append(request)
+                finished_while_waiting |= was_preempted
+                continue
             if output.speculative:
                 ended, appended = self._apply_speculative(request, scheduled, runner_output)
             else:

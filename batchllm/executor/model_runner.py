@@ -33,6 +33,7 @@ from batchllm.executor.kv_cache import KVCache, allocate_kv_cache
 from batchllm.executor.kv_transfer import HostKVPool, host_blocks_for
 from batchllm.executor.lora_slots import LoRASlotManager
 from batchllm.executor.pipeline import StageLink
+from batchllm.executor.pooler import Pooler, PoolRow
 from batchllm.executor.profiling import kv_pool_blocks
 from batchllm.executor.sampled_rows import RequestState, SampledRows, record_tokens
 from batchllm.executor.sampling_table import SamplingTable
@@ -100,6 +101,7 @@ class ModelRunner:
         self.drafter = build_drafter(config.speculative, self.model, self.model_config, device, self.dtype,
                                      config.load_format, config.seed)
         self.sampler = Sampler()
+        self.pooler = Pooler(getattr(self.model, "score", None), device)
         self.rejection_sampler = RejectionSampler()
         self.eos_token_ids = config.eos_token_ids
 
@@ -182,6 +184,8 @@ class ModelRunner:
             state = self._states.pop(request_id, None)
             if state is not None:
                 self._block_tables.remove(state.row)
+                if state.pooling is not None:
+                    self.pooler.forget(request_id)
         if self.host_kv is not None:
             self.host_kv.wait_for_loads()
             if so.transfers is not None:
@@ -214,6 +218,7 @@ class ModelRunner:
         placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
         placeholder_rows: list[int] = []
         lora_rows: list[tuple[LoRARequest, int, int]] = []  # (adapter, first flat token, tokens)
+        pool_rows: list[PoolRow] = []
         states, block_tables, last_rows = self._states, self._block_tables, self._last_rows
         for i, scheduled in enumerate(so.requests):
             request_id = scheduled.request_id
@@ -221,6 +226,9 @@ class ModelRunner:
             if scheduled.block_ids or scheduled.full_block_table:
                 block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
             new_tokens = scheduled.token_ids
+            if state.pooling is not None:
+                pool_rows.append(PoolRow(request_id, state.pooling, len(token_ids), scheduled.num_tokens,
+                                         scheduled.num_computed_tokens, state.num_prompt_tokens, scheduled.sample))
             if state.lora is not None:
                 lora_rows.append((state.lora, len(token_ids), len(new_tokens) + scheduled.placeholder))
             token_ids += new_tokens
@@ -234,7 +242,7 @@ class ModelRunner:
             num_scheduled.append(scheduled.num_tokens)
             num_computed.append(scheduled.num_computed_tokens)
             block_rows.append(state.row)
-            if scheduled.sample:
+            if scheduled.sample and state.pooling is None:
                 sample_rows.append(i)
                 sampled_states.append((request_id, state))
                 sample_positions.append(scheduled.num_computed_tokens + scheduled.num_tokens
@@ -284,6 +292,10 @@ class ModelRunner:
                              query_start, num_scheduled, num_computed, block_rows, np.array(new_rows),
                              np.array(num_drafts, dtype=np.int64)),
                 self._block_tables.table, self.block_size)
+        if pool_rows:
+            if sampled_states:
+                raise RuntimeError("a step mixes pooling rows with sampled rows")  # an LLM has one task
+            return StepOutput([], None, self._host_tokens.take(), _ignore, pooled=self.pooler.step(hidden, pool_rows))
         if not sampled_states:
             return StepOutput([], None, self._host_tokens.take(), _ignore)
         logits = self.model.compute_logits(hidden[logits_indices])
@@ -355,7 +367,8 @@ class ModelRunner:
         prompt, output = [], []
         if keeps_token_history(params):
             prompt, output = new.all_token_ids[:new.num_prompt_tokens], new.all_token_ids[new.num_prompt_tokens:]
-        state = self._states[request_id] = RequestState(params, row, prompt, output, generator, new.lora_request)
+        state = self._states[request_id] = RequestState(params, row, prompt, output, generator, new.lora_request,
+                                                        new.pooling, new.num_prompt_tokens)
         return state
 
     def _sampling_tensors(self, logits: torch.Tensor, rows: SampledRows, table_rows: np.ndarray,

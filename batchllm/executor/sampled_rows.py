@@ -14,6 +14,7 @@ from batchllm.executor.drafter_base import Drafter, LookaheadRows
 from batchllm.lora.request import LoRARequest
 from batchllm.model.layers.sampler import SamplerOutput
 from batchllm.model.layers.sampling_tensors import SamplingRow, keeps_token_history
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class RequestState:
     output_token_ids: list[int]  # grows by one per sampled token
     generator: torch.Generator | None = None
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # a pooling request: its prompt is pooled (executor/pooler.py)
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

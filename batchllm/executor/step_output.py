@@ -34,7 +34,9 @@ class StepOutput:
 
     def __init__(self, request_ids: list[str], sampled: SamplerOutput | None, host_ids: torch.Tensor,
                  on_result: Callable[[ModelRunnerOutput], None], drafts: list[list[int]] | None = None,
-                 proposals: dict[str, list[int]] | None = None) -> None:
+                 proposals: dict[str, list[int]] | None = None,
+                 pooled: tuple[list[str], torch.Tensor] | None = None) -> None:
+        """`pooled`: the pooling requests whose prompts ended this step, and their vectors (on the device)."""
         self._request_ids = request_ids
         self._proposals = proposals
         self._on_result = on_result
@@ -43,8 +45,14 @@ class StepOutput:
         self._event = None
         self._host: SamplerOutput | None = None
         self._num_accepted: torch.Tensor | None = None
-        if sampled is None:  # nothing sampled: a prefill chunk, or a tensor-parallel rank other than 0
+        if sampled is None:  # nothing sampled: a prefill chunk, pooled prompts, a tensor-parallel rank other than 0
             self._output = ModelRunnerOutput({})
+            if pooled is not None:
+                self._pooled_ids, self._pooled = pooled[0], _to_host(pooled[1])
+                self._output = None
+                if pooled[1].is_cuda:
+                    self._event = torch.cuda.Event()
+                    self._event.record()
             return
         n = len(sampled.token_ids)
         ids = host_ids[:n] if n <= len(host_ids) else torch.empty(n, dtype=torch.int64, pin_memory=host_ids.is_pinned())
@@ -60,6 +68,12 @@ class StepOutput:
             self._event.record()
 
     def result(self) -> ModelRunnerOutput:
+        if self._output is None and self._host is None:  # pooled vectors only
+            if self._event is not None:
+                self._event.synchronize()
+            self._output = ModelRunnerOutput({}, pooled=dict(zip(self._pooled_ids, self._pooled.numpy())))
+            self._pooled = None
+            self._on_result(self._output)
         if self._output is None:
             if self._event is not None:
                 self._event.synchronize()

@@ -61,6 +61,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the checkpoint's dtype name, e.g. "bfloat16"
+    num_labels: int = 0  # a sequence-classification model's classes (its `score` head's outputs); 0: a causal LM
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -77,7 +78,8 @@ class ModelConfig:
         max_positions = _required(hf, "max_position_embeddings")
         sliding_window = _effective_sliding_window(hf)
         rope_theta, rope_scaling = _parse_rope(hf)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        family = causal_lm_of(architecture)  # a *ForSequenceClassification model is its family's decoder
+        is_qwen2 = family == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         return cls(
@@ -98,11 +100,13 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,  # Qwen2 biases q/k/v only
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=family == "Qwen3ForCausalLM",
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            num_labels=(len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels") or 2))
+            if family != architecture else 0,
         )
 
 
@@ -123,6 +127,11 @@ def architecture_of(hf: dict[str, Any]) -> str:
     if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
         return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
     raise ValueError(f"config.json names no architecture (architectures={architectures!r}, model_type={model_type!r})")
+
+
+def causal_lm_of(architecture: str) -> str:
+    """`Qwen2ForSequenceClassification` → `Qwen2ForCausalLM`: the decoder family a classifier is built on."""
+    return architecture.replace("ForSequenceClassification", "ForCausalLM")
 
 
 def _required(hf: dict[str, Any], key: str) -> Any:

@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied models read logits off the embedding table instead of holding a second copy.
         self.lm_head = (
-            None if config.tie_word_embeddings or not self.model.stage.is_last
+            None if config.tie_word_embeddings or not self.model.stage.is_last or config.num_labels
             else LMHead(config.vocab_size, config.hidden_size)
         )
 
@@ -169,3 +169,16 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""
         return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A Llama-family decoder with a classification head (HF's `*ForSequenceClassification`): `score.weight`
+    `[num_labels, hidden]`, no bias, read by the pooler from the last token's final hidden state (no LM head)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        raise ValueError("a sequence-classification model has no LM head: it classifies (task='classify'), it does "
+                         "not generate")

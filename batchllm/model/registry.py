@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from batchllm.model.llama import LlamaForCausalLM
+from batchllm.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
 
 # The four families share one implementation; their differences are ModelConfig flags.
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -12,6 +12,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
