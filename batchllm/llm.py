@@ -24,7 +24,9 @@ from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progre
 from batchllm.lora.registry import AdapterRegistry, check_lora_options
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, RequestOutput
-from batchllm.pooling_api import PoolingCalls
+from batchllm.outputs import PoolingRequestOutput
+from batchllm.pooling_api import _NO_SAMPLING, PoolingCalls, pooling_output
+from batchllm.pooling_params import PoolingParams
 from batchllm.request_outputs import complete, completion_output, sample_params
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
@@ -126,7 +128,7 @@ class LLM(PoolingCalls):
         from batchllm.executor.model_runner import RunnerConfig
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
-        from batchllm.model.pooling_config import resolve_pooling
+        from batchllm.model.pooling_config import pooled_dim, resolve_pooling
         from batchllm.model.quantization import pinned_quantization
         from batchllm.model.spec_checks import check_speculative_model
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
@@ -167,8 +169,9 @@ class LLM(PoolingCalls):
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
         self.task = task
-        self.pooling_params = resolve_pooling(self.model_path, ModelConfig.from_hf_dict(read_hf_config(self.model_path)),
-                                              task, pooling, normalize)
+        hf_model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
+        self.pooling_params = resolve_pooling(self.model_path, hf_model_config, task, pooling, normalize)
+        self.embedding_dim = pooled_dim(hf_model_config, self.pooling_params)  # a pooled vector's length
         if self.pooling_params is not None and (layout is not None or spec_config is not None):
             raise ValueError(f"LLM argument task={task!r} does not work with "
                              f"{'disaggregated' if layout is not None else 'speculative_config'}")
@@ -310,16 +313,15 @@ class LLM(PoolingCalls):
         self._adapters.check_call(lora_request, 1)
 
     def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
-                max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput]]:
-        if self.task != "generate":
-            raise ValueError(f"this LLM was built with task={self.task!r}: it does not generate; call "
-                             f"{'classify' if self.task == 'classify' else 'embed'}() (or build it with "
-                             f"task='generate')")
+                max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput | PoolingRequestOutput]]:
+        """Items whose params are `PoolingParams` (this LLM's `pooling_params`, on a pooling task) are pooled and
+        come back as `PoolingRequestOutput`s."""
         engine = self.engine
         engine.scheduler.reset_stats()
         self._transfer_seconds_before = self._transfer_seconds()
         start = time.perf_counter()
         in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
+        pooled: dict[str, tuple[K, str | None, list[int]]] = {}  # pooling request id → its item
         source = RequestSource(requests)
         stepping = False
         # Full collections would otherwise scan the model and everything else alive, inside a step (host_gc.py).
@@ -329,18 +331,28 @@ class LLM(PoolingCalls):
                     room = None if max_in_flight is None else max_in_flight - len(in_flight)
                     for key, text, token_ids, params, lora in source.take(room):
                         prompt_id = str(next(self._request_counter))
+                        if isinstance(params, PoolingParams) or self.task != "generate":
+                            self._check_pooling_item(params)
+                            pooled[f"{prompt_id}.0"] = (key, text, token_ids)
+                            engine.add_request(f"{prompt_id}.0", token_ids, _NO_SAMPLING, lora_request=lora,
+                                               pooling=params)
+                            continue
                         output = RequestOutput(prompt_id, text, token_ids, finished=False)
                         in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                         for sample in range(params.n):
                             fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
                             engine.add_request(f"{prompt_id}.{sample}", token_ids, sample_params(params, sample),
                                                fork_of=fork_of, lora_request=lora)
-                    if source.finished(len(in_flight)):
+                    if source.finished(len(in_flight) + len(pooled)):
                         return
                     stepping = True
                     finished_requests = engine.step()
                     stepping = False
                     for finished in finished_requests:
+                        if finished.request.request_id in pooled:
+                            key, text, token_ids = pooled.pop(finished.request.request_id)
+                            yield key, pooling_output(finished.request, text, token_ids)
+                            continue
                         prompt_id, sample = finished.request.request_id.rsplit(".", 1)
                         entry = in_flight[prompt_id]
                         entry.completions[int(sample)] = completion_output(int(sample), finished, self.tokenizer)
@@ -354,6 +366,15 @@ class LLM(PoolingCalls):
                     while engine.has_unfinished():
                         engine.step()
                 self._last_call_seconds = time.perf_counter() - start
+
+    def _check_pooling_item(self, params: Any) -> None:
+        if self.task == "generate":
+            raise ValueError("a pooling request (PoolingParams) needs an LLM built with task='embed', 'classify' or "
+                             "'score'")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"this LLM was built with task={self.task!r}: it does not generate; call "
+                             f"{'classify' if self.task == 'classify' else 'embed'}() (or build it with "
+                             f"task='generate')")
 
     def _encode(self, prompt: Prompt, index: int, tokenize: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of one prompt; `tokenize=False` leaves a text's token ids to the caller (empty)."""

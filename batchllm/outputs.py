@@ -84,6 +84,11 @@ class ClassificationOutput:
     logits: Any
 
     @property
+    def data(self) -> Any:
+        """The pooled vector, as `EmbeddingOutput.data` (here the logits)."""
+        return self.logits
+
+    @property
     def probs(self) -> list[float]:
         shifted = np.exp(self.logits - self.logits.max())
         return (shifted / shifted.sum()).tolist()

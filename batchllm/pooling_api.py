@@ -8,13 +8,12 @@ as vLLM-style `PoolingRequestOutput`s.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from batchllm.host_gc import objects_frozen
+from batchllm.engine.request import Request
 from batchllm.llm_inputs import Prompt, as_prompt_list, progress_bar
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
@@ -26,7 +25,8 @@ _NO_SAMPLING = SamplingParams(max_tokens=1)  # a pooling request samples nothing
 
 
 class PoolingCalls:
-    """Mixed into `LLM`, which provides `engine`, `tokenizer`, `task`, `pooling_params` and `_encode`."""
+    """Mixed into `LLM`, which provides `engine`, `tokenizer`, `task`, `pooling_params`, `embedding_dim`,
+    `_encode` and `_stream`."""
 
     def embed(self, prompts: Prompt | Sequence[Prompt], *, prompt_template: str | None = None,
               truncate: str | None = "right", use_tqdm: bool = True,
@@ -114,34 +114,23 @@ class PoolingCalls:
 
     def _pool(self, token_lists: list[list[int]], use_tqdm: bool, lora_request: LoRARequest | None
               ) -> tuple[np.ndarray, list[str | None]]:
-        engine, params = self.engine, self.pooling_params
-        engine.scheduler.reset_stats()
-        start = time.perf_counter()
-        rows: dict[str, int] = {}
-        for index, token_ids in enumerate(token_lists):
-            request_id = f"{next(self._request_counter)}.0"
-            rows[request_id] = index
-            engine.add_request(request_id, token_ids, _NO_SAMPLING, lora_request=lora_request, pooling=params)
-        vectors: list[Any] = [None] * len(token_lists)
+        """Every prompt through the engine (`LLM.stream`, all admitted before the first step): a matrix of the
+        pooled vectors in input order (zeros where a prompt failed) and each row's error."""
+        params = self.pooling_params
+        matrix = np.zeros((len(token_lists), self.embedding_dim), dtype=np.float32)
         errors: list[str | None] = [None] * len(token_lists)
+        items = ((index, None, token_ids, params, lora_request) for index, token_ids in enumerate(token_lists))
         progress = progress_bar(len(token_lists), use_tqdm)
         try:
-            with objects_frozen():
-                while engine.has_unfinished():
-                    for finished in engine.step():
-                        index = rows[finished.request.request_id]
-                        vectors[index], errors[index] = finished.request.pooled, finished.request.error
-                        if progress is not None:
-                            progress.update(1)
+            for index, output in self._stream(items, max_in_flight=None):
+                if output.error is None:
+                    matrix[index] = output.outputs.data
+                errors[index] = output.error
+                if progress is not None:
+                    progress.update(1)
         finally:
             if progress is not None:
                 progress.close()
-            self._last_call_seconds = time.perf_counter() - start
-        dim = next((len(v) for v in vectors if v is not None), 0)
-        matrix = np.zeros((len(token_lists), dim), dtype=np.float32)
-        for index, vector in enumerate(vectors):
-            if vector is not None:
-                matrix[index] = vector
         return matrix, errors
 
 
@@ -159,3 +148,11 @@ def _pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> tuple[li
 def _output(index: int, text: str | None, token_ids: list[int], outputs: Any, error: str | None
             ) -> PoolingRequestOutput:
     return PoolingRequestOutput(str(index), text, token_ids, outputs, error=error)
+
+
+def pooling_output(request: Request, text: str | None, token_ids: list[int]) -> PoolingRequestOutput:
+    """A finished pooling request as its output: an embedding, or a classification's logits."""
+    if request.error is not None:
+        return PoolingRequestOutput(request.request_id, text, token_ids, None, error=request.error)
+    result = ClassificationOutput(request.pooled) if request.pooling.classify else EmbeddingOutput(request.pooled)
+    return PoolingRequestOutput(request.request_id, text, token_ids, result)

@@ -41,6 +41,13 @@ def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool | None]:
     return pooling, normalize
 
 
+def pooled_dim(config: ModelConfig, params: PoolingParams | None) -> int:
+    """The length of a pooled vector: the classifier's labels, or the hidden size (0 for generation)."""
+    if params is None:
+        return 0
+    return config.num_labels if params.classify else config.hidden_size
+
+
 def resolve_pooling(path: Path, config: ModelConfig, task: str, pooling: str | None,
                     normalize: bool | None) -> PoolingParams | None:
     """The pooling of an LLM's task (None for "generate"); errors name the argument."""
