@@ -1,13 +1,15 @@
 """batchllm: throughput-first offline LLM batch inference."""
 
-from batchllm.api import generate, run_job
+from batchllm.api import embed, generate, run_job
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
-from batchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from batchllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job"]
+           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job", "embed",
+           "PoolingParams", "PoolingRequestOutput"]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from batchllm.connectors.jobs.identity import require_chat_template
 from batchllm.connectors.jobs.job import JobResult
-from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, Template, resolve_options
+from batchllm.connectors.options import DEFAULT_EMBEDDING_COLUMN, DEFAULT_OUTPUT_COLUMN, Template, resolve_options
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.tables.mapper import map_columns
 from batchllm.llm import LLM
@@ -87,8 +87,44 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
                               loras=loras, sampling_fields=sampling_fields)
     columns, num_rows = connector.read_columns(data, options)
     with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
+        options = options.with_engine(engine)
         if options.prompt.chat or options.prompt.messages_column is not None:
             require_chat_template(engine, "chat=True / messages_column= prompts")
+        arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
+    return connector.attach_outputs(data, arrays, options)
+
+
+def embed(data: Any, *, text_column: str | None = None, prompt_template: Template | None = None,
+          model: str | Path | None = None, llm: LLM | None = None, engine_kwargs: Mapping[str, Any] | None = None,
+          output_column: str = DEFAULT_EMBEDDING_COLUMN, truncate: str = "right", use_tqdm: bool = True,
+          data_parallel_size: int = 1, task: str = "embed", pooling: str | None = None,
+          normalize: bool | None = None) -> Any:
+    """Embed a text per row and return the same kind of object with `embedding` (+ `prompt_tokens`, `error`)
+    columns added: fixed_size_list<float32, dim> in Arrow, pandas' ArrowDtype of it, lists in row dicts.
+
+        df = df.pipe(batchllm.embed, text_column="doc")
+
+    `data` and the engine (`llm=`, or `model=` with `engine_kwargs`) as for `generate`; the engine is built with
+    `task` ("embed", or "classify": a `*ForSequenceClassification` model's logits per row), `pooling` and
+    `normalize` (None: what the model directory says; see `LLM`). `prompt_template` ("query: {doc}") formats
+    the row's columns; `truncate="right"` (the default) keeps a long text's first max_model_len tokens, "left"
+    its last, "error" fails the row. A null, non-string or empty text fails its row (`error`, null vector).
+    """
+    check_data_parallel_size(data_parallel_size, llm)
+    connector = _connector_for(data)
+    if text_column is prompt_template is None and _is_string_list(data):
+        text_column = "prompt"
+    options = resolve_options(prompt_column=text_column, prompt_template=prompt_template, output_column=output_column,
+                              truncate=truncate, task=task)
+    columns, num_rows = connector.read_columns(data, options)
+    if llm is None:
+        engine_kwargs = {**(engine_kwargs or {}), "task": task,
+                         **{name: value for name, value in (("pooling", pooling), ("normalize", normalize))
+                            if value is not None}}
+    elif pooling is not None or normalize is not None:
+        raise ValueError("pooling= and normalize= build the engine: pass them with model= / engine_kwargs=, not llm=")
+    with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
+        options = options.with_engine(engine)
         arrays = map_columns(columns, num_rows, options, engine, use_tqdm)
     return connector.attach_outputs(data, arrays, options)
 

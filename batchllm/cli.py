@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                      default="auto", help="how to read INPUT; auto: by extension, and a *.jsonl / *.json file is an "
                                           "OpenAI batch file when its first line is a request, else a table")
     prompt = run.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt-column", help="column holding the prompt text")
+    prompt.add_argument("--prompt-column", "--text-column", dest="prompt_column",
+                        help="column holding the prompt text (with --task embed: the text to embed)")
     prompt.add_argument("--messages-column", help="column holding chat messages (a list of {role, content})")
     prompt.add_argument("--template", help="str.format template over the row's columns, e.g. 'Q: {question}'")
     run.add_argument("--chat", action="store_true", help="send the prompt text as a user message through the "
@@ -109,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="a system message put first in every chat prompt (--chat or --messages-column; rows whose "
                           "messages start with their own keep it); not for OpenAI batch files, whose requests carry "
                           "their own messages")
-    run.add_argument("--output-column", default="generated_text", help="name of the generated-text column")
+    run.add_argument("--output-column", default="generated_text",
+                     help="name of the generated-text column (with --task embed: of the vector column, default "
+                          "embedding)")
     constraint = run.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", type=json_schema_file, metavar="FILE",
                             help="structured outputs: every completion is JSON valid against the JSON schema in FILE "
@@ -130,9 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                           "an OpenAI batch request's `model` names its adapter")
     run.add_argument("--lora-column", metavar="NAME", help="column holding each row's adapter name (empty or null: "
                                                            "the base model); tables only")
-    run.add_argument("--truncate", choices=("error", "left", "right"), default="error",
+    run.add_argument("--truncate", choices=("error", "left", "right"),
                      help="what to do with a prompt that leaves no room for --max-tokens: error the row, or cut its "
-                          "left or right end")
+                          "left or right end (None: error; with --task embed, where a prompt may fill the model's "
+                          "length, right)")
     run.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
     for name, kind in _SAMPLING_FLAGS.items():
         run.add_argument(flag(name), type=kind, default=_SAMPLING_DEFAULTS[name],
@@ -175,6 +179,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     options: dict[str, Any] = {name: getattr(args, name) for name in (*sampling, *job)
                                if getattr(args, name) is not None}
     engine = engine_options(args)
+    if engine.get("task", "generate") != "generate":  # nothing is sampled: only sampling flags actually given count
+        options = {name: value for name, value in options.items()
+                   if name not in sampling or value != _SAMPLING_DEFAULTS[name]}
+    if args.truncate is not None:
+        options["truncate"] = args.truncate
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
               "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
               "output_column": args.output_column}

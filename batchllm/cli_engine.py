@@ -16,13 +16,14 @@ from batchllm.config import PREEMPTION_MODES
 from batchllm.engine.structured_output import GRAMMAR_BACKENDS
 from batchllm.llm import LLM
 from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from batchllm.pooling_params import POOLING_TYPES, TASKS
 
 ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
                 "pipeline_parallel_size": int, "max_loras": int, "max_lora_rank": int, "num_kv_blocks": int, "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
-                      "speculative_config", "preemption_mode", "disaggregated")
+                      "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
@@ -55,6 +56,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["speculative_config"],
                         help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              '(vLLM\'s keys; outputs keep the model\'s distribution, greedy ones are unchanged)')
+    parser.add_argument("--task", choices=TASKS, default=ENGINE_DEFAULTS["task"],
+                        help="engine: generate, or embed (a vector per row: the `embedding` column), classify (a "
+                             "*ForSequenceClassification model's logits), score")
+    parser.add_argument("--pooling", choices=POOLING_TYPES, default=ENGINE_DEFAULTS["pooling"],
+                        help="engine (--task embed): pool the last token's, the mean of every token's or the first "
+                             "token's final hidden state (default: what the model directory says, else last)")
+    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS["normalize"],
+                        help="engine (--task embed): normalize vectors to unit length (default: what the model "
+                             "directory says, else yes)")
     parser.add_argument("--disaggregated", type=disaggregated_layout, metavar="JSON",
                         default=ENGINE_DEFAULTS["disaggregated"],
                         help='engine: a prefill engine hands each prompt\'s K/V to a decode engine, each on its own '

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 TRUNCATE_MODES = ("error", "left", "right")
 DEFAULT_OUTPUT_COLUMN = "generated_text"
+DEFAULT_EMBEDDING_COLUMN = "embedding"  # the output column of pooling tasks (embed, classify)
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 
 # A callable template gets the row as a dict and returns the prompt text or a list of chat messages.
@@ -95,7 +97,8 @@ class OutputNames:
     With the default output column they are `generated_text`, `finish_reason`, `prompt_tokens`,
     `completion_tokens`, `error` (and `logprobs`, and `parsed` with parse_json=True). With
     `output_column="answer"` the others get the prefix `answer_` (`answer_error`, ...), so a second
-    `generate` over the same table can add its own columns without clobbering the first one's.
+    `generate` over the same table can add its own columns without clobbering the first one's. Pooling tasks
+    write `embedding`, `prompt_tokens` and `error` (prefixed the same way under another output column).
     """
 
     text: str
@@ -107,10 +110,10 @@ class OutputNames:
     parsed: str
 
     @classmethod
-    def for_column(cls, output_column: str) -> OutputNames:
+    def for_column(cls, output_column: str, default: str = DEFAULT_OUTPUT_COLUMN) -> OutputNames:
         if not isinstance(output_column, str) or not output_column:
             raise ValueError(f"output_column must be a non-empty string, got {output_column!r}")
-        prefix = "" if output_column == DEFAULT_OUTPUT_COLUMN else f"{output_column}_"
+        prefix = "" if output_column == default else f"{output_column}_"
         return cls(output_column, *(prefix + name for name in
                                     ("finish_reason", "prompt_tokens", "completion_tokens", "error", "logprobs",
                                      "parsed")))
@@ -133,6 +136,9 @@ class MapOptions:
     parse_json: bool = False
     lora_column: str | None = None
     loras: tuple[tuple[str, str], ...] = ()  # (name, adapter directory), sorted by name
+    task: str = "generate"  # or a pooling task ("embed", "classify", "score"): a vector per row, nothing generated
+    pooling: PoolingParams | None = None  # a pooling task's, set from the engine (`with_engine`)
+    embedding_dim: int = 0  # the pooled vector's length, from the engine
 
     def __post_init__(self) -> None:
         if self.lora_column is not None and (not isinstance(self.lora_column, str) or not self.lora_column):
@@ -160,8 +166,23 @@ class MapOptions:
     def with_logprobs(self) -> bool:
         return self.sampling_params.logprobs is not None
 
+    @property
+    def pools(self) -> bool:
+        return self.task != "generate"
+
+    def with_engine(self, engine: Any) -> MapOptions:
+        """The options with the engine's pooling (a pooling task) filled in; the engine must be of the task."""
+        if getattr(engine, "task", "generate") != self.task:
+            raise ValueError(f"the engine was built with task={getattr(engine, 'task', 'generate')!r}, this call needs "
+                             f"task={self.task!r}")
+        if not self.pools:
+            return self
+        return dataclasses.replace(self, pooling=engine.pooling_params, embedding_dim=engine.embedding_dim)
+
     def output_names(self) -> list[str]:
         names = self.names
+        if self.pools:
+            return [names.text, names.prompt_tokens, names.error]
         columns = [names.text, names.finish_reason, names.prompt_tokens, names.completion_tokens, names.error]
         if self.with_logprobs:
             columns.append(names.logprobs)
@@ -185,6 +206,9 @@ class MapOptions:
         return needed
 
     def describe(self) -> dict[str, Any]:
+        if self.pools:  # nothing is sampled: the pooling decides the output
+            return {"prompt": self.prompt.describe(), "task": self.task, "output_column": self.names.text,
+                    "truncate": self.truncate, "pooling": dataclasses.asdict(self.pooling) if self.pooling else None}
         identity = {"prompt": self.prompt.describe(), "sampling_params": params_dict(self.sampling_params),
                     "output_column": self.names.text, "truncate": self.truncate}
         # Only when set: manifests of jobs without them stay resumable.
@@ -202,7 +226,7 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", schema_column: str | None = None, parse_json: bool = False,
                     lora_column: str | None = None, loras: Mapping[str, str | Path] | None = None,
-                    sampling_fields: Mapping[str, Any] | None = None) -> MapOptions:
+                    sampling_fields: Mapping[str, Any] | None = None, task: str = "generate") -> MapOptions:
     """Validate the per-call options; `sampling_fields` are the caller's other keywords: SamplingParams fields,
     and `system_prompt` when the caller does not name it itself (the Parquet job and batchllm.ray pass their
     remaining keywords on as they come). A call-wide `structured_outputs` is a sampling field like any other."""
@@ -210,10 +234,19 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
     fields = dict(sampling_fields or {})
     system_prompt = fields.pop("system_prompt", system_prompt)
+    pools = task != "generate"
+    if pools:
+        used = [name for name, value in (("sampling_params", sampling_params), ("schema_column", schema_column),
+                                         ("parse_json", parse_json or None), *fields.items()) if value is not None]
+        if used:
+            raise ValueError(f"task={task!r} samples nothing: {', '.join(used)} {'do' if len(used) > 1 else 'does'} "
+                             f"not apply")
+        if output_column == DEFAULT_OUTPUT_COLUMN:
+            output_column = DEFAULT_EMBEDDING_COLUMN
+    names = OutputNames.for_column(output_column, DEFAULT_EMBEDDING_COLUMN if pools else DEFAULT_OUTPUT_COLUMN)
     return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt),
-                      resolve_sampling_params(sampling_params, fields),
-                      OutputNames.for_column(output_column), truncate, schema_column, parse_json, lora_column,
-                      lora_pairs(loras))
+                      resolve_sampling_params(sampling_params, fields), names, truncate, schema_column, parse_json,
+                      lora_column, lora_pairs(loras), task)
 
 
 def lora_pairs(loras: Mapping[str, str | Path] | None) -> tuple[tuple[str, str], ...]:

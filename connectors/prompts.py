@@ -101,10 +101,11 @@ class PromptEncoder:
                 continue
             ids = self.tokenizer([prompts[i].text for i in indices], add_special_tokens=not is_chat)["input_ids"]
             for i, token_ids in zip(indices, ids):
-                encoded[i] = self._fit(token_ids, max_tokens[i])
+                encoded[i] = self.fit(token_ids, max_tokens[i])
         return encoded
 
-    def _fit(self, token_ids: list[int], max_tokens: int | None) -> EncodedPrompt:
+    def fit(self, token_ids: list[int], max_tokens: int | None) -> EncodedPrompt:
+        """`token_ids` fitted into max_model_len less `max_tokens` (None: one token), as `truncate` says."""
         reserved = 1 if max_tokens is None else max_tokens
         budget = self.max_model_len - reserved
         if budget < 1:
@@ -125,7 +126,8 @@ def encode_rows(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
                 encoder: PromptEncoder) -> list[EncodedPrompt]:
     """Encode the prompts of `num_rows` rows whose needed columns are given as Python sequences."""
     rendered = render_rows(columns, num_rows, options, encoder)
-    return encoder.encode(rendered, [options.sampling_params.max_tokens] * num_rows)
+    max_tokens = 0 if options.pools else options.sampling_params.max_tokens  # a pooled prompt keeps no room
+    return encoder.encode(rendered, [max_tokens] * num_rows)
 
 
 def render_rows(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions,

@@ -16,6 +16,10 @@ all-error batch and every shard of a job share one schema:
 
 A failed row has null text, `finish_reason="error"` (`["error"] * n` when n > 1, so the column keeps one
 entry per sample), null `completion_tokens` and its `prompt_tokens` when the prompt could be tokenized.
+Pooling tasks (embed, classify): the vector column is fixed_size_list<float32, dim> (dim: the model's hidden size,
+or a classifier's labels), built from one float32 buffer without a Python object per row; null where the row
+failed; then `prompt_tokens` and `error`.
+
 A row that generated but carries a note from the engine (a structured-output row stopped, by max_tokens or a
 stop string, before its constraint was complete) keeps its text, token count and finish_reason
 ("length" / "stop"), with the note in `error`.
@@ -26,11 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from batchllm.connectors.constraints import is_json_constraint, parsed_json_text
 from batchllm.connectors.options import MapOptions
-from batchllm.outputs import CompletionOutput, RequestOutput
+from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 _ALTERNATIVE = pa.struct([("token", pa.string()), ("token_id", pa.int32()), ("logprob", pa.float64())])
@@ -50,7 +56,10 @@ class RowOutcome:
     json_constrained: bool = False  # the row ran under a JSON constraint: its `parsed` value is its text's
 
     @classmethod
-    def from_output(cls, output: RequestOutput, params: SamplingParams) -> RowOutcome:
+    def from_output(cls, output: RequestOutput | PoolingRequestOutput, params: SamplingParams | PoolingParams
+                    ) -> RowOutcome:
+        if isinstance(output, PoolingRequestOutput):
+            return cls(output, output.error, len(output.prompt_token_ids))
         return cls(output, output.error, len(output.prompt_token_ids), params.logprobs,
                    is_json_constraint(params.structured_outputs))
 
@@ -64,10 +73,15 @@ class RowOutcome:
 
     @property
     def completion_tokens(self) -> int:
-        return 0 if self.output is None else sum(len(c.token_ids) for c in self.output.outputs)
+        if self.output is None or isinstance(self.output, PoolingRequestOutput):
+            return 0
+        return sum(len(c.token_ids) for c in self.output.outputs)
 
 
 def output_schema(options: MapOptions) -> pa.Schema:
+    if options.pools:
+        return pa.schema([(options.names.text, pa.list_(pa.float32(), options.embedding_dim)),
+                          (options.names.prompt_tokens, pa.int32()), (options.names.error, pa.string())])
     many = options.sampling_params.n > 1
     text = pa.list_(pa.string()) if many else pa.string()
     fields = [(options.names.text, text), (options.names.finish_reason, text),
@@ -84,6 +98,8 @@ def output_schema(options: MapOptions) -> pa.Schema:
 
 def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Array]:
     """The output columns for `outcomes`, in `output_schema(options)` order."""
+    if options.pools:
+        return _pooled_arrays(outcomes, options)
     n = options.sampling_params.n
     many = n > 1
     failed_reason = ["error"] * n if many else "error"
@@ -105,6 +121,20 @@ def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Ar
         for column, value in zip(columns, values):
             column.append(value)
     return [pa.array(values, type=field.type) for values, field in zip(columns, output_schema(options))]
+
+
+def _pooled_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Array]:
+    dim = options.embedding_dim
+    vectors = np.zeros((len(outcomes), dim), dtype=np.float32)
+    valid = np.zeros(len(outcomes), dtype=bool)
+    for row, outcome in enumerate(outcomes):
+        if outcome.output is not None and outcome.output.outputs is not None:
+            vectors[row] = outcome.output.outputs.data
+            valid[row] = True
+    column = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim, mask=pa.array(~valid))
+    schema = output_schema(options)
+    return [column, pa.array([o.prompt_tokens for o in outcomes], type=schema.field(1).type),
+            pa.array([o.error for o in outcomes], type=pa.string())]
 
 
 def _per_sample(completions: list[CompletionOutput] | None, many: bool, get) -> Any:

@@ -52,6 +52,7 @@ from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome
 from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 DEFAULT_ROWS_PER_SHARD = 5000  # a few MB of Parquet per shard for typical prompts; little work lost on a kill
@@ -63,7 +64,7 @@ MAX_BATCH_ROWS = 1024
 @dataclass(slots=True)
 class RowRequest:
     prompt: EncodedPrompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: a pooling task's row (an embedding)
     lora: LoRARequest | None = None  # None: the base model
 
 
@@ -207,8 +208,8 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
                     if prompt.error is not None:
                         finish(shard, row, RowOutcome(None, prompt.error, prompt.num_tokens))
                     else:
-                        params = cap_max_tokens(request.params, settings.max_tokens_cap,
-                                                llm.max_model_len - len(prompt.token_ids))
+                        params = request.params if isinstance(request.params, PoolingParams) else cap_max_tokens(
+                            request.params, settings.max_tokens_cap, llm.max_model_len - len(prompt.token_ids))
                         yield (shard, row, params), prompt.token_ids, params, request.lora
             # Rows wait here, not in memory: pause admission (the engine keeps stepping) while too many are held.
             # With nothing pending, the held rows are the current shard's: reading on is the only way forward.

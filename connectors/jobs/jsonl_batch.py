@@ -48,13 +48,21 @@ from batchllm.connectors.jobs.job import (
 from batchllm.connectors.jobs.jsonl_output import JsonlSink
 from batchllm.connectors.jobs.lock import output_lock
 from batchllm.connectors.jobs.manifest import Manifest
-from batchllm.connectors.jobs.openai_batch import CHAT_URL, parse_envelope, prompt_of, sampling_params
+from batchllm.connectors.jobs.openai_batch import (
+    CHAT_URL,
+    EMBEDDINGS_URL,
+    embedding_input,
+    parse_envelope,
+    prompt_of,
+    sampling_params,
+)
 from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, params_dict, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 _SCHEMA = pa.schema([("line", pa.int64()), ("custom_id", pa.string()), ("url", pa.string()), ("model", pa.string()),
@@ -63,7 +71,7 @@ _SCHEMA = pa.schema([("line", pa.int64()), ("custom_id", pa.string()), ("url", p
 
 def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | None = None, llm: LLM | None = None,
                   engine_kwargs: Mapping[str, Any] | None = None, sampling_params: SamplingParams | None = None,
-                  truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+                  truncate: str | None = None, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                   max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
                   data_parallel_size: int = 1, retry_errors: bool = False,
                   max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
@@ -93,7 +101,7 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
                          "adapter among loras=")
     adapter_dirs = lora_pairs(loras)
     defaults = resolve_sampling_params(sampling_params, sampling_fields)
-    if truncate not in TRUNCATE_MODES:
+    if truncate is not None and truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
                            retry_errors)
@@ -114,6 +122,9 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
          truncate: str, settings: JobSettings, adapter_dirs: tuple[tuple[str, str], ...]) -> JobResult:
     if source.chat_requests:
         require_chat_template(engine, f"the {source.chat_requests} {CHAT_URL} requests in {source.path.name}")
+    # Too long for the model: an error, but an embedding keeps its first tokens (the embeddings' documented policy).
+    pooling = getattr(engine, "pooling_params", None)  # None: the engine generates
+    truncate = truncate or ("error" if pooling is None else "right")
     require_compiles(engine, defaults.structured_outputs)
     fingerprint = {"job": "openai-batch", "input": source.fingerprint(), "model": model_identity(engine.model_path),
                    "tokenizer": tokenizer_identity(engine.tokenizer), "max_model_len": engine.max_model_len,
@@ -129,7 +140,7 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
     sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors, frozenset(adapters))
     encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate)
     planner = _planner(encoder, defaults, source.duplicates, settings.max_tokens_cap,
-                       _AdapterOfModel(adapters, engine.model_path.name))
+                       _AdapterOfModel(adapters, engine.model_path.name), pooling, getattr(engine, "embedding_dim", 0))
     return run_sharded_job(source, planner, sink, engine, settings)
 
 
@@ -207,10 +218,12 @@ class _AdapterOfModel:
 
 
 def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[int, tuple[str, int]],
-             max_tokens_cap: int, adapter_of: _AdapterOfModel) -> Callable[[pa.RecordBatch], list[RowRequest]]:
+             max_tokens_cap: int, adapter_of: _AdapterOfModel, pooling: PoolingParams | None = None,
+             dim: int = 0) -> Callable[[pa.RecordBatch], list[RowRequest]]:
+    """Each line's request; with `pooling` (the engine embeds) its lines are /v1/embeddings requests."""
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
-        rendered: list[Rendered | RowError] = []
-        params: list[SamplingParams] = []
+        rendered: list[Rendered | RowError | list[int]] = []
+        params: list[SamplingParams | PoolingParams] = []
         loras: list[LoRARequest | None] = []
         for line, raw in zip(batch.column("line").to_pylist(), batch.column("request").to_pylist()):
             row_params, lora = defaults, None
@@ -221,8 +234,18 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[
                 if line in duplicates:
                     custom_id, first = duplicates[line]
                     raise RowError(f"custom_id {custom_id!r} was already used on line {first}")
-                chat = envelope.url == CHAT_URL
                 lora = adapter_of(envelope.body)
+                if (envelope.url == EMBEDDINGS_URL) != (pooling is not None):
+                    needed = "embed" if envelope.url == EMBEDDINGS_URL else "generate"
+                    raise RowError(f"{envelope.url} requests need an engine built with task={needed!r}; this job's "
+                                   f"{'embeds' if pooling is not None else 'generates'}")
+                if pooling is not None:
+                    row_params, text = pooling, embedding_input(envelope.body, dim)
+                    rendered.append(Rendered(text, is_chat=False) if isinstance(text, str) else text)
+                    params.append(row_params)
+                    loras.append(lora)
+                    continue
+                chat = envelope.url == CHAT_URL
                 row_params = _capped(sampling_params(envelope.body, defaults, chat), max_tokens_cap)
                 prompt = prompt_of(envelope.body, chat)
                 rendered.append(encoder.render_chat(prompt) if chat else Rendered(prompt, is_chat=False))
@@ -231,7 +254,11 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[
                 lora = None
             params.append(row_params)
             loras.append(lora)
-        encoded = encoder.encode(rendered, [p.max_tokens for p in params])
+        ids = {i: r for i, r in enumerate(rendered) if isinstance(r, list)}  # an embedding input given as token ids
+        encoded = encoder.encode([Rendered("", False) if i in ids else r for i, r in enumerate(rendered)],
+                                 [0 if isinstance(p, PoolingParams) else p.max_tokens for p in params])
+        for i, token_ids in ids.items():
+            encoded[i] = encoder.fit(token_ids, 0)
         return [RowRequest(prompt, p, lora) for prompt, p, lora in zip(encoded, params, loras)]
 
     return plan

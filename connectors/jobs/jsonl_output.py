@@ -30,7 +30,7 @@ import pyarrow as pa
 from batchllm.connectors.jobs.atomic import write_atomically
 from batchllm.connectors.jobs.job import ResumeState
 from batchllm.connectors.jobs.manifest import Manifest, ShardRecord, to_ranges
-from batchllm.connectors.jobs.openai_batch import Envelope, response_line
+from batchllm.connectors.jobs.openai_batch import EMBEDDINGS_URL, Envelope, parse_envelope, response_line
 from batchllm.connectors.results import RowOutcome
 
 
@@ -55,10 +55,14 @@ class JsonlSink:
     def write(self, shard: int, rows: pa.Table, outcomes: list[RowOutcome], offsets: list[int],
               complete: bool) -> None:
         columns = rows.to_pydict()
-        lines = [response_line(line, Envelope(custom_id, url, None), outcome,
+        # Only an embedding's answer reads its body again (its encoding_format): the others are not parsed twice.
+        bodies = [parse_envelope(raw).body if url == EMBEDDINGS_URL else None
+                  for url, raw in zip(columns["url"], columns["request"])]
+        lines = [response_line(line, Envelope(custom_id, url, body), outcome,
                                model if model in self.adapter_names else self.model_name)
-                 for line, custom_id, url, model, outcome in zip(columns["line"], columns["custom_id"], columns["url"],
-                                                                 columns["model"], outcomes)]
+                 for line, custom_id, url, model, body, outcome in zip(columns["line"], columns["custom_id"],
+                                                                       columns["url"], columns["model"], bodies,
+                                                                       outcomes)]
         data = "".join(line + "\n" for line in lines).encode()
         if data:
             with open(self.path, "ab") as file:
@@ -142,4 +146,4 @@ def _without_errors(record: ShardRecord, data: bytes) -> tuple[ShardRecord, byte
 
 
 def _completion_tokens(answer: dict[str, Any]) -> int:
-    return answer["response"]["body"]["usage"]["completion_tokens"]
+    return answer["response"]["body"]["usage"].get("completion_tokens", 0)  # an embedding makes none

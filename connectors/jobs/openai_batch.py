@@ -1,7 +1,9 @@
 """The OpenAI Batch API formats: request lines in, response lines out.
 
 A request line is `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/chat/completions`
-(body: `messages`) or `/v1/completions` (body: a single string `prompt`). Body fields mapped to sampling:
+(body: `messages`), `/v1/completions` (body: a single string `prompt`) or, for a job whose engine embeds
+(`task="embed"`), `/v1/embeddings` (body: `input`, one string, or one list of token ids; `encoding_format`
+"float" or "base64"; `model`, `user`, `dimensions` equal to the model's). Body fields mapped to sampling:
 `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `n`, `seed`, `stop`, the presence and
 frequency penalties, `logprobs` (chat: true with `top_logprobs`; completions: an int), and vLLM's
 extensions `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`. Fields
@@ -24,7 +26,7 @@ and tool (any other fails the line); content is a string or a list of text parts
 tool calls, and fail the line otherwise. A line that is not valid UTF-8 fails on its own.
 
 A response line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
-null}` with a `chat.completion` or `text_completion` body, or `"response": null` and `"error": {"code",
+null}` with a `chat.completion`, `text_completion` or embeddings (`"object": "list"`) body, or `"response": null` and `"error": {"code",
 "message"}` for a line that could not be answered (its custom_id is recovered from a line that is not
 valid JSON when possible): code `invalid_request` when the line or its request was refused before any token
 was generated, `generation_error` when generation failed later. Ids derive from the line number, so reruns agree.
@@ -32,6 +34,7 @@ was generated, `generation_error` when generation failed later. Ids derive from 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import re
@@ -43,12 +46,15 @@ from typing import Any
 from batchllm.connectors.constraints import response_format_constraint
 from batchllm.connectors.prompts import RowError, check_text
 from batchllm.connectors.results import RowOutcome, token_logprobs
-from batchllm.outputs import CompletionOutput
+from batchllm.outputs import CompletionOutput, PoolingRequestOutput
 from batchllm.sampling_params import SamplingParams
 
 _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+_EMBEDDING_FIELDS = frozenset({"input", "model", "user", "encoding_format", "dimensions"})
 _IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
 _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
              "top_p": "top_p", "n": "n", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
@@ -84,8 +90,8 @@ def parse_envelope(raw: str | None) -> Envelope:
         error = "custom_id must be a non-empty string"
     elif request.get("method", "POST") != "POST":
         error = f"method must be POST, got {request.get('method')!r}"
-    elif url not in (CHAT_URL, COMPLETIONS_URL):
-        error = f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}"
+    elif url not in URLS:
+        error = f"url must be {', '.join(URLS[:-1])} or {URLS[-1]}, got {url!r}"
     elif not isinstance(body, dict):
         error = "body must be a JSON object"
     return Envelope(custom_id, url if error is None else None, body if error is None else None, error)
@@ -141,18 +147,50 @@ def prompt_of(body: dict[str, Any], chat: bool) -> Any:
     return check_text(body.get("prompt"), "body.prompt")
 
 
+def embedding_input(body: dict[str, Any], dim: int) -> str | list[int]:
+    """An embeddings body's one input: text, or token ids."""
+    unknown = sorted(set(body) - _EMBEDDING_FIELDS)
+    if unknown:
+        raise RowError(f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    if body.get("encoding_format", "float") not in ("float", "base64"):
+        raise RowError(f"encoding_format must be 'float' or 'base64', got {body['encoding_format']!r}")
+    if body.get("dimensions") not in (None, dim):
+        raise RowError(f"dimensions={body['dimensions']!r}: this model's embeddings have {dim}")
+    value = body.get("input")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    elif isinstance(value, list):
+        raise RowError("body.input must be one string (or one list of token ids); send one line per input")
+    return check_text(value, "body.input")
+
+
+def embeddings_body(model: str, vector: Any, prompt_tokens: int, encoding_format: str) -> dict[str, Any]:
+    """OpenAI's embeddings response: one `embedding` object (a list of floats, or base64 of float32 bytes)."""
+    data = (base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding_format == "base64"
+            else vector.tolist())
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": data}], "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
 def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str) -> str:
     request_id = f"batch_req_{line}"
     if outcome.failed:
         # Refused before any token (a bad line, a prompt too long, a constraint the grammar engine rejects): the
         # request was invalid. Failed after generating: the generation went wrong.
-        refused = outcome.output is None or not any(c.token_ids for c in outcome.output.outputs)
+        refused = (outcome.output is None or isinstance(outcome.output, PoolingRequestOutput)
+                   or not any(c.token_ids for c in outcome.output.outputs))
         code = "invalid_request" if refused else "generation_error"
         return json.dumps({"id": request_id, "custom_id": envelope.custom_id, "response": None,
                            "error": {"code": code, "message": f"line {line}: {outcome.error}"}})
     chat = envelope.url == CHAT_URL
-    body = response_body(f"{'chatcmpl' if chat else 'cmpl'}-{line}", chat, model, outcome.output.outputs,
-                         outcome.prompt_tokens, outcome.top_logprobs)
+    if envelope.url == EMBEDDINGS_URL:
+        body = embeddings_body(model, outcome.output.outputs.data, outcome.prompt_tokens,
+                               envelope.body.get("encoding_format", "float"))
+    else:
+        body = response_body(f"{'chatcmpl' if chat else 'cmpl'}-{line}", chat, model, outcome.output.outputs,
+                             outcome.prompt_tokens, outcome.top_logprobs)
     return json.dumps({"id": request_id, "custom_id": envelope.custom_id,
                        "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None})
 

@@ -75,7 +75,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     prompt_column: str | None = None, messages_column: str | None = None,
                     prompt_template: Template | None = None, chat: bool = False,
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
-                    truncate: str = "error", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+                    truncate: str | None = None, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                     max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
                     data_parallel_size: int = 1, input_format: str = "auto", retry_errors: bool = False,
                     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
@@ -94,13 +94,19 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job, `OutputInUse` while
     another job writes it, `ReplicaPoolError` when every replica died (finished rows are saved), and
     ValueError before generating when chat prompts are asked of a model without a chat template.
+
+    An engine with a pooling task (`engine_kwargs={"task": "embed"}`, or such an `llm`) embeds each row's prompt
+    instead (see `batchllm.embed`): no sampling options, `truncate` "right" by default (else "error").
     """
     check_data_parallel_size(data_parallel_size, llm)
+    task = llm.task if llm is not None else dict(engine_kwargs or {}).get("task", "generate")
+    if truncate is None:
+        truncate = "error" if task == "generate" else "right"
     options = resolve_options(prompt_column=prompt_column, messages_column=messages_column,
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, schema_column=schema_column,
                               parse_json=parse_json, lora_column=lora_column, loras=loras,
-                              sampling_fields=sampling_fields)
+                              sampling_fields=sampling_fields, task=task)
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
                            retry_errors)
     source = open_table_source(input, input_format)
@@ -109,7 +115,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     with output_lock(directory / LOCK_NAME, directory):
         remove_stale_temporaries(directory)  # only now: they could be another job's files in flight
         with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
-            return _run(source, directory, engine, options, settings, needed)
+            return _run(source, directory, engine, options.with_engine(engine), settings, needed)
 
 
 def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM | ReplicaPool, options: MapOptions,
@@ -117,9 +123,10 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     if options.prompt.chat or options.prompt.messages_column is not None:
         require_chat_template(engine, "chat=True / messages_column= prompts")
     # The fingerprint keeps the options as asked; rows run with max_tokens capped, before prompts are fitted.
-    capped = dataclasses.replace(options, sampling_params=cap_max_tokens(options.sampling_params,
-                                                                         settings.max_tokens_cap))
-    require_compiles(engine, options.sampling_params.structured_outputs)
+    capped = options if options.pools else dataclasses.replace(
+        options, sampling_params=cap_max_tokens(options.sampling_params, settings.max_tokens_cap))
+    if not options.pools:
+        require_compiles(engine, options.sampling_params.structured_outputs)
     encoder = PromptEncoder.for_llm(engine, capped)
     adapters = adapter_requests(options.loras, engine) if options.lora_column is not None else {}
     fingerprint = {"job": "parquet", "input": source.fingerprint(), "model": model_identity(engine.model_path),
@@ -140,8 +147,8 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         columns = {name: batch.column(name).to_pylist() for name in needed}
         prompts = encode_rows(columns, batch.num_rows, capped, encoder)
-        params_list = ([capped.sampling_params] * batch.num_rows if schemas is None
-                       else schemas.rows(columns[options.schema_column]))
+        params_list = ([options.pooling if options.pools else capped.sampling_params] * batch.num_rows
+                       if schemas is None else schemas.rows(columns[options.schema_column]))
         loras = ([None] * batch.num_rows if not adapters
                  else row_adapters(columns[options.lora_column], adapters, "lora_column", name_rows=False))
         requests = []

@@ -136,8 +136,9 @@ class ParquetSink:
         data = buffer.getvalue()
         write_atomically(self.path / name, lambda file: file.write(data))
         names = self.options.names
+        tokens = 0 if self.options.pools else _token_sum(table.column(names.completion_tokens))  # pooled: none made
         record = ShardRecord(shard, table.num_rows, table.num_rows - table.column(names.error).null_count,
-                             _token_sum(table.column(names.completion_tokens)), ranges, complete, data.size,
+                             tokens, ranges, complete, data.size,
                              hashlib.sha256(data).hexdigest(), file=name)
         self.manifest.record(record)
         return record

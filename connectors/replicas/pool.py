@@ -91,8 +91,9 @@ class ReplicaPool:
 
     def __init__(self, size: int, model: str | Path | None = None, engine_kwargs: Mapping[str, Any] | None = None,
                  *, max_in_flight_per_replica: int | None = None, chunk_rows: int | None = None) -> None:
-        from batchllm.model.config import read_hf_config
+        from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
+        from batchllm.model.pooling_config import pooled_dim, resolve_pooling
         from batchllm.model.quantization import pinned_quantization, resolve_kv_cache_dtype
 
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -107,6 +108,12 @@ class ReplicaPool:
         # As an LLM reports them (job manifests pin them); the replicas check them against the checkpoint.
         self.quantization = pinned_quantization(read_hf_config(self.model_path), kwargs.get("quantization"))
         self.kv_cache_dtype = resolve_kv_cache_dtype(kwargs.get("kv_cache_dtype", "auto"))
+        # A pooling task's, as an LLM reports them (the map operator and the jobs ask).
+        self.task = kwargs.get("task", "generate")
+        model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
+        self.pooling_params = resolve_pooling(self.model_path, model_config, self.task, kwargs.get("pooling"),
+                                              kwargs.get("normalize"))
+        self.embedding_dim = pooled_dim(model_config, self.pooling_params)
         self.failures: list[ReplicaFailure] = []
         self.tokenizer: Any = None
         self.max_model_len = 0

@@ -45,16 +45,23 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
     the row's position: "row 3: ..."), and so does a schema the engine rejects (with the engine's message).
 
     With `lora_column`, each row runs under the adapter its cell names (`row_loras`).
+
+    A pooling task (`options.pools`) pools each row's prompt instead (the engine's `pooling_params`); its prompt
+    may fill max_model_len.
     """
-    require_compiles(llm, options.sampling_params.structured_outputs)
     encoder = PromptEncoder.for_llm(llm, options)
     rendered = render_rows(columns, num_rows, options, encoder)
-    params = row_params(columns, num_rows, options.sampling_params, options.schema_column, name_rows=True)
+    if options.pools:
+        params: list[Any] = [options.pooling] * num_rows
+        max_tokens = 0  # nothing is generated: no room to keep
+    else:
+        require_compiles(llm, options.sampling_params.structured_outputs)
+        params = row_params(columns, num_rows, options.sampling_params, options.schema_column, name_rows=True)
+        max_tokens = options.sampling_params.max_tokens
     loras = row_loras(columns, num_rows, options, llm)
     outcomes: list[RowOutcome | None] = [RowOutcome(None, str(p)) if isinstance(p, RowError) else None
                                          for p in rendered]
     candidates = [i for i, o in enumerate(outcomes) if o is None]  # their prompts rendered; tokenized next
-    max_tokens = options.sampling_params.max_tokens
     streamed = isinstance(llm, LLM) and len(candidates) >= STREAM_MIN_ROWS and _reads_only(encoder.tokenizer)
     if not streamed:
         encoded = dict(zip(candidates, encoder.encode([rendered[i] for i in candidates],

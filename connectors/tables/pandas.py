@@ -5,7 +5,9 @@ not taken at all (`batchllm.generate` says how to pass one).
 Output dtypes: text columns use pandas' default string dtype (missing = NA/NaN), token counts the
 nullable `Int32`, list and logprob columns hold Python lists (object dtype). The `parsed` column
 (parse_json=True) holds each row's JSON value as a Python object (dict, list, str, number, bool) or None
-(object dtype); a list of them per row when n > 1.
+(object dtype); a list of them per row when n > 1. An `embedding` column (pooling tasks) keeps Arrow's
+fixed_size_list<float32> as pandas' `ArrowDtype`, so a million vectors are one buffer, not a million objects
+(`np.stack(series)` or `series.list.flatten()` get at them; missing where the row failed).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def attach_outputs(frame: pd.DataFrame, arrays: list[pa.Array], options: MapOpti
 
 
 def _series(array: pa.Array, index: pd.Index) -> pd.Series:
+    if pa.types.is_fixed_size_list(array.type):
+        return pd.Series(pd.arrays.ArrowExtensionArray(array), index=index)
     if pa.types.is_integer(array.type):
         return pd.Series(pd.array(array.to_pylist(), dtype="Int32"), index=index)
     if pa.types.is_string(array.type):
