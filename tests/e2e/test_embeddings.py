@@ -161,3 +161,17 @@ def test_classification_logits_equal_hf(classifier):
         LLM(directory, device="cpu", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="task='score' needs a cross-encoder with one label; .* has 3"):
         LLM(directory, device="cpu", task="score", skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_model_parallel_engines_embed_like_one_process(tmp_path, parallel):
+    from tests.distributed.test_tensor_parallel import SHAPES, prompts, write_checkpoint
+
+    model = write_checkpoint(tmp_path, **SHAPES["gqa-biases"])
+    options = dict(device="cpu", task="embed", pooling="mean", skip_tokenizer_init=True, max_num_batched_tokens=16)
+    expected = LLM(model, **options).embed_matrix(prompts(1001))[0]
+    llm = LLM(model, **options, **parallel)
+    try:
+        np.testing.assert_allclose(llm.embed_matrix(prompts(1001))[0], expected, atol=1e-5, rtol=1e-5)
+    finally:
+        llm.shutdown()
