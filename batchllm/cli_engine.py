@@ -20,7 +20,8 @@ from batchllm.pooling_params import POOLING_TYPES, TASKS
 
 ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
-                "pipeline_parallel_size": int, "max_loras": int, "max_lora_rank": int, "num_kv_blocks": int, "swap_space": float}
+                "pipeline_parallel_size": int, "max_loras": int, "max_lora_rank": int, "num_kv_blocks": int,
+                "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
                       "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize")

@@ -35,7 +35,8 @@ def parse_layout(value: Any) -> Layout | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"prefill", "decode", "buffer_blocks"}:
-        raise ValueError(f"{name} must be a dict with the keys 'prefill', 'decode' (and 'buffer_blocks'), got {value!r}")
+        raise ValueError(f"{name} must be a dict with the keys 'prefill', 'decode' (and 'buffer_blocks'), "
+                         f"got {value!r}")
     layout = Layout(**value)
     if (layout.prefill, layout.decode) != (1, 1):
         raise ValueError(f'{name} supports {{"prefill": 1, "decode": 1}} (one engine each), got {value!r}')
@@ -92,7 +93,8 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
                 prefill_cache = dataclasses.replace(config.cache, gpu_memory_utilization=utilization / 2)
         threads = max(1, torch.get_num_threads() // 2)
         prefill = MultiprocExecutor(dataclasses.replace(config, device=devices[0], cache=prefill_cache,
-                                                        kv_link=(buffer, num_slots)), 1, threads, label="prefill engine")
+                                                        kv_link=(buffer, num_slots)), 1, threads,
+                                    label="prefill engine")
         decode = MultiprocExecutor(dataclasses.replace(config, device=devices[1], kv_link=(buffer, num_slots)), 1,
                                    threads, label="decode engine")
     finally:

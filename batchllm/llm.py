@@ -23,9 +23,8 @@ from batchllm.host_gc import objects_frozen
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
 from batchllm.lora.registry import AdapterRegistry, check_lora_options
 from batchllm.lora.request import LoRARequest
-from batchllm.outputs import CompletionOutput, RequestOutput
-from batchllm.outputs import PoolingRequestOutput
-from batchllm.pooling_api import _NO_SAMPLING, PoolingCalls, pooling_output
+from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from batchllm.pooling_api import NO_SAMPLING, PoolingCalls, pooling_output
 from batchllm.pooling_params import PoolingParams
 from batchllm.request_outputs import complete, completion_output, sample_params
 from batchllm.request_source import RequestSource
@@ -169,9 +168,9 @@ class LLM(PoolingCalls):
         start = time.perf_counter()
         self.model_path = resolve_model_path(model)
         self.task = task
-        hf_model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
-        self.pooling_params = resolve_pooling(self.model_path, hf_model_config, task, pooling, normalize)
-        self.embedding_dim = pooled_dim(hf_model_config, self.pooling_params)  # a pooled vector's length
+        model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
+        self.pooling_params = resolve_pooling(self.model_path, model_config, task, pooling, normalize)
+        self.embedding_dim = pooled_dim(model_config, self.pooling_params)  # a pooled vector's length
         if self.pooling_params is not None and (layout is not None or spec_config is not None):
             raise ValueError(f"LLM argument task={task!r} does not work with "
                              f"{'disaggregated' if layout is not None else 'speculative_config'}")
@@ -192,7 +191,6 @@ class LLM(PoolingCalls):
                                      max_lora_rank, quantization, kv_cache_dtype, spec_config)
         detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
         structured = None
-        model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
         if self.tokenizer is not None:
             structured = StructuredOutputManager(self.tokenizer, model_config.vocab_size, eos_token_ids,
                                                  structured_outputs_backend)
@@ -328,13 +326,13 @@ class LLM(PoolingCalls):
         with objects_frozen():
             try:
                 while True:
-                    room = None if max_in_flight is None else max_in_flight - len(in_flight)
+                    room = None if max_in_flight is None else max_in_flight - len(in_flight) - len(pooled)
                     for key, text, token_ids, params, lora in source.take(room):
                         prompt_id = str(next(self._request_counter))
                         if isinstance(params, PoolingParams) or self.task != "generate":
                             self._check_pooling_item(params)
                             pooled[f"{prompt_id}.0"] = (key, text, token_ids)
-                            engine.add_request(f"{prompt_id}.0", token_ids, _NO_SAMPLING, lora_request=lora,
+                            engine.add_request(f"{prompt_id}.0", token_ids, NO_SAMPLING, lora_request=lora,
                                                pooling=params)
                             continue
                         output = RequestOutput(prompt_id, text, token_ids, finished=False)

@@ -17,11 +17,10 @@ from batchllm.engine.request import Request
 from batchllm.llm_inputs import Prompt, as_prompt_list, progress_bar
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
-from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
 TRUNCATE = ("right", "left", None)
-_NO_SAMPLING = SamplingParams(max_tokens=1)  # a pooling request samples nothing; the engine wants params
+NO_SAMPLING = SamplingParams(max_tokens=1)  # a pooling request samples nothing; the engine wants params
 
 
 class PoolingCalls:

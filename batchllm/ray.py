@@ -83,7 +83,8 @@ def generate(ds: ray.data.Dataset, *, concurrency: int = 1, batch_size: int | No
     `options` are `batchllm.generate`'s keywords (except `llm=`: every replica builds its own engine from
     `model=` / `engine_kwargs=`). `concurrency` replicas each hold one engine; each gets
     `num_gpus_per_replica` GPUs (default: `engine_kwargs["tensor_parallel_size"]` times
-    `engine_kwargs["pipeline_parallel_size"]`, each 1 when absent, when the cluster has GPUs, else none). `batch_size` rows go to a replica at a time (default: 4 × max_num_seqs).
+    `engine_kwargs["pipeline_parallel_size"]`, each 1 when absent, when the cluster has GPUs, else none).
+    `batch_size` rows go to a replica at a time (default: 4 × max_num_seqs).
     """
     check_options(options)
     _check_count("concurrency", concurrency)
@@ -128,7 +129,8 @@ def gpus_per_replica(requested: float | None, engine_kwargs: Mapping[str, Any]) 
     if isinstance(requested, bool) or not isinstance(requested, (int, float)) or requested < 0:
         raise ValueError(f"num_gpus_per_replica must be a number >= 0, got {requested!r}")
     if 0 < requested < needed:
-        sizes = f"tensor_parallel_size={tensor_parallel}" + (f" x pipeline_parallel_size={stages}" if stages > 1 else "")
+        sizes = f"tensor_parallel_size={tensor_parallel}"
+        sizes += f" x pipeline_parallel_size={stages}" if stages > 1 else ""
         raise ValueError(f"{sizes} needs {needed} GPUs per replica, got num_gpus_per_replica={requested}")
     return requested
 

@@ -15,7 +15,8 @@ from batchllm.model.config import ModelConfig
 from batchllm.pooling_params import POOLING_TYPES, TASKS, PoolingParams
 
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                      "pooling_mode_weightedmean_tokens")
 
 
 def sentence_transformers_pooling(path: Path) -> tuple[str | None, bool | None]:

@@ -37,7 +37,8 @@ LINES = [
     _completion("empty", ""),
     _chat("two", "Count to two.", n=2, seed=7, temperature=0.8, max_tokens=4),
 ]
-ERRORS = {3: "invalid JSON", 5: "/v1/embeddings requests need an engine built with task='embed'", 6: "custom_id must be a non-empty string",
+ERRORS = {3: "invalid JSON", 5: "/v1/embeddings requests need an engine built with task='embed'",
+          6: "custom_id must be a non-empty string",
           7: "custom_id 'hello' was already used on line 1", 8: "unsupported parameter: tools",
           9: "temperature must be in [0, 2]", 10: "message 0 has no role", 11: "body.prompt is empty"}
 

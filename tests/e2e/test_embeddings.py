@@ -3,8 +3,8 @@
 Embeddings of the real default model must equal HF `AutoModel`'s final hidden states pooled the same way (float32,
 one prompt at a time, within 1e-5), for rows of very different lengths batched together, chunked under a tiny token
 budget, on a pool that holds one prompt at a time, and with prefix-cache hits. (A pooling request never grows
-past its prompt, so nothing preempts it: the scheduler admits a chunk only into free blocks.) A random-weight `LlamaForSequenceClassification` checkpoint's
-logits must equal HF `AutoModelForSequenceClassification`'s.
+past its prompt, so nothing preempts it: the scheduler admits a chunk only into free blocks.) A random-weight
+`LlamaForSequenceClassification` checkpoint's logits must equal HF `AutoModelForSequenceClassification`'s.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def _engine(prefill_blocks: int = 64, decode_blocks: int = 64, buffer_blocks: in
     prefill = EngineCore(Scheduler(config, prefill_kv, _max_tokens_stop), prefill_exec, _RecordingDetokenizer(),
                          async_scheduling=True)
     decode = EngineCore(Scheduler(SchedulerConfig(max_num_seqs, budget, config.max_model_len), decode_kv,
-                                  _max_tokens_stop), decode_exec, _RecordingDetokenizer(), async_scheduling=async_decode)
+                                  _max_tokens_stop), decode_exec, _RecordingDetokenizer(),
+                        async_scheduling=async_decode)
     return DisaggregatedEngineCore(prefill, decode), prefill_exec, decode_exec
 
 

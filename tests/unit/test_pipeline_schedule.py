@@ -17,8 +17,8 @@ from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import Scheduler
 from batchllm.sampling_params import SamplingParams
 from tests.unit.fake_executor import expected_continuation
-from tests.unit.test_host_tier import TieredFakeExecutor
 from tests.unit.test_abort import _RecordingDetokenizer
+from tests.unit.test_host_tier import TieredFakeExecutor
 from tests.unit.test_scheduler import BLOCK, _max_tokens_stop, _run
 
 
