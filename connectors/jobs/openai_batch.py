@@ -27,9 +27,10 @@ tool calls, and fail the line otherwise. A line that is not valid UTF-8 fails on
 
 A response line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
 null}` with a `chat.completion`, `text_completion` or embeddings (`"object": "list"`) body, or `"response":
-null` and `"error": {"code", "message"}` for a line that could not be answered (its custom_id is recovered from a line that is not
-valid JSON when possible): code `invalid_request` when the line or its request was refused before any token
-was generated, `generation_error` when generation failed later. Ids derive from the line number, so reruns agree.
+null` and `"error": {"code", "message"}` for a line that could not be answered (its custom_id is recovered
+from a line that is not valid JSON when possible): code `invalid_request` when the line or its request was
+refused before any token was generated, `generation_error` when generation failed later. Ids derive from the
+line number, so reruns agree.
 """
 
 from __future__ import annotations
