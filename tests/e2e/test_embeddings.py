@@ -175,3 +175,23 @@ def test_model_parallel_engines_embed_like_one_process(tmp_path, parallel):
         np.testing.assert_allclose(llm.embed_matrix(prompts(1001))[0], expected, atol=1e-5, rtol=1e-5)
     finally:
         llm.shutdown()
+
+
+def test_a_one_label_cross_encoder_scores_pairs(model_path, tmp_path):
+    """task="score" on a one-label classifier: each pair, encoded as the tokenizer encodes text pairs, through the
+    head; the score is the sigmoid of HF's logit for the same ids."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256, num_labels=1)
+    torch.manual_seed(1)
+    hf = LlamaForSequenceClassification(config).eval()
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(tmp_path, device="cpu", task="score")
+    query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow."]
+    scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    with torch.inference_mode():
+        logits = [hf(torch.tensor([tokenizer(query, doc)["input_ids"]])).logits[0, 0] for doc in docs]
+    np.testing.assert_allclose(scores, torch.sigmoid(torch.stack(logits)).numpy(), atol=1e-6)
