@@ -28,6 +28,15 @@ GOOD = [0, 3, 5]  # the others: null, empty, not a string
 ENGINE = {"device": "cpu", "task": "embed", "pooling": "mean"}
 
 
+@pytest.fixture(autouse=True)
+def keep_the_packages_engine():
+    """The doors below cache an embedding engine; the connectors package shares its default engine through the same
+    cache (conftest.py), so it is put back after each test."""
+    saved = engine_cache._cached
+    yield
+    engine_cache._cached = saved
+
+
 @pytest.fixture(scope="module")
 def expected() -> np.ndarray:
     llm = LLM(device="cpu", task="embed", pooling="mean")
@@ -85,7 +94,6 @@ def test_the_parquet_job_resumes_and_the_cli(expected, tmp_path, capsys):
     assert pq.read_table(tmp_path / "cli").column("embedding").to_pylist() == got
     assert main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "bad"), *flags, "--temperature", "0.5"]) == 2
     assert "--task 'embed' samples nothing: temperature does not apply" in capsys.readouterr().err
-    engine_cache.clear_engine_cache()
 
 
 def test_openai_batch_embeddings(expected, tmp_path):
@@ -107,7 +115,6 @@ def test_openai_batch_embeddings(expected, tmp_path):
     assert "one line per input" in answers["c"]["error"]["message"]
     assert "this model's embeddings have 576" in answers["d"]["error"]["message"]
     assert "need an engine built with task='generate'" in answers["e"]["error"]["message"]
-    engine_cache.clear_engine_cache()
 
 
 def test_two_data_parallel_replicas_embed_like_one_engine(expected):

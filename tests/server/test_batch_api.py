@@ -136,7 +136,7 @@ def test_bad_lines_go_to_the_error_file_and_the_good_ones_are_answered(served):
     client = served["client"]
     lines = [_completion("good0", PROMPTS[0]),
              '{"custom_id": "bad-json", "method": "POST", "url": "/v1/completions", "body": {"prompt": ',
-             _line("bad-url", "/v1/embeddings", {"input": "x"}),
+             _line("bad-url", "/v1/images/generations", {"prompt": "x"}),
              _line("bad-field", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": 1}),
              _completion("good1", PROMPTS[1])]
     batch = _run(client, lines)
