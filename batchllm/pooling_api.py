@@ -83,6 +83,9 @@ class PoolingCalls:
         if self.task not in tasks:
             raise ValueError(f"LLM.{call}() needs an LLM built with task={' or '.join(map(repr, tasks))}; this one "
                              f"has task={self.task!r}")
+        if call == "embed" and self.pooling_params.classify:
+            raise ValueError("LLM.embed() needs an embedding model; this one is a cross-encoder (its pooled vector is "
+                             "its classification head's logit): call score()")
 
     def _pooling_inputs(self, prompts: Prompt | Sequence[Prompt], prompt_template: str | None,
                         truncate: str | None) -> tuple[list[str | None], list[list[int]]]:

@@ -195,3 +195,5 @@ def test_a_one_label_cross_encoder_scores_pairs(model_path, tmp_path):
     with torch.inference_mode():
         logits = [hf(torch.tensor([tokenizer(query, doc)["input_ids"]])).logits[0, 0] for doc in docs]
     np.testing.assert_allclose(scores, torch.sigmoid(torch.stack(logits)).numpy(), atol=1e-6)
+    with pytest.raises(ValueError, match=r"LLM.embed\(\) needs an embedding model; this one is a cross-encoder"):
+        llm.embed(["x"])
