@@ -25,6 +25,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.cli import main
 from batchllm.connectors import engine_cache
 from batchllm.executor.multiproc_executor import WorkerDiedError
+from tests.connectors.helpers import openai_batch_texts
 from tests.distributed.test_tensor_parallel import SHAPES, gone, prompts, tokens, write_checkpoint
 
 PD = {"prefill": 1, "decode": 1}
@@ -97,13 +98,7 @@ def test_the_doors_cli_pandas_jsonl_and_stream(tmp_path, capsys):
                             max_tokens=MAX_NEW, temperature=0, ignore_eos=True, use_tqdm=False)
     assert out["generated_text"].tolist() == expected
     assert engine_cache._cached[1] is llm, "the same engine serves the same options"
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_kwargs=engine_kwargs, use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == expected
+    assert openai_batch_texts(tmp_path, TEXTS, MAX_NEW, engine_kwargs) == expected
     results = dict(llm.stream(((i, text, GREEDY) for i, text in enumerate(TEXTS)), max_in_flight=2))
     assert [results[i].outputs[0].text for i in range(len(TEXTS))] == expected
     pids = llm.runner.worker_pids

@@ -7,8 +7,6 @@ The expected text is the single-process engine's (whose agreement with HF transf
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +17,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.cli import main
 from batchllm.connectors import engine_cache
 from batchllm.connectors.replicas.devices import gpu_groups
+from tests.connectors.helpers import openai_batch_texts
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -54,14 +53,7 @@ def test_an_openai_batch_file_and_a_pandas_frame(plain_texts, tmp_path):
                             max_tokens=MAX_NEW, temperature=0, ignore_eos=True, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
     assert _cached_engine_is_pipelined()
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_kwargs=dict(PP, device="cpu"),
-                     use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
+    assert openai_batch_texts(tmp_path, TEXTS, MAX_NEW, dict(PP, device="cpu")) == plain_texts
     engine_cache.clear_engine_cache()
 
 

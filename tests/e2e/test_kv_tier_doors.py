@@ -8,8 +8,6 @@ transformers is tests/e2e/test_kv_tiers.py's subject), and each door checks from
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +17,7 @@ import batchllm
 from batchllm import LLM, SamplingParams
 from batchllm.cli import main
 from batchllm.connectors import engine_cache
+from tests.connectors.helpers import openai_batch_texts
 from tests.distributed.test_tensor_parallel import SHAPES, engine, prompts, write_checkpoint
 
 MAX_NEW = 24
@@ -62,13 +61,7 @@ def test_an_openai_batch_file_and_a_pandas_frame(plain_texts, tmp_path):
                             temperature=0, ignore_eos=True, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
     assert cached_engine_swapped()
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_kwargs=SWAP, use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
+    assert openai_batch_texts(tmp_path, TEXTS, MAX_NEW, SWAP) == plain_texts
     assert cached_engine_swapped()
 
 
