@@ -90,14 +90,24 @@ def test_pp_with_swap_preemption_and_the_host_tier(tmp_path: Path) -> None:
     llm.shutdown()
 
 
-@pytest.mark.parametrize("pp", [2, 3])
-def test_pp_on_the_default_model_equals_one_process(pp: int) -> None:
-    questions = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
-    params = SamplingParams(max_tokens=12, temperature=0)
-    expected = [o.outputs[0].text for o in LLM(device="cpu").generate(questions, params, use_tqdm=False)]
-    llm = LLM(device="cpu", pipeline_parallel_size=pp, max_num_seqs=2)
-    assert [o.outputs[0].text for o in llm.generate(questions, params, use_tqdm=False)] == expected
-    llm.shutdown()
+QUESTIONS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+DEFAULT_GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def default_model_texts() -> list[str]:
+    return [o.outputs[0].text for o in LLM(device="cpu").generate(QUESTIONS, DEFAULT_GREEDY, use_tqdm=False)]
+
+
+# The default model has 9 heads and 3 KV heads: tensor parallelism splits it 3 ways, not 2.
+@pytest.mark.parametrize("pp,tp", [(2, 1), (3, 1), (2, 3)], ids=["pp2", "pp3", "pp2xtp3"])
+def test_pp_on_the_default_model_equals_one_process(default_model_texts, pp: int, tp: int) -> None:
+    llm = LLM(device="cpu", pipeline_parallel_size=pp, tensor_parallel_size=tp, max_num_seqs=2)
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(QUESTIONS, DEFAULT_GREEDY, use_tqdm=False)]
+        assert texts == default_model_texts
+    finally:
+        llm.shutdown()
 
 
 def test_a_killed_stage_fails_fast_by_name_and_leaves_no_process(tmp_path: Path) -> None:
