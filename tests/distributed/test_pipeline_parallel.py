@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from batchllm import LLM, SamplingParams
 from batchllm.executor.multiproc_executor import WorkerDiedError
@@ -167,3 +168,20 @@ def test_each_stage_holds_its_part_of_the_checkpoint():
     assert last.held_elsewhere("model.layers.1.self_attn.q_proj.weight")
     untied = StagePlan(_config(num_layers=4), 1, 2)
     assert untied.held_elsewhere("model.embed_tokens.weight") and not untied.held_elsewhere("lm_head.weight")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pp2_on_two_gpus_equals_one_gpu(tmp_path: Path, async_scheduling: bool) -> None:
+    """Activations over NCCL send/recv between the stages' GPUs; float32 keeps greedy ties apart."""
+    model = write_checkpoint(tmp_path, **SIX_LAYERS)
+    prompt_list = prompts(SIX_LAYERS["vocab_size"]) * 4
+    options = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, max_num_seqs=8,
+                   async_scheduling=async_scheduling)
+    expected = tokens(LLM(model, **options), prompt_list)
+    llm = LLM(model, pipeline_parallel_size=2, **options)
+    try:
+        assert tokens(llm, prompt_list) == expected
+    finally:
+        llm.shutdown()
