@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from batchllm.config import SchedulerConfig
@@ -68,8 +69,8 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
                         async_scheduling: bool) -> tuple[DisaggregatedEngineCore, EnginePair]:
     import torch
 
+    from batchllm.distributed.shm_queue import create_shared_file
     from batchllm.executor.kv_cache import kv_bytes_per_block
-    from batchllm.executor.kv_transfer import create_shared_buffer
     from batchllm.executor.multiproc_executor import MultiprocExecutor
     from batchllm.model.config import ModelConfig, read_hf_config
     from batchllm.model.quantization.fp8 import FP8_DTYPE
@@ -80,7 +81,7 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
     block_size = config.cache.block_size
     num_slots = layout.buffer_blocks or (-(-scheduler_config.max_num_batched_tokens // block_size)
                                          + scheduler_config.max_num_seqs)
-    buffer = create_shared_buffer(num_slots * kv_bytes_per_block(model, block_size, kv_dtype))
+    buffer = Path(create_shared_file(num_slots * kv_bytes_per_block(model, block_size, kv_dtype), "batchllm-kv-link-"))
     try:
         devices = [config.device, config.device]
         utilization = config.cache.gpu_memory_utilization

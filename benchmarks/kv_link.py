@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from batchllm.distributed.shm_queue import create_shared_file
 from batchllm.engine.interfaces import BlockTransfers
-from batchllm.executor.kv_transfer import HostKVPool, create_shared_buffer
+from batchllm.executor.kv_transfer import HostKVPool
 
 SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (30, 3, 64)}  # layers, KV heads, head dim
 BLOCK = 16
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--out", help="also copy the record here (the device tool's $OUT)")
     args = parser.parse_args()
     layers, heads, dim = SHAPES[args.shape]
-    buffer = create_shared_buffer(args.blocks * 2 * layers * BLOCK * heads * dim * 2)
+    buffer = Path(create_shared_file(args.blocks * 2 * layers * BLOCK * heads * dim * 2))
     rng = random.Random(0)
     pairs = list(zip(rng.sample(range(args.cache_blocks), args.blocks), rng.sample(range(args.blocks), args.blocks)))
     context = multiprocessing.get_context("spawn")

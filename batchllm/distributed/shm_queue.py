@@ -40,13 +40,20 @@ class ShmQueueHandle:
     full: list[Any]  # one per reader: a chunk is waiting for it
 
 
-def create_queue(context: BaseContext, num_readers: int, capacity: int = DEFAULT_CAPACITY) -> ShmQueueHandle:
+def create_shared_file(num_bytes: int, prefix: str = "batchllm-") -> str:
+    """A file of `num_bytes` in shared memory (/dev/shm where there is one) that other processes can map; its
+    creator deletes it once they have."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="batchllm-", dir=directory)
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
     try:
-        os.ftruncate(fd, _HEADER.size + capacity)
+        os.ftruncate(fd, num_bytes)
     finally:
         os.close(fd)
+    return path
+
+
+def create_queue(context: BaseContext, num_readers: int, capacity: int = DEFAULT_CAPACITY) -> ShmQueueHandle:
+    path = create_shared_file(_HEADER.size + capacity)
     return ShmQueueHandle(path, capacity, [context.Semaphore(1) for _ in range(num_readers)],
                           [context.Semaphore(0) for _ in range(num_readers)])
 

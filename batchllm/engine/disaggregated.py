@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
-from batchllm.engine.kv_handoff import DecodeKVCacheManager, Handoff, PrefillKVCacheManager
+from batchllm.engine.kv_handoff import DecodeKVCacheManager, Handoff, PrefillKVCacheManager, free_slots
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
@@ -89,7 +89,7 @@ class DisaggregatedEngineCore:
         pending = self._prefilling.pop(handoff.request_id, None)
         if pending is None:  # aborted while its copies ran: they are done, and nobody reads them
             if handoff.slots:
-                self.prefill_kv.link.free([self.prefill_kv.link.blocks[slot] for slot in handoff.slots])
+                free_slots(self.prefill_kv.link, handoff.slots)
             return
         self.decode.add_request(handoff.request_id, pending.prompt_token_ids, pending.params,
                                 lora_request=pending.lora_request)

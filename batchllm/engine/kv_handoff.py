@@ -17,6 +17,7 @@ whose forward pass waited for the loads, has been applied (one step in flight).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from batchllm.engine.block_pool import BlockPool
@@ -25,6 +26,10 @@ from batchllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from batchllm.engine.request import Request, RequestStatus
 
 RELEASE_AFTER_STEPS = 3
+
+
+def free_slots(link: BlockPool, slots: list[int]) -> None:
+    link.free([link.blocks[slot] for slot in slots])
 
 
 @dataclass(slots=True)
@@ -44,7 +49,7 @@ class PrefillKVCacheManager(KVCacheManager):
         self.link = link
         self._sends: list[tuple[int, int]] = []  # (device block, slot) for the next step
         self._ready: list[Handoff] = []  # copied by the next step
-        self._awaiting: list[Request] = []  # ended, holding their blocks until enough slots are free
+        self._awaiting: deque[Request] = deque()  # ended, holding their blocks until enough slots are free
         self.batches: list[tuple[BlockTransfers | None, list[Handoff]]] = []  # taken, with the step's copies
 
     def free(self, request: Request) -> None:
@@ -67,7 +72,7 @@ class PrefillKVCacheManager(KVCacheManager):
             count = cdiv(request.num_computed_tokens, self.block_size)
             if count > self.link.num_free_blocks:
                 break
-            self._awaiting.pop(0)
+            self._awaiting.popleft()
             slots = [slot.block_id for slot in self.link.allocate(count)]
             self._sends += [(block.block_id, slot) for block, slot in zip(self._blocks[request.request_id], slots)]
             self._ready.append(Handoff(request.request_id, request.num_computed_tokens, slots))
@@ -91,7 +96,7 @@ class PrefillKVCacheManager(KVCacheManager):
                 del self._ready[index]
                 if handoff.slots is not None:
                     self._sends = [(d, s) for d, s in self._sends if s not in handoff.slots]
-                    self.link.free([self.link.blocks[slot] for slot in handoff.slots])
+                    free_slots(self.link, handoff.slots)
                 return True
         return False
 
@@ -110,7 +115,7 @@ class DecodeKVCacheManager(KVCacheManager):
         self.link = link
         self._arrivals: dict[str, Handoff] = {}
         self._loads: list[tuple[int, int]] = []  # (slot, device block) for this step
-        self._release: list[tuple[int, list[int]]] = []  # (step after which the slots are free, slots)
+        self._release: deque[tuple[int, list[int]]] = deque()  # (step after which the slots are free, slots)
         self._step = 0
         self.handoff = HandoffStats()
 
@@ -137,7 +142,7 @@ class DecodeKVCacheManager(KVCacheManager):
         self._loads += [(slot, block.block_id) for slot, block in zip(handoff.slots, blocks)]
         self.handoff.requests += 1
         self.handoff.blocks += len(handoff.slots)
-        self._release.append((self._step + RELEASE_AFTER_STEPS, handoff.slots))
+        self._release_later(handoff.slots)
         self._loading.add(request.request_id)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return True
@@ -146,8 +151,7 @@ class DecodeKVCacheManager(KVCacheManager):
         super().begin_step()
         self._step += 1
         while self._release and self._release[0][0] <= self._step:
-            _, slots = self._release.pop(0)
-            self.link.free([self.link.blocks[slot] for slot in slots])
+            free_slots(self.link, self._release.popleft()[1])
 
     def take_link_transfers(self) -> BlockTransfers | None:
         if not self._loads:
@@ -158,9 +162,9 @@ class DecodeKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         handoff = self._arrivals.pop(request.request_id, None)  # aborted before its K/V was loaded
         if handoff is not None:
-            self._release.append((self._step + RELEASE_AFTER_STEPS, handoff.slots))
+            self._release_later(handoff.slots)
         super().free(request)
 
-    @property
-    def num_slots_held(self) -> int:
-        return sum(len(slots) for _, slots in self._release) + sum(len(h.slots) for h in self._arrivals.values())
+    def _release_later(self, slots: list[int]) -> None:
+        """Free the slots once the step after this one, whose forward pass waits for their loads, is applied."""
+        self._release.append((self._step + RELEASE_AFTER_STEPS, slots))

@@ -19,8 +19,6 @@ loads from it.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -161,18 +159,6 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((index, block_id, 1))
     return runs
-
-
-def create_shared_buffer(num_bytes: int) -> Path:
-    """A file of `num_bytes` in shared memory (/dev/shm where there is one) for `HostKVPool(backing=...)`; the
-    caller deletes it once every process has mapped it."""
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    handle, name = tempfile.mkstemp(prefix="batchllm-kv-link-", dir=directory)
-    try:
-        os.ftruncate(handle, num_bytes)
-    finally:
-        os.close(handle)
-    return Path(name)
 
 
 def _host_tensor(shape: tuple[int, ...], device: torch.device, backing: Path | None = None) -> torch.Tensor:

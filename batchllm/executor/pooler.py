@@ -62,9 +62,10 @@ class Pooler:
             else:
                 vectors.append(last[index])
         pooled = torch.stack(vectors)
-        normalize = torch.tensor([row.params.normalize for row in finals], device=self.device)
-        if bool(normalize.any()):
-            pooled = torch.where(normalize[:, None], F.normalize(pooled, dim=-1), pooled)
+        normalize = [row.params.normalize for row in finals]  # decided on the host: no sync with the device
+        if any(normalize):
+            mask = torch.tensor(normalize, device=self.device)[:, None]
+            pooled = torch.where(mask, F.normalize(pooled, dim=-1), pooled)
         classify = [row.params.classify for row in finals]
         if any(classify):
             if not all(classify):
