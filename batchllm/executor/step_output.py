@@ -45,14 +45,13 @@ class StepOutput:
         self._event = None
         self._host: SamplerOutput | None = None
         self._num_accepted: torch.Tensor | None = None
+        self._pooled = None if pooled is None else (pooled[0], _to_host(pooled[1]))
         if sampled is None:  # nothing sampled: a prefill chunk, pooled prompts, a tensor-parallel rank other than 0
-            self._output = ModelRunnerOutput({})
-            if pooled is not None:
-                self._pooled_ids, self._pooled = pooled[0], _to_host(pooled[1])
-                self._output = None
-                if pooled[1].is_cuda:
-                    self._event = torch.cuda.Event()
-                    self._event.record()
+            if pooled is None:
+                self._output = ModelRunnerOutput({})
+            elif pooled[1].is_cuda:
+                self._event = torch.cuda.Event()
+                self._event.record()
             return
         n = len(sampled.token_ids)
         ids = host_ids[:n] if n <= len(host_ids) else torch.empty(n, dtype=torch.int64, pin_memory=host_ids.is_pinned())
@@ -68,10 +67,11 @@ class StepOutput:
             self._event.record()
 
     def result(self) -> ModelRunnerOutput:
-        if self._output is None and self._host is None:  # pooled vectors only
+        if self._output is None and self._pooled is not None:  # pooled vectors, nothing sampled
             if self._event is not None:
                 self._event.synchronize()
-            self._output = ModelRunnerOutput({}, pooled=dict(zip(self._pooled_ids, self._pooled.numpy())))
+            request_ids, vectors = self._pooled
+            self._output = ModelRunnerOutput({}, pooled=dict(zip(request_ids, vectors.numpy())))
             self._pooled = None
             self._on_result(self._output)
         if self._output is None:
