@@ -3,8 +3,10 @@ loop, in one process on the same documents.
 
     python benchmarks/embeddings.py                              # CPU: the real default model, scaled down
     python benchmarks/embeddings.py --model DIR --device cuda    # a GPU: 10,000 documents of 50-2,000 tokens
+    python benchmarks/embeddings.py --shape llama3-8b            # the same, random bf16 weights of a WORKLOADS shape
 
-Both systems load the same checkpoint (`--model`, a local HF directory; default: the default model). Documents
+Both systems load the same checkpoint (`--model`, a local HF directory; default: the default model; `--shape`
+writes one with random weights first, on the GPU, so nothing large travels to the GPU machine). Documents
 are random token ids (seed 6) of uniform length in [--min-len, --max-len]; both systems mean-pool the
 final hidden states. The peer sorts the documents by length and runs batches of `--hf-batch-tokens` padded tokens
 (at most `--hf-batch-size` rows) through `AutoModel` with an attention mask, SDPA attention, masked mean pooling.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from shapes import SHAPES, write_random_checkpoint
 from throughput import git_sha, hardware, save_record
 
 from batchllm import LLM
@@ -33,16 +36,17 @@ def documents(count: int, low: int, high: int, vocab_size: int) -> list[list[int
     return [[rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def run_batchllm(args, model: str, docs: list[list[int]]) -> tuple[dict, np.ndarray]:
+def run_batchllm(args, model: str, docs: list[list[int]], budget: int) -> tuple[dict, np.ndarray]:
     start = time.perf_counter()
-    llm = LLM(model, device=args.device, task="embed", pooling="mean", normalize=False)
+    llm = LLM(model, device=args.device, task="embed", pooling="mean", normalize=False,
+              skip_tokenizer_init=args.shape is not None, max_num_batched_tokens=budget)
     load_s = time.perf_counter() - start
     llm.embed_matrix(docs[:8])  # warm-up
     start = time.perf_counter()
     matrix, errors = llm.embed_matrix(docs)
     seconds = time.perf_counter() - start
     assert not any(errors), errors[:3]
-    result = {"system": "batchllm", "load_s": round(load_s, 2), "seconds": round(seconds, 3),
+    result = {"system": f"batchllm (budget {budget} tokens)", "load_s": round(load_s, 2), "seconds": round(seconds, 3),
               "stats_steps": llm.stats.num_steps}
     del llm
     gc.collect()
@@ -90,12 +94,15 @@ def run_hf(args, model: str, docs: list[list[int]]) -> tuple[dict, np.ndarray]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local HF checkpoint directory (default: the default model)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="random bf16 weights of this shape (no tokenizer)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[8192],
+                        help="batchllm's token budget per step; several: one batchllm run each")
     parser.add_argument("--docs", type=int, help="documents (default: 10,000; CPU 64)")
     parser.add_argument("--min-len", type=int, default=50)
     parser.add_argument("--max-len", type=int, help="(default: 2,000; CPU 400)")
     parser.add_argument("--hf-batch-tokens", type=int, default=16384, help="the peer's padded tokens per batch")
-    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=256, help="the peer's rows per batch, at most")
     parser.add_argument("--out", help="also copy the record here (the device tool's $OUT)")
     args = parser.parse_args()
     gpu = args.device != "cpu"
@@ -104,24 +111,30 @@ def main() -> None:
     from batchllm.model.config import ModelConfig
     from batchllm.model.loader import resolve_model_path
 
-    model = str(resolve_model_path(args.model))
+    if args.shape:
+        model = str(write_random_checkpoint(args.shape, device=args.device))
+    else:
+        model = str(resolve_model_path(args.model))
     docs = documents(args.docs, args.min_len, args.max_len, ModelConfig.from_dir(model).vocab_size)
-    ours, our_vectors = run_batchllm(args, model, docs)
+    runs = [run_batchllm(args, model, docs, budget) for budget in args.max_num_batched_tokens]
     theirs, their_vectors = run_hf(args, model, docs)
     tokens = sum(map(len, docs))
-    for result in (ours, theirs):
+    results = [result for result, _ in runs] + [theirs]
+    for result in results:
         result.update(rows_per_s=round(len(docs) / result["seconds"], 1), tok_per_s=round(tokens / result["seconds"]))
-    difference = float(np.abs(our_vectors - their_vectors).max())
+    difference = max(float(np.abs(vectors - their_vectors).max()) for _, vectors in runs)
     print(f"{args.docs} documents of {args.min_len}-{args.max_len} tokens ({tokens} tokens), {args.device}")
     print(f"{'system':48} {'s':>8} {'rows/s':>8} {'tok/s':>9} {'x':>6}")
-    for result in (ours, theirs):
+    for result in results:
         print(f"{result['system']:48} {result['seconds']:>8.2f} {result['rows_per_s']:>8.1f} {result['tok_per_s']:>9} "
               f"{theirs['seconds'] / result['seconds']:>5.2f}x")
     print(f"largest difference between the two systems' vectors: {difference:.2e}")
     machine, details = hardware(args.device)
-    name = f"{datetime.date.today()}-embeddings-{Path(model).name}-{machine}.json"
-    path = save_record(name, {"docs": args.docs, "min_len": args.min_len, "max_len": args.max_len, "tokens": tokens,
-                              "hardware": details, "git_sha": git_sha(), "results": [ours, theirs],
+    name = f"{datetime.date.today()}-embeddings-{Path(model).name}-d{args.docs}-{machine}.json"
+    path = save_record(name, {"model": args.shape or Path(model).name, "random_weights": args.shape is not None,
+                              "hf_batch_tokens": args.hf_batch_tokens, "hf_batch_size": args.hf_batch_size,
+                              "docs": args.docs, "min_len": args.min_len, "max_len": args.max_len, "tokens": tokens,
+                              "hardware": details, "git_sha": git_sha(), "results": results,
                               "max_abs_difference": difference}, args.out)
     print(f"wrote {path}")
 

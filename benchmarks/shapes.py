@@ -41,6 +41,22 @@ def make_shape_dir(name: str, root: Path | None = None) -> Path:
     return directory
 
 
+def write_random_checkpoint(name: str, root: Path | None = None, device: str = "cpu") -> Path:
+    """A shape with random bf16 weights (transformers' own initialization) saved as a safetensors checkpoint, for
+    runs whose peer must load the very same weights (benchmarks/embeddings.py). Built on `device`: an 8B shape
+    initializes in seconds on a GPU."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = make_shape_dir(name, root)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape_config(name), dtype=torch.bfloat16)).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    return directory
+
+
 def num_params(name: str) -> int:
     s = SHAPES[name]
     h, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
