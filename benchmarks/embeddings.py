@@ -50,6 +50,8 @@ def run_batchllm(args, model: str, docs: list[list[int]], budget: int) -> tuple[
               "stats_steps": llm.stats.num_steps}
     del llm
     gc.collect()
+    if args.device != "cpu":  # the next run sizes its KV pool by the free memory: hand this one's cache back
+        torch.cuda.empty_cache()
     return result, matrix
 
 
