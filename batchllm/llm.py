@@ -64,6 +64,11 @@ class LLM(PoolingCalls):
     what the model directory says (sentence-transformers' modules.json), else the last token, normalized. See
     batchllm/pooling_api.py.
 
+    `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
+    step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next
+    token and larger steps spread the host's per-step work over more tokens (1.35x the rows/s of 8192 for a
+    135M model on an H200, benchmarks/README.md "Embeddings").
+
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
     where the host and the "device" are the same cores and nothing overlaps.
@@ -103,7 +108,7 @@ class LLM(PoolingCalls):
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enable_prefix_caching: bool = True, reorder_by_prefix: bool = True, seed: int = 0,
                  load_format: str = "auto", enforce_eager: bool = False,
@@ -136,6 +141,8 @@ class LLM(PoolingCalls):
                                    enable_prefix_caching, swap_space)
         check_lora_options(enable_lora, max_loras, max_lora_rank)
         check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if task == "generate" else 32768
         scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                            max_loras=max_loras if enable_lora else 0, preemption_mode=preemption_mode,
                                            num_micro_batches=pipeline_parallel_size)

@@ -36,7 +36,7 @@ def documents(count: int, low: int, high: int, vocab_size: int) -> list[list[int
     return [[rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def run_batchllm(args, model: str, docs: list[list[int]], budget: int) -> tuple[dict, np.ndarray]:
+def run_batchllm(args, model: str, docs: list[list[int]], budget: int | None) -> tuple[dict, np.ndarray]:
     start = time.perf_counter()
     llm = LLM(model, device=args.device, task="embed", pooling="mean", normalize=False,
               skip_tokenizer_init=args.shape is not None, max_num_batched_tokens=budget)
@@ -46,12 +46,11 @@ def run_batchllm(args, model: str, docs: list[list[int]], budget: int) -> tuple[
     matrix, errors = llm.embed_matrix(docs)
     seconds = time.perf_counter() - start
     assert not any(errors), errors[:3]
+    budget = llm.engine.scheduler.config.max_num_batched_tokens
     result = {"system": f"batchllm (budget {budget} tokens)", "load_s": round(load_s, 2), "seconds": round(seconds, 3),
               "stats_steps": llm.stats.num_steps}
     del llm
     gc.collect()
-    if args.device != "cpu":  # the next run sizes its KV pool by the free memory: hand this one's cache back
-        torch.cuda.empty_cache()
     return result, matrix
 
 
@@ -98,8 +97,8 @@ def main() -> None:
     parser.add_argument("--model", help="local HF checkpoint directory (default: the default model)")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="random bf16 weights of this shape (no tokenizer)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[8192],
-                        help="batchllm's token budget per step; several: one batchllm run each")
+    parser.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[None],
+                        help="batchllm's token budget per step (default: LLM's); several: one batchllm run each")
     parser.add_argument("--docs", type=int, help="documents (default: 10,000; CPU 64)")
     parser.add_argument("--min-len", type=int, default=50)
     parser.add_argument("--max-len", type=int, help="(default: 2,000; CPU 400)")

@@ -87,6 +87,10 @@ class ModelRunner:
         self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.cache.block_size
         self.scheduler_config = config.scheduler
+        if device.type == "cuda":
+            # An earlier engine's freed KV pool is still cached; weights placed in that segment would pin all of
+            # it, and this pool, sized by profiling, would then find no room.
+            torch.cuda.empty_cache()
         self.model, self.model_config = load_model(config.model_path, device, self.dtype,
                                                    load_format=config.load_format, seed=config.seed,
                                                    quantization=config.quantization)

@@ -22,16 +22,20 @@ from batchllm.model.config import ModelConfig
 
 def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, config: SchedulerConfig, block_size: int,
                         device: torch.device, dtype: torch.dtype, utilization: float) -> int:
-    num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
-    num_seqs = min(config.max_num_seqs, num_tokens)
-    num_blocks = -(-num_tokens // block_size) + num_seqs
+    num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+    # Long sequences (each at most max_model_len) carry the token budget; the other sequences are single tokens
+    # asking for logits, so the profile sees both the largest activation and the largest logits tensor.
+    lengths = np.ones(num_seqs, dtype=np.int64)
+    remaining = config.max_num_batched_tokens - num_seqs
+    for row in range(num_seqs):
+        if remaining <= 0:
+            break
+        lengths[row] += min(remaining, model_config.max_model_len - 1)
+        remaining -= lengths[row] - 1
+    num_tokens = int(lengths.sum())  # less than the budget only where no step can fill it
+    num_blocks = int(sum(-(-int(length) // block_size) for length in lengths))
     cache = allocate_kv_cache(model, model_config, num_blocks, block_size, device, dtype)
     inputs = InputBatch(num_tokens, num_seqs, num_blocks, block_size, device)
-
-    # One long sequence carries the token budget; the other sequences are single tokens asking for logits,
-    # so the profile sees both the largest activation and the largest logits tensor.
-    lengths = np.ones(num_seqs, dtype=np.int64)
-    lengths[0] = num_tokens - (num_seqs - 1)
     tables = np.zeros((num_seqs, num_blocks), dtype=np.int32)
     next_block = 0
     for row, length in enumerate(lengths):

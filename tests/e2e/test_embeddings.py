@@ -197,3 +197,38 @@ def test_a_one_label_cross_encoder_scores_pairs(model_path, tmp_path):
     np.testing.assert_allclose(scores, torch.sigmoid(torch.stack(logits)).numpy(), atol=1e-6)
     with pytest.raises(ValueError, match=r"LLM.embed\(\) needs an embedding model; this one is a cross-encoder"):
         llm.embed(["x"])
+
+
+# ---- CUDA: pooling on the device, vectors copied behind the step (executor/step_output.py) ----------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pooling_on_cuda_equals_hf(classifier, async_scheduling):
+    """The random classifier's backbone as an embedding model (mean, last) and its head (classify), float32 on the
+    GPU, chunked under a small budget and at the default one, against HF's AutoModel on the same GPU."""
+    import copy
+
+    from transformers import AutoModel
+
+    directory, hf_classifier = classifier
+    hf_classifier = copy.deepcopy(hf_classifier).cuda()  # the fixture's model stays on the CPU for the CPU test
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1000, (n,), generator=generator).tolist() for n in (1, 7, 40, 90, 200, 13)]
+    backbone = AutoModel.from_pretrained(directory, dtype=torch.float32).cuda().eval()
+    with torch.inference_mode():
+        hidden = [backbone(torch.tensor([p], device="cuda")).last_hidden_state[0] for p in prompts]
+        logits = np.stack([hf_classifier(torch.tensor([p], device="cuda")).logits[0].cpu().numpy()
+                           for p in prompts])
+    for pooling, budget in (("mean", 32), ("last", None)):
+        llm = LLM(directory, device="cuda", dtype="float32", task="embed", pooling=pooling, normalize=False,
+                  skip_tokenizer_init=True, async_scheduling=async_scheduling, max_num_batched_tokens=budget)
+        matrix, errors = llm.embed_matrix(prompts)
+        expected = np.stack([(h.mean(0) if pooling == "mean" else h[-1]).cpu().numpy() for h in hidden])
+        assert errors == [None] * len(prompts)
+        np.testing.assert_allclose(matrix, expected, atol=1e-4, rtol=1e-4)
+        del llm
+    llm = LLM(directory, device="cuda", dtype="float32", task="classify", skip_tokenizer_init=True,
+              async_scheduling=async_scheduling, max_num_batched_tokens=48)
+    outs = llm.classify(prompts, use_tqdm=False)
+    np.testing.assert_allclose(np.stack([o.outputs.logits for o in outs]), logits, atol=1e-4, rtol=1e-4)
