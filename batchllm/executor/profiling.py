@@ -57,7 +57,7 @@ def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, confi
             hidden = model(input_ids, positions, tuple(torch.zeros(num_tokens, model_config.hidden_size, dtype=dtype,
                                                                    device=device) for _ in range(2)))
     logits = None
-    if pp.is_last:
+    if pp.is_last and getattr(model, "score", None) is None:  # a classifier has no LM head: its head is tiny
         logits = model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
     if logits is not None:
         torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
