@@ -66,7 +66,7 @@ class LLM(PoolingCalls):
 
     `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
     step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next
-    token and larger steps spread the host's per-step work over more tokens (1.35x the rows/s of 8192 for a
+    token and larger steps spread the host's per-step work over more tokens (1.35-1.8x the rows/s of 8192 for a
     135M model on an H200, benchmarks/README.md "Embeddings").
 
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
