@@ -20,19 +20,24 @@ from batchllm.forward_context import set_forward_context
 from batchllm.model.config import ModelConfig
 
 
-def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, config: SchedulerConfig, block_size: int,
-                        device: torch.device, dtype: torch.dtype, utilization: float) -> int:
-    num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-    # Long sequences (each at most max_model_len) carry the token budget; the other sequences are single tokens
-    # asking for logits, so the profile sees both the largest activation and the largest logits tensor.
-    lengths = np.ones(num_seqs, dtype=np.int64)
-    remaining = config.max_num_batched_tokens - num_seqs
-    for row in range(num_seqs):
+def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> np.ndarray:
+    """The profiled step's sequence lengths: long sequences (each at most `max_model_len`) carry the token budget,
+    the other sequences are single tokens asking for logits, so the profile sees both the largest activation and
+    the largest logits tensor. They sum to the budget, unless no step can fill it."""
+    lengths = np.ones(min(max_num_seqs, max_num_batched_tokens), dtype=np.int64)
+    remaining = max_num_batched_tokens - len(lengths)
+    for row in range(len(lengths)):
         if remaining <= 0:
             break
-        lengths[row] += min(remaining, model_config.max_model_len - 1)
+        lengths[row] += min(remaining, max_model_len - 1)
         remaining -= lengths[row] - 1
-    num_tokens = int(lengths.sum())  # less than the budget only where no step can fill it
+    return lengths
+
+
+def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, config: SchedulerConfig, block_size: int,
+                        device: torch.device, dtype: torch.dtype, utilization: float) -> int:
+    lengths = profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, model_config.max_model_len)
+    num_seqs, num_tokens = len(lengths), int(lengths.sum())
     num_blocks = int(sum(-(-int(length) // block_size) for length in lengths))
     cache = allocate_kv_cache(model, model_config, num_blocks, block_size, device, dtype)
     inputs = InputBatch(num_tokens, num_seqs, num_blocks, block_size, device)
