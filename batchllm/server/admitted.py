@@ -1,6 +1,10 @@
 """The engine thread's book of admitted requests: it adds a prompt's samples to the engine (forked like
 `LLM._stream`: request ids "{prompt_id}.{sample}", samples 1..n-1 sharing sample 0's prompt K/V) and turns each
 step's results into the events of their streams. Only the engine thread uses it.
+
+A pooling submission (params: the LLM's `PoolingParams`, on an embed server) is one engine request, "{prompt_id}.0",
+with no per-step updates: its stream gets one event, whose output is a `PoolingRequestOutput` (as `LLM.embed`
+returns it; aborted: outputs None and error `ABORTED`).
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ from typing import Protocol
 from batchllm.engine.engine_core import FinishedRequest
 from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
-from batchllm.outputs import CompletionOutput, RequestOutput
+from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from batchllm.pooling_api import NO_SAMPLING, pooling_output
+from batchllm.pooling_params import PoolingParams
 from batchllm.request_outputs import complete, completion_output, logprob_entries, sample_params
 from batchllm.sampling_params import SamplingParams
 from batchllm.server.request_stream import RequestStream, SampleUpdate, StreamEvent
 from batchllm.server.sample_progress import SampleProgress
+
+ABORTED = "aborted"  # the error of a pooling request's output when it was aborted
 
 
 class LoopObserver(Protocol):
@@ -33,10 +41,15 @@ class Submission:
     stream: RequestStream
     prompt_token_ids: list[int]
     prompt_text: str | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     lora_request: LoRARequest | None
     incremental: bool
     submitted_at: float
+
+    @property
+    def num_requests(self) -> int:
+        """The engine requests it becomes: its samples, or one pooling request."""
+        return self.params.n if isinstance(self.params, SamplingParams) else 1
 
 
 @dataclass(slots=True, eq=False)
@@ -52,15 +65,19 @@ class AdmittedRequests:
         self._tokenizer = llm.tokenizer
         self._backend = None if llm.tokenizer is None else llm.tokenizer.backend_tokenizer
         self._admitted: dict[str, _Admitted] = {}
+        self._pooled: dict[str, Submission] = {}  # engine request id → a pooling submission
         self.observer: LoopObserver | None = None
 
     def __bool__(self) -> bool:
-        return bool(self._admitted)
+        return bool(self._admitted) or bool(self._pooled)
 
     def admit(self, submission: Submission) -> None:
         stream, params = submission.stream, submission.params
         if stream.cancelled:  # aborted while it was being taken from the queue
             stream.deliver(StreamEvent(output=aborted_output(submission)))
+            return
+        if isinstance(params, PoolingParams):
+            self._admit_pooling(submission, params)
             return
         samples = []
         try:
@@ -79,7 +96,27 @@ class AdmittedRequests:
         if self.observer is not None:
             self.observer.request_admitted(len(submission.prompt_token_ids))
 
+    def _admit_pooling(self, submission: Submission, params: PoolingParams) -> None:
+        request_id = f"{submission.stream.prompt_id}.0"
+        try:
+            self._engine.add_request(request_id, submission.prompt_token_ids, NO_SAMPLING,
+                                     lora_request=submission.lora_request, pooling=params)
+        except ValueError as exc:
+            submission.stream.deliver(StreamEvent(error=exc))
+            return
+        self._pooled[request_id] = submission
+        if self.observer is not None:
+            self.observer.request_admitted(len(submission.prompt_token_ids))
+
     def publish(self, finished: list[FinishedRequest]) -> None:
+        if self._pooled:  # only the finished ones are looked at: a pooling request has nothing to report before
+            for item in finished:
+                submission = self._pooled.pop(item.request.request_id, None)
+                if submission is not None:
+                    self._finish(submission, StreamEvent(output=pooling_output(
+                        item.request, submission.prompt_text, submission.prompt_token_ids)))
+        if not self._admitted:
+            return
         by_id = {item.request.request_id: item for item in finished}
         requests, now = self._engine.scheduler.requests, time.perf_counter()
         for prompt_id, admitted in list(self._admitted.items()):
@@ -137,11 +174,19 @@ class AdmittedRequests:
         output = RequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
                                finished=False)
         complete(output, admitted.completions)
+        self._finish(submission, StreamEvent(updates if submission.incremental else [], output))
+
+    def _finish(self, submission: Submission, event: StreamEvent) -> None:
         if self.observer is not None:
             self.observer.request_finished(time.perf_counter() - submission.submitted_at)
-        submission.stream.deliver(StreamEvent(updates if submission.incremental else [], output))
+        submission.stream.deliver(event)
 
     def abort(self, stream: RequestStream) -> None:
+        pooled = self._pooled.pop(f"{stream.prompt_id}.0", None)
+        if pooled is not None:
+            self._engine.abort(f"{stream.prompt_id}.0")  # None when it finished already: that result is dropped
+            self._finish(pooled, StreamEvent(output=aborted_output(pooled)))
+            return
         admitted = self._admitted.pop(stream.prompt_id, None)
         if admitted is None:
             return  # finished before the abort reached the engine: its last event is on its way
@@ -155,14 +200,16 @@ class AdmittedRequests:
         self._deliver_final(admitted, updates)
 
     def abort_all(self) -> None:
-        for admitted in list(self._admitted.values()):
-            self.abort(admitted.submission.stream)
+        streams = [a.submission.stream for a in self._admitted.values()] + [s.stream for s in self._pooled.values()]
+        for stream in streams:
+            self.abort(stream)
 
     def fail_all(self, error: BaseException) -> None:
         """The engine can no longer be used: every admitted stream ends with `error`."""
-        for admitted in self._admitted.values():
-            admitted.submission.stream.deliver(StreamEvent(error=error))
+        for submission in [a.submission for a in self._admitted.values()] + list(self._pooled.values()):
+            submission.stream.deliver(StreamEvent(error=error))
         self._admitted.clear()
+        self._pooled.clear()
 
 
 def _fill_aborted(completions: list[CompletionOutput | None]) -> None:
@@ -171,11 +218,22 @@ def _fill_aborted(completions: list[CompletionOutput | None]) -> None:
             completions[index] = CompletionOutput(index, "", [], finish_reason="abort")
 
 
-def aborted_output(submission: Submission) -> RequestOutput:
-    """The last event's output of a request aborted before it ran: no tokens, finish_reason "abort"."""
+def aborted_output(submission: Submission) -> RequestOutput | PoolingRequestOutput:
+    """The last event's output of a request aborted before it ran: no tokens, finish_reason "abort" (a pooling
+    request: no outputs, error `ABORTED`)."""
+    if isinstance(submission.params, PoolingParams):
+        return PoolingRequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
+                                    None, error=ABORTED)
     completions: list[CompletionOutput | None] = [None] * submission.params.n
     _fill_aborted(completions)
     output = RequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
                            finished=False)
     complete(output, completions)
     return output
+
+
+def was_aborted(output: RequestOutput | PoolingRequestOutput) -> bool:
+    """Whether a stream's final output is an abort's (the loop's shutdown, or the consumer's own abort)."""
+    if isinstance(output, PoolingRequestOutput):
+        return output.error == ABORTED
+    return any(c.finish_reason == "abort" for c in output.outputs)

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP application over an `EngineLoop`.
 
     POST /v1/completions, POST /v1/chat/completions   (server-sent events with "stream": true)
+    POST /v1/embeddings                               on an LLM built with task="embed" (`--task embed`), which
+                                                      serves it instead of the two above (`embeddings.py`)
     GET  /v1/models, /v1/models/{id}                  the base model (its directory's name) and the adapters
     GET  /health                                      200, or 503 while shutting down or once the engine died
     GET  /metrics                                     Prometheus text
@@ -14,7 +16,6 @@ response's background task makes sure), a non-streaming request checks for the d
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -24,24 +25,25 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig, read_hf_config
-from batchllm.outputs import RequestOutput
 from batchllm.server.batch_api import mount_batch_api
 from batchllm.server.batch_runner import BatchSettings
-from batchllm.server.engine_loop import LIVE, EngineLoop
-from batchllm.server.errors import APIError, bad_request, from_validation_errors, install_handlers, unavailable
+from batchllm.server.embeddings import mount_embeddings
+from batchllm.server.engine_loop import EngineLoop
+from batchllm.server.errors import APIError, bad_request, install_handlers, unavailable
 from batchllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from batchllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from batchllm.server.request_io import abort_all, parse_body, submit_all, wait_outputs
 from batchllm.server.request_mapping import EngineInputs, RequestMapper
-from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
+from batchllm.server.request_stream import RequestStream
 from batchllm.server.responses import DONE, ChunkWriter, full_body
 
 logger = logging.getLogger(__name__)
-_DISCONNECT_POLL_SECONDS = 0.5
+_EMBED_SERVER = "this server embeds (--task embed): use /v1/embeddings"
+SERVED_TASKS = ("generate", "embed")
 
 
 def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str | None = None,
@@ -52,6 +54,9 @@ def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str |
     where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API. `batch_settings`:
     its shard size, save interval, rows in flight and upload limit."""
     llm = loop.llm
+    if llm.task not in SERVED_TASKS:
+        raise ValueError(f"the server serves an LLM built with task 'generate' or 'embed', not {llm.task!r}")
+    generates = llm.task == "generate"
     model_name = model_name or llm.model_path.name
     loras = dict(loras or {})
     vocab_size = ModelConfig.from_hf_dict(read_hf_config(llm.model_path)).vocab_size
@@ -83,12 +88,16 @@ def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str |
 
     @v1.post("/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
+        if not generates:
+            raise bad_request(_EMBED_SERVER)
+        body = await parse_body(request, CompletionRequest)
         return await _answer(loop, request, body, mapper.completion(body), chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
+        if not generates:
+            raise bad_request(_EMBED_SERVER)
+        body = await parse_body(request, ChatCompletionRequest)
         return await _answer(loop, request, body, mapper.chat(body), chat=True)
 
     @app.get("/health")
@@ -102,6 +111,7 @@ def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str |
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    mount_embeddings(v1, loop, mapper)
     app.include_router(v1)
     if data_dir is not None:
         mount_batch_api(app, loop, Path(data_dir), require_key, batch_settings)
@@ -123,37 +133,15 @@ def api_key_checker(api_key: str | None):
     return check
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("We could not parse the JSON body of your request: it is not valid JSON.") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, got a JSON {type(data).__name__}.")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
-
-
 async def _answer(loop: EngineLoop, request: Request, body: Any, inputs: EngineInputs, chat: bool):
     sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
-    streams: list[RequestStream] = []
-    try:
-        for text, token_ids in inputs.prompts:
-            streams.append(loop.submit(token_ids, inputs.params, inputs.lora_request, LIVE, incremental=body.stream,
-                                       prompt_text=text, sink=sink))
-    except (ServerShuttingDown, EngineDead) as exc:
-        for stream in streams:
-            loop.abort(stream)
-        raise unavailable(str(exc)) from None
+    streams = submit_all(loop, inputs.prompts, inputs.params, inputs.lora_request, incremental=body.stream, sink=sink)
     if body.stream:
         writer = ChunkWriter(chat, inputs.model, inputs.params.n, inputs.top_logprobs)
         return StreamingResponse(_events(loop, streams, sink, writer, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(_abort_all, loop, streams))
-    outputs = await _outputs(loop, request, streams)
+                                 background=BackgroundTask(abort_all, loop, streams))
+    outputs = await wait_outputs(loop, request, streams)
     for output in outputs:
         failed = [c for c in output.outputs if c.finish_reason == "error"]
         if failed:
@@ -193,29 +181,4 @@ async def _events(loop: EngineLoop, streams: list[RequestStream], sink: asyncio.
             yield writer.usage(sum(s.num_prompt_tokens for s in streams), completion_tokens)
         yield DONE
     finally:  # cancelled (the client left) or closed early: nothing reads the rest
-        _abort_all(loop, remaining)
-
-
-def _abort_all(loop: EngineLoop, streams) -> None:
-    for stream in list(streams):
-        loop.abort(stream)  # a no-op for the finished ones
-
-
-async def _outputs(loop: EngineLoop, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    tasks = [asyncio.ensure_future(stream.result()) for stream in streams]
-    try:
-        while True:
-            done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_SECONDS)
-            if not pending:
-                break
-            if await request.is_disconnected():
-                _abort_all(loop, streams)
-                raise APIError(499, "the client closed the request")
-        return [task.result() for task in tasks]
-    except (EngineDead, ServerShuttingDown) as exc:
-        raise unavailable(str(exc)) from None
-    except ValueError as exc:  # the engine refused the request (e.g. an adapter it cannot apply)
-        raise bad_request(str(exc)) from None
-    finally:
-        for task in tasks:
-            task.cancel()
+        abort_all(loop, remaining)

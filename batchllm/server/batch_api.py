@@ -5,6 +5,8 @@
     GET    /v1/files/{id}            the file object;   GET /v1/files/{id}/content: its bytes
     DELETE /v1/files/{id}            409 while an unfinished batch reads it
     POST   /v1/batches               `input_file_id`, `endpoint`, `completion_window` "24h", `metadata`
+                                     (endpoint: /v1/completions or /v1/chat/completions; /v1/embeddings on an
+                                     embed server, `--task embed`, which serves only that one)
     GET    /v1/batches               newest first (`limit`, `after`)
     GET    /v1/batches/{id}          POST /v1/batches/{id}/cancel
 
@@ -31,13 +33,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 
-from batchllm.connectors.jobs.openai_batch import CHAT_URL, COMPLETIONS_URL
+from batchllm.connectors.jobs.openai_batch import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 from batchllm.server.batch_runner import BatchRunner, BatchSettings
 from batchllm.server.batches import CANCELLABLE, COMPLETION_WINDOW_SECONDS, BatchRecord, BatchStore, new_batch_id
 from batchllm.server.errors import APIError, bad_request
 from batchllm.server.files import INPUT_PURPOSE, FileStore, FileTooLarge
 
-_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+_GENERATE_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
 _MULTIPART_SLACK = 1 << 20  # headers and boundaries around the file in an upload's body
 
@@ -87,7 +89,7 @@ def mount_batch_api(app: FastAPI, loop: Any, data_dir: Path, auth_dependency: Ca
     service = BatchService(files, batches, runner, lock)
     router = APIRouter(prefix="/v1", dependencies=[Depends(auth_dependency)] if auth_dependency else [])
     _file_routes(router, service, settings.max_upload_bytes)
-    _batch_routes(router, service, settings)
+    _batch_routes(router, service, settings, getattr(loop.llm, "task", "generate") == "embed")
     app.include_router(router)
     if APIError not in app.exception_handlers:  # an app that build_app did not make
         async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -169,7 +171,7 @@ def _file_routes(router: APIRouter, service: BatchService, max_bytes: int) -> No
         return {"id": file_id, "object": "file", "deleted": True}
 
 
-def _batch_routes(router: APIRouter, service: BatchService, settings: BatchSettings) -> None:
+def _batch_routes(router: APIRouter, service: BatchService, settings: BatchSettings, embeds: bool) -> None:
     batches, runner = service.batches, service.runner
 
     def shown(record: BatchRecord) -> dict[str, Any]:
@@ -181,7 +183,7 @@ def _batch_routes(router: APIRouter, service: BatchService, settings: BatchSetti
     @router.post("/batches")
     async def create_batch(request: Request):
         body = await _json_object(request)
-        input_file_id, endpoint, metadata = _batch_fields(body)
+        input_file_id, endpoint, metadata = _batch_fields(body, embeds)
         file = _found(service.files.get(input_file_id), "File", input_file_id, "input_file_id")
         if file.purpose != INPUT_PURPOSE:
             raise bad_request(f"file {input_file_id} has purpose {file.purpose!r}; a batch's input needs "
@@ -214,7 +216,7 @@ def _batch_routes(router: APIRouter, service: BatchService, settings: BatchSetti
         return shown(cancelled)
 
 
-def _batch_fields(body: dict[str, Any]) -> tuple[str, str, dict[str, str] | None]:
+def _batch_fields(body: dict[str, Any], embeds: bool) -> tuple[str, str, dict[str, str] | None]:
     unknown = sorted(set(body) - _BATCH_FIELDS)
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
@@ -224,8 +226,14 @@ def _batch_fields(body: dict[str, Any]) -> tuple[str, str, dict[str, str] | None
     input_file_id, endpoint = body["input_file_id"], body["endpoint"]
     if not isinstance(input_file_id, str) or not input_file_id:
         raise bad_request("Invalid value for input_file_id: expected a file id string", "input_file_id")
-    if endpoint not in _ENDPOINTS:
-        raise bad_request(f"Invalid value for endpoint: {endpoint!r}; supported: {', '.join(_ENDPOINTS)}",
+    endpoints = (EMBEDDINGS_URL,) if embeds else _GENERATE_ENDPOINTS
+    if endpoint not in endpoints:
+        why = ""
+        if embeds:
+            why = " (this server embeds: --task embed)"
+        elif endpoint == EMBEDDINGS_URL:
+            why = " (this server was started without --task embed)"
+        raise bad_request(f"Invalid value for endpoint: {endpoint!r}{why}; supported: {', '.join(endpoints)}",
                           "endpoint")
     if body["completion_window"] != "24h":
         raise bad_request(f"Invalid value for completion_window: {body['completion_window']!r}; supported: '24h'",

@@ -1,7 +1,8 @@
 """The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on the `EngineLoop`.
 
 `BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, None pauses
-admission, `(key, RequestOutput)` in completion order, at most `max_in_flight` prompts out at once), but its
+admission, `(key, RequestOutput)` in completion order (`PoolingRequestOutput` for the PoolingParams items of an
+embed server's jobs), at most `max_in_flight` prompts out at once), but its
 requests go through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
 thread never touches the engine. Every other attribute (tokenizer, model_path, max_model_len, check_lora,
 quantization, kv_cache_dtype, engine.scheduler.config, ...) is the real LLM's, read-only;
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchllm.llm import LLM
 from batchllm.request_source import RequestSource
+from batchllm.server.admitted import was_aborted
 from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
 from batchllm.structured_outputs import StructuredOutputsParams
 
@@ -91,7 +93,7 @@ class BatchEngine(LLM):
                     key = in_flight.pop(stream)
                     if event.error is not None:
                         raise event.error
-                    if any(c.finish_reason == "abort" for c in event.output.outputs):
+                    if was_aborted(event.output):
                         # The loop aborted it (its shutdown, past a drain's grace period): the row has no answer,
                         # and a job that saved it would count its request answered for good.
                         raise ServerShuttingDown("the engine stopped before a batch row finished")

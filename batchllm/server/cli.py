@@ -1,6 +1,7 @@
 """`batchllm serve`: the OpenAI-compatible server on one engine (also `python -m batchllm serve`).
 
     batchllm serve --model /models/llama3-8b --port 8000 --api-key "$KEY"
+    batchllm serve --model /models/my-embedder --task embed          # POST /v1/embeddings
 
 The engine flags are `batchllm run`'s. SIGTERM / SIGINT drain the server: new requests get 503 (and /health
 503) while the requests in flight finish, for up to --grace-seconds; what is left is then aborted and the
@@ -66,7 +67,8 @@ def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
         description="An OpenAI-compatible server: /v1/completions, /v1/chat/completions (streaming too), "
-                    "/v1/models, the Batch API (/v1/files, /v1/batches), /health and /metrics.",
+                    "/v1/models, the Batch API (/v1/files, /v1/batches), /health and /metrics; with --task embed, "
+                    "/v1/embeddings instead of the completions.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1",
@@ -101,9 +103,12 @@ def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
         return fail(f"batchllm serve needs the serve extra ({exc.name} is missing): pip install 'batchllm[serve]'")
     from batchllm.connectors.adapters import adapter_requests
     from batchllm.llm import LLM
-    from batchllm.server.app import build_app
+    from batchllm.server.app import SERVED_TASKS, build_app
     from batchllm.server.engine_loop import EngineLoop
 
+    if args.task not in SERVED_TASKS:
+        return fail(f"--task {args.task} is not served: batchllm serve takes --task generate (/v1/completions, "
+                    f"/v1/chat/completions) or --task embed (/v1/embeddings)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     engine = engine_options(args)
     loras = dict(args.lora or [])

@@ -4,7 +4,9 @@ Requests are admitted between steps as they arrive, so HTTP requests that come a
 engine's batches (continuous batching). Live requests (priority `LIVE`) are admitted at once; batch requests
 (`BATCH`: the Batch API's rows) only while the scheduler's waiting queue is shorter than `batch_waiting_limit`,
 so a big batch never queues ahead of live traffic by more than that. After each step every admitted request's
-consumer gets the tokens (and logprobs, and text when streaming) it produced (`request_stream.py`).
+consumer gets the tokens (and logprobs, and text when streaming) it produced (`request_stream.py`). On an LLM
+built with a pooling task (`task="embed"`) submissions carry its `pooling_params` instead: each is one request
+whose stream gets one final event, a `PoolingRequestOutput` (`admitted.py`).
 
 The loop runs in a thread of its own (`EngineLoop(llm)`), or in the thread that calls `run()`
 (`EngineLoop(llm, start=False)`): `batchllm serve` runs it in the main thread, the one that built the LLM, and
@@ -31,6 +33,7 @@ from typing import Any, Callable
 from batchllm.host_gc import objects_frozen
 from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
+from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 from batchllm.server.admitted import AdmittedRequests, LoopObserver, Submission, aborted_output
 from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
@@ -96,15 +99,21 @@ class EngineLoop:
     def dead(self) -> bool:
         return self._dead is not None
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None,
-               priority: int = LIVE, *, incremental: bool = True, prompt_text: str | None = None,
-               sink: Any = None) -> RequestStream:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+               lora_request: LoRARequest | None = None, priority: int = LIVE, *, incremental: bool = True,
+               prompt_text: str | None = None, sink: Any = None) -> RequestStream:
         """Queue one prompt (its `params.n` samples) and return its stream. `incremental=False`: only the final
-        event (no per-step updates, no streamed text). Raises ServerShuttingDown / EngineDead when the loop no
-        longer admits requests."""
-        stream = RequestStream(params.n, len(prompt_token_ids), sink)
-        submission = Submission(stream, list(prompt_token_ids), prompt_text, params, lora_request, incremental,
-                                 time.perf_counter())
+        event (no per-step updates, no streamed text). `PoolingParams` (the LLM's `pooling_params`; ValueError on
+        an LLM that generates, as SamplingParams on one that pools): one pooling request, one final event.
+        Raises ServerShuttingDown / EngineDead when the loop no longer admits requests."""
+        pooling = isinstance(params, PoolingParams)
+        if pooling == (self.llm.task == "generate"):
+            raise ValueError(f"this engine's task is {self.llm.task!r}: it takes "
+                             f"{'SamplingParams' if self.llm.task == 'generate' else 'its PoolingParams'}, "
+                             f"not {type(params).__name__}")
+        stream = RequestStream(1 if pooling else params.n, len(prompt_token_ids), sink)
+        submission = Submission(stream, list(prompt_token_ids), prompt_text, params, lora_request,
+                                incremental and not pooling, time.perf_counter())
         with self._cond:
             self._check_admitting()
             (self._live if priority == LIVE else self._batch).append(submission)
@@ -208,11 +217,12 @@ class EngineLoop:
             aborts, self._aborts = self._aborts, []
             admitted = list(self._live)
             self._live.clear()
-            room = self.batch_waiting_limit - len(self._engine.scheduler.waiting) - sum(s.params.n for s in admitted)
+            live_requests = sum(s.num_requests for s in admitted)
+            room = self.batch_waiting_limit - len(self._engine.scheduler.waiting) - live_requests
             while self._batch and room > 0:
                 submission = self._batch.popleft()
                 admitted.append(submission)
-                room -= submission.params.n
+                room -= submission.num_requests
             return calls, aborts, admitted
 
     def _take_snapshot(self) -> None:

@@ -1,5 +1,6 @@
-"""The request bodies of `/v1/completions` and `/v1/chat/completions` (OpenAI's fields plus vLLM's sampling
-extensions), as pydantic models. A field the models do not know is refused (HTTP 400 naming it), never ignored.
+"""The request bodies of `/v1/completions`, `/v1/chat/completions` (OpenAI's fields plus vLLM's sampling
+extensions) and `/v1/embeddings`, as pydantic models. A field the models do not know is refused (HTTP 400 naming
+it), never ignored.
 
 Shapes and ranges are checked here; what only the engine knows (the context length, the model's vocabulary, a
 chat template that rejects the messages) is checked when the request is mapped (`request_mapping.py`). The
@@ -75,3 +76,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class EmbeddingRequest(_Strict):
+    # A string, a list of strings, a list of token ids or a list of lists of them: checked as a batch file's
+    # /v1/embeddings line is (`connectors.jobs.openai_batch.embedding_inputs`), as are the two options.
+    input: Any
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None

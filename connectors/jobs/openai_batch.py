@@ -56,6 +56,7 @@ COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
 URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 _EMBEDDING_FIELDS = frozenset({"input", "model", "user", "encoding_format", "dimensions"})
+ENCODING_FORMATS = ("float", "base64")
 _IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream"})
 _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
              "top_p": "top_p", "n": "n", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
@@ -153,26 +154,61 @@ def embedding_input(body: dict[str, Any], dim: int) -> str | list[int]:
     unknown = sorted(set(body) - _EMBEDDING_FIELDS)
     if unknown:
         raise RowError(f"unsupported parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
-    if body.get("encoding_format", "float") not in ("float", "base64"):
-        raise RowError(f"encoding_format must be 'float' or 'base64', got {body['encoding_format']!r}")
-    if body.get("dimensions") not in (None, dim):
-        raise RowError(f"dimensions={body['dimensions']!r}: this model's embeddings have {dim}")
-    value = body.get("input")
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    elif isinstance(value, list):
+    check_embedding_options(body.get("encoding_format", "float"), body.get("dimensions"), dim)
+    inputs = embedding_inputs(body.get("input"), "body.input")
+    if len(inputs) > 1:
         raise RowError("body.input must be one string (or one list of token ids); send one line per input")
-    return check_text(value, "body.input")
+    return inputs[0]
 
 
-def embeddings_body(model: str, vector: Any, prompt_tokens: int, encoding_format: str) -> dict[str, Any]:
-    """OpenAI's embeddings response: one `embedding` object (a list of floats, or base64 of float32 bytes)."""
-    data = (base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding_format == "base64"
-            else vector.tolist())
-    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": data}], "model": model,
+def check_embedding_options(encoding_format: Any, dimensions: Any, dim: int) -> None:
+    """An embeddings request's `encoding_format` and `dimensions` (only the model's own `dim`); RowError names
+    the field first."""
+    if encoding_format not in ENCODING_FORMATS:
+        raise RowError(f"encoding_format must be 'float' or 'base64', got {encoding_format!r}")
+    if dimensions not in (None, dim):
+        raise RowError(f"dimensions={dimensions!r}: this model's embeddings have {dim}")
+
+
+def embedding_inputs(value: Any, what: str) -> list[str | list[int]]:
+    """An embeddings request's `input` as a list of inputs: a string, a list of strings, a list of token ids, or
+    a list of lists of token ids (OpenAI's four shapes). Empty texts, lists and token lists are refused."""
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if min(value) < 0:
+            raise RowError(f"{what} holds the token id {min(value)}; token ids are >= 0")
+        return [value]
+    if not isinstance(value, list):
+        return [check_text(value, what)]
+    if not value:
+        raise RowError(f"{what} is an empty list")
+    inputs: list[str | list[int]] = []
+    for index, item in enumerate(value):
+        if isinstance(item, list):
+            if not item or not all(_is_token_id(t) for t in item):
+                raise RowError(f"{what}[{index}] must be a non-empty list of token ids (ints >= 0)")
+            inputs.append(item)
+        else:
+            inputs.append(check_text(item, f"{what}[{index}]"))
+    return inputs
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def embeddings_body(model: str, vectors: Sequence[Any], prompt_tokens: int, encoding_format: str) -> dict[str, Any]:
+    """OpenAI's embeddings response: an `embedding` object per vector, in order (a list of floats, or base64 of
+    little-endian float32 bytes)."""
+    data = [{"object": "embedding", "index": index, "embedding": embedding_data(vector, encoding_format)}
+            for index, vector in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def embedding_data(vector: Any, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.tolist()
 
 
 def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str) -> str:
@@ -187,7 +223,7 @@ def response_line(line: int, envelope: Envelope, outcome: RowOutcome, model: str
                            "error": {"code": code, "message": f"line {line}: {outcome.error}"}})
     chat = envelope.url == CHAT_URL
     if envelope.url == EMBEDDINGS_URL:
-        body = embeddings_body(model, outcome.output.outputs.data, outcome.prompt_tokens,
+        body = embeddings_body(model, [outcome.output.outputs.data], outcome.prompt_tokens,
                                envelope.body.get("encoding_format", "float"))
     else:
         body = response_body(f"{'chatcmpl' if chat else 'cmpl'}-{line}", chat, model, outcome.output.outputs,

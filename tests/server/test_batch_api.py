@@ -202,7 +202,8 @@ def test_unknown_ids_bad_parameters_and_auth_answer_openai_errors(served):
         client.batches.retrieve("batch_nope")
     file_id = _upload(client, [_completion("x", PROMPTS[0])])
     good = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
-    _error(http.post("/batches", json={**good, "endpoint": "/v1/embeddings"}), 400, "endpoint")
+    embeddings = _error(http.post("/batches", json={**good, "endpoint": "/v1/embeddings"}), 400, "endpoint")
+    assert "started without --task embed" in embeddings["message"]
     _error(http.post("/batches", json={**good, "completion_window": "48h"}), 400, "completion_window")
     _error(http.post("/batches", json={k: v for k, v in good.items() if k != "input_file_id"}), 400, "input_file_id")
     _error(http.post("/batches", json={**good, "metadata": {"k": 3}}), 400, "metadata")

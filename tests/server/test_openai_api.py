@@ -258,6 +258,12 @@ def test_bad_requests_get_openai_errors(served, path, body, status, param):
         assert error["code"] == "context_length_exceeded"
 
 
+def test_embeddings_need_an_embed_server(served):
+    response = httpx.post(f"{served['url']}/v1/embeddings", json={"input": "hi"}, timeout=30)
+    assert response.status_code == 400
+    assert "started without --task embed" in response.json()["error"]["message"]
+
+
 def test_context_length_error_code(served):
     response = httpx.post(f"{served['url']}/v1/completions", json={"prompt": "hello " * 5000}, timeout=30)
     assert response.json()["error"]["code"] == "context_length_exceeded"

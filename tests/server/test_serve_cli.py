@@ -46,6 +46,8 @@ def test_help_shows_the_flags():
     (["--speculative-config", "{not json"], "--speculative-config"),
     (["--lora", "no-equals-sign"], "--lora"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),  # checked by LLM() before any weights load
+    (["--task", "classify"], "--task"),  # the server serves generate and embed only
+    (["--task", "score"], "--task"),
 ])
 def test_a_bad_flag_value_exits_2_naming_the_flag(args, flag):
     result = _run(*args)

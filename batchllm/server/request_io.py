@@ -1,0 +1,74 @@
+"""What every route does around the engine: read a JSON body into its pydantic model (400 naming the field), and
+wait for the results of the streams it submitted, aborting them when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from batchllm.outputs import PoolingRequestOutput, RequestOutput
+from batchllm.server.engine_loop import LIVE, EngineLoop
+from batchllm.server.errors import APIError, bad_request, from_validation_errors, unavailable
+from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
+
+_DISCONNECT_POLL_SECONDS = 0.5
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("We could not parse the JSON body of your request: it is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got a JSON {type(data).__name__}.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def submit_all(loop: EngineLoop, prompts: Iterable[tuple[str | None, list[int]]], params: Any,
+               lora_request: Any = None, **options: Any) -> list[RequestStream]:
+    """Submit each (text, token ids) at LIVE priority (`options`: `EngineLoop.submit`'s); 503, with the ones
+    already submitted aborted, when the loop admits no more."""
+    streams: list[RequestStream] = []
+    try:
+        for text, token_ids in prompts:
+            streams.append(loop.submit(token_ids, params, lora_request, LIVE, prompt_text=text, **options))
+    except (ServerShuttingDown, EngineDead) as exc:
+        abort_all(loop, streams)
+        raise unavailable(str(exc)) from None
+    return streams
+
+
+def abort_all(loop: EngineLoop, streams: Iterable[RequestStream]) -> None:
+    for stream in list(streams):
+        loop.abort(stream)  # a no-op for the finished ones
+
+
+async def wait_outputs(loop: EngineLoop, request: Request, streams: list[RequestStream]
+                       ) -> list[RequestOutput | PoolingRequestOutput]:
+    """Each stream's final output, in order; a client that disconnects meanwhile aborts them all (499)."""
+    tasks = [asyncio.ensure_future(stream.result()) for stream in streams]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_SECONDS)
+            if not pending:
+                break
+            if await request.is_disconnected():
+                abort_all(loop, streams)
+                raise APIError(499, "the client closed the request")
+        return [task.result() for task in tasks]
+    except (EngineDead, ServerShuttingDown) as exc:
+        raise unavailable(str(exc)) from None
+    except ValueError as exc:  # the engine refused the request (e.g. an adapter it cannot apply)
+        raise bad_request(str(exc)) from None
+    finally:
+        for task in tasks:
+            task.cancel()
