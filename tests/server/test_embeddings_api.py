@@ -1,10 +1,12 @@
 """`POST /v1/embeddings` on an embed server (`task="embed"`), with the official `openai` client and raw HTTP, against
 HF transformers' final hidden states of the default model pooled the same way (mean, not normalized; float32, one
-input at a time, within 1e-5); its errors; the Batch API's /v1/embeddings batches; a client that disconnects."""
+input at a time, within 1e-5); its errors; the Batch API's /v1/embeddings batches; a client that disconnects; the
+loop's shutdown and an engine that raises, with pooling requests in flight."""
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import json
 
@@ -14,9 +16,12 @@ import pytest
 import torch
 
 from batchllm import LLM, SamplingParams
+from batchllm.outputs import PoolingRequestOutput
+from batchllm.server.admitted import ABORTED
 from batchllm.server.app import build_app
 from batchllm.server.batch_runner import BatchSettings
 from batchllm.server.engine_loop import EngineLoop
+from batchllm.server.request_stream import EngineDead, ServerShuttingDown
 from tests.server.conftest import openai_client, serving, wait_until
 
 TEXTS = ["hi", "The capital of France is Paris.", "Write a short poem about lighthouses and their keepers."]
@@ -43,16 +48,36 @@ def hf_pooled():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    # Small steps: a disconnected request's abort lands within one short step.
-    llm = LLM(device="cpu", task="embed", pooling="mean", normalize=False, max_model_len=MAX_MODEL_LEN,
-              max_num_batched_tokens=256, num_kv_blocks=64)
+def llm():
+    # Small steps: an abort lands within one short step.
+    return LLM(device="cpu", task="embed", pooling="mean", normalize=False, max_model_len=MAX_MODEL_LEN,
+               max_num_batched_tokens=256, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def served(llm, tmp_path_factory):
     loop = EngineLoop(llm)
     app = build_app(loop, data_dir=tmp_path_factory.mktemp("data"), batch_settings=SETTINGS)
     with serving(app) as base_url:
         yield {"llm": llm, "loop": loop, "url": base_url, "model": llm.model_path.name,
                "client": openai_client(base_url)}
     loop.shutdown(5)
+
+
+@pytest.fixture
+def own_loop(llm):
+    """A loop of its own on the module's LLM, for tests that stop it (the served loop sleeps meanwhile: no request
+    reaches it)."""
+    loop = EngineLoop(llm)
+    yield loop
+    loop.shutdown(5)
+    pool = llm.engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked"
+
+
+def _many_inputs(count: int) -> list[list[int]]:
+    """`count` distinct full-length token lists: seconds of work each few dozen on a CPU."""
+    return [[(7 * i + j) % 40000 + 100 for j in range(MAX_MODEL_LEN)] for i in range(count)]
 
 
 def _token_ids(served, text: str) -> list[int]:
@@ -183,7 +208,7 @@ def test_a_client_that_disconnects_aborts_its_inputs(served):
 
     before = prefill_tokens()
     # ~65k tokens: minutes of work on a CPU. The client gives up after 2 s and closes its connection.
-    inputs = [[(7 * i + j) % 40000 + 100 for j in range(MAX_MODEL_LEN)] for i in range(1024)]
+    inputs = _many_inputs(1024)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{served['url']}/v1/embeddings", json={"input": inputs}, timeout=2)
     wait_until(lambda: loop.snapshot.num_running == 0 and loop.snapshot.num_waiting == 0
@@ -192,3 +217,37 @@ def test_a_client_that_disconnects_aborts_its_inputs(served):
     assert prefill_tokens() - before < len(inputs) * MAX_MODEL_LEN // 2, "the inputs ran instead of being aborted"
     # The loop still serves.
     assert len(served["client"].embeddings.create(model=served["model"], input="still here").data) == 1
+
+
+def test_shutdown_aborts_the_pooling_requests_left_and_answers_503(llm, own_loop):
+    with serving(build_app(own_loop)) as url:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # 40 inputs: seconds of steps, far past the grace period.
+            waiting = pool.submit(httpx.post, f"{url}/v1/embeddings", json={"input": _many_inputs(40)}, timeout=60)
+            wait_until(lambda: own_loop.snapshot.num_waiting > 0, 30, "the HTTP request's inputs to be admitted")
+            streams = [own_loop.submit(ids, llm.pooling_params) for ids in _many_inputs(20)]
+            own_loop.shutdown(0.5)
+            response = waiting.result(timeout=60)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "service_unavailable"
+    outputs = [stream.next_event_blocking(timeout=30).output for stream in streams]
+    assert all(isinstance(output, PoolingRequestOutput) for output in outputs)
+    aborted = [output for output in outputs if output.error == ABORTED]
+    assert aborted and all(output.outputs is None for output in aborted)
+    assert all(len(output.outputs.embedding) == DIM for output in outputs if output.error is None)
+    with pytest.raises(ServerShuttingDown):
+        own_loop.submit([1, 2], llm.pooling_params)
+
+
+def test_an_engine_error_fails_every_pooling_stream(llm, own_loop, monkeypatch):
+    def broken_step():
+        raise RuntimeError("the device fell off the bus")
+
+    monkeypatch.setattr(llm.engine, "step", broken_step)
+    streams = [own_loop.submit(IDS[0], llm.pooling_params) for _ in range(3)]
+    for stream in streams:
+        event = stream.next_event_blocking(timeout=30)
+        assert isinstance(event.error, EngineDead) and "fell off the bus" in str(event.error)
+    assert own_loop.dead
+    monkeypatch.undo()
+    for request_id in list(llm.engine.scheduler.requests):  # what the broken engine never ran
+        llm.engine.abort(request_id)
