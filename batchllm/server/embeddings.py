@@ -72,6 +72,8 @@ def _prompts(value: Any, mapper: RequestMapper) -> list[tuple[str | None, list[i
         raise bad_request(f"input holds {len(inputs)} inputs; at most {MAX_INPUTS} per request", "input")
     texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
     token_lists: list[Any] = list(inputs)
+    if texts and mapper.tokenizer is None:
+        raise bad_request("this server has no tokenizer (skip_tokenizer_init): send token ids", "input")
     if texts:  # one call: the fast tokenizer encodes a batch on its own threads
         for (i, _), ids in zip(texts, mapper.tokenizer([text for _, text in texts])["input_ids"]):
             token_lists[i] = ids
