@@ -91,20 +91,22 @@ class PromptEncoder:
             return RowError(f"the chat template rejected the messages: {exc}")
         return Rendered(text, is_chat=True)
 
-    def encode(self, prompts: Sequence[Rendered | RowError],
+    def encode(self, prompts: Sequence[Rendered | RowError | list[int]],
                max_tokens: Sequence[int | None]) -> list[EncodedPrompt]:
-        """Tokenize the rendered prompts (one batch per kind) and fit each into its length budget."""
-        encoded = [EncodedPrompt(None, str(p)) if isinstance(p, RowError) else None for p in prompts]
+        """Tokenize the rendered prompts (one batch per kind) and fit each into its length budget; a prompt given as
+        token ids (an OpenAI embeddings input) is only fitted."""
+        encoded = [EncodedPrompt(None, str(p)) if isinstance(p, RowError)
+                   else self._fit(p, max_tokens[i]) if isinstance(p, list) else None for i, p in enumerate(prompts)]
         for is_chat in (False, True):
             indices = [i for i, p in enumerate(prompts) if isinstance(p, Rendered) and p.is_chat == is_chat]
             if not indices:
                 continue
             ids = self.tokenizer([prompts[i].text for i in indices], add_special_tokens=not is_chat)["input_ids"]
             for i, token_ids in zip(indices, ids):
-                encoded[i] = self.fit(token_ids, max_tokens[i])
+                encoded[i] = self._fit(token_ids, max_tokens[i])
         return encoded
 
-    def fit(self, token_ids: list[int], max_tokens: int | None) -> EncodedPrompt:
+    def _fit(self, token_ids: list[int], max_tokens: int | None) -> EncodedPrompt:
         """`token_ids` fitted into max_model_len less `max_tokens` (None: one token), as `truncate` says."""
         reserved = 1 if max_tokens is None else max_tokens
         budget = self.max_model_len - reserved

@@ -239,26 +239,21 @@ def _planner(encoder: PromptEncoder, defaults: SamplingParams, duplicates: dict[
                     needed = "embed" if envelope.url == EMBEDDINGS_URL else "generate"
                     raise RowError(f"{envelope.url} requests need an engine built with task={needed!r}; this job's "
                                    f"{'embeds' if pooling is not None else 'generates'}")
-                if pooling is not None:
+                if pooling is not None:  # text, or token ids
                     row_params, text = pooling, embedding_input(envelope.body, dim)
                     rendered.append(Rendered(text, is_chat=False) if isinstance(text, str) else text)
-                    params.append(row_params)
-                    loras.append(lora)
-                    continue
-                chat = envelope.url == CHAT_URL
-                row_params = _capped(sampling_params(envelope.body, defaults, chat), max_tokens_cap)
-                prompt = prompt_of(envelope.body, chat)
-                rendered.append(encoder.render_chat(prompt) if chat else Rendered(prompt, is_chat=False))
+                else:
+                    chat = envelope.url == CHAT_URL
+                    row_params = _capped(sampling_params(envelope.body, defaults, chat), max_tokens_cap)
+                    prompt = prompt_of(envelope.body, chat)
+                    rendered.append(encoder.render_chat(prompt) if chat else Rendered(prompt, is_chat=False))
             except RowError as exc:
                 rendered.append(exc)
                 lora = None
             params.append(row_params)
             loras.append(lora)
-        ids = {i: r for i, r in enumerate(rendered) if isinstance(r, list)}  # an embedding input given as token ids
-        encoded = encoder.encode([Rendered("", False) if i in ids else r for i, r in enumerate(rendered)],
-                                 [0 if isinstance(p, PoolingParams) else p.max_tokens for p in params])
-        for i, token_ids in ids.items():
-            encoded[i] = encoder.fit(token_ids, 0)
+        # A pooled prompt keeps no room for output tokens.
+        encoded = encoder.encode(rendered, [0 if isinstance(p, PoolingParams) else p.max_tokens for p in params])
         return [RowRequest(prompt, p, lora) for prompt, p, lora in zip(encoded, params, loras)]
 
     return plan
