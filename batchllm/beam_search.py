@@ -16,6 +16,7 @@ Selection follows `transformers` `generate(num_beams=k, do_sample=False)` with `
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -37,11 +38,17 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= _MAX_BEAM_WIDTH:
-            raise ValueError(f"BeamSearchParams.beam_width must be an int in [1, {_MAX_BEAM_WIDTH}], "
-                             f"got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"BeamSearchParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        def check(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise ValueError(f"BeamSearchParams.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.beam_width) and 1 <= self.beam_width <= _MAX_BEAM_WIDTH, "beam_width",
+              f"an int in [1, {_MAX_BEAM_WIDTH}]")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1")
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False")
+        check(_is_int(self.length_penalty) or (isinstance(self.length_penalty, float)
+                                                and math.isfinite(self.length_penalty)), "length_penalty",
+              "a finite number")
 
 
 @dataclass
@@ -121,3 +128,7 @@ def _finish(tokenizer: Any, prompt: str | list[int], search: _PromptSearch) -> B
     for sequence in search.finished:
         sequence.text = "" if tokenizer is None else tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
     return BeamSearchOutput(prompt if isinstance(prompt, str) else None, search.prompt_token_ids, search.finished)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

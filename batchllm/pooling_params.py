@@ -18,8 +18,12 @@ class PoolingParams:
     classify: bool = False
 
     def __post_init__(self) -> None:
-        if self.pooling not in POOLING_TYPES:
-            raise ValueError(f"pooling must be one of {', '.join(map(repr, POOLING_TYPES))}, got {self.pooling!r}")
+        if not isinstance(self.pooling, str) or self.pooling not in POOLING_TYPES:
+            raise ValueError(f"PoolingParams.pooling must be one of {', '.join(map(repr, POOLING_TYPES))}, got "
+                             f"{self.pooling!r}")
+        for name in ("normalize", "classify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PoolingParams.{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def reads_every_token(self) -> bool:
