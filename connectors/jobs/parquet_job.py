@@ -51,6 +51,7 @@ from batchllm.connectors.jobs.job import (
     DEFAULT_ROWS_PER_SHARD,
     JobResult,
     JobSettings,
+    Planner,
     RowRequest,
     cap_max_tokens,
     run_sharded_job,
@@ -64,6 +65,7 @@ from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, 
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.llm import LLM
+from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 
 MANIFEST_NAME = "_manifest.jsonl"
@@ -142,6 +144,14 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
                        settings.retry_errors)
 
+    plan = table_planner(options, capped, encoder, adapters, needed)
+    return run_sharded_job(source, plan, sink, engine, settings)
+
+
+def table_planner(options: MapOptions, capped: MapOptions, encoder: PromptEncoder, adapters: dict[str, LoRARequest],
+                  needed: list[str]) -> Planner:
+    """Each row's request, or the error that keeps it from the engine (a bad prompt, schema value or adapter name):
+    what a table job (and its dry run) hands the engine. `capped`: the options with max_tokens capped."""
     schemas = None if options.schema_column is None else SchemaColumn(options.schema_column, capped.sampling_params)
 
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
@@ -161,7 +171,7 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
             requests.append(RowRequest(prompt, params, lora))
         return requests
 
-    return run_sharded_job(source, plan, sink, engine, settings)
+    return plan
 
 
 def _prepare_output(directory: Path, input: str | Path) -> Path:
