@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 demo: venv
 	$(PY) examples/demo.py
 
+# pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where kernels/ (installed as
+# batchllm.kernels) shadows HF's `kernels` package, which transformers imports. pyproject.toml sets importlib mode.
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 bench: venv
 	$(PY) benchmarks/throughput.py

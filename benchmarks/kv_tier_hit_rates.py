@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from batchllm.config import SchedulerConfig  # noqa: E402
-from batchllm.engine.engine_core import EngineCore  # noqa: E402
-from batchllm.engine.interfaces import ModelRunnerOutput, SampledToken, SchedulerOutput  # noqa: E402
-from batchllm.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from batchllm.engine.request import Request, RequestStatus  # noqa: E402
-from batchllm.engine.scheduler import Scheduler  # noqa: E402
-from batchllm.sampling_params import SamplingParams  # noqa: E402
+from batchllm.config import SchedulerConfig
+from batchllm.engine.engine_core import EngineCore
+from batchllm.engine.interfaces import ModelRunnerOutput, SampledToken, SchedulerOutput
+from batchllm.engine.kv_cache_manager import KVCacheManager
+from batchllm.engine.request import Request, RequestStatus
+from batchllm.engine.scheduler import Scheduler
+from batchllm.sampling_params import SamplingParams
 
 BLOCK = 16
 

@@ -60,7 +60,6 @@ from shapes import make_shape_dir, shape_config
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-import batchllm
 from batchllm import LLM, SamplingParams
 from batchllm.cli_engine import add_engine_flags, engine_options
 from batchllm.model.default_model import default_model_path
@@ -106,13 +105,13 @@ def serving(model: Path, engine_argv: list[str], workdir: Path) -> Iterator[str]
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    repo = str(Path(batchllm.__file__).resolve().parents[1])  # the server runs the code this process imports
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "batchllm", "serve", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--data-dir", str(workdir / "data"), "--log-level", "warning", *engine_argv]
     log_path = workdir / "server.log"
     with log_path.open("wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # In the work directory, not the cwd: `python -m` puts the cwd on sys.path, and from the repo root its
+        # kernels/ folder would shadow HF's `kernels` package, which transformers imports.
+        server = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             while True:

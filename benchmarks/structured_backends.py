@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import statistics
 import sys
@@ -31,20 +32,29 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch  # (xgrammar's bitmask is a torch tensor)
+import xgrammar as xgr
+from llguidance import LLExecutor, LLMatcher
+from transformers import AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from batchllm.engine import grammar as grammar_module
+from batchllm.engine.grammar import GrammarCompiler, fill_bitmasks
+from batchllm.model.default_model import default_model_path
+from batchllm.structured_outputs import StructuredOutputsParams
 
-import torch  # noqa: E402  (xgrammar's bitmask is a torch tensor)
-import xgrammar as xgr  # noqa: E402
-from llguidance import LLExecutor, LLMatcher  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
-from batchllm.engine import grammar as grammar_module  # noqa: E402
-from batchllm.engine.grammar import GrammarCompiler, fill_bitmasks  # noqa: E402
-from batchllm.model.default_model import default_model_path  # noqa: E402
-from batchllm.structured_outputs import StructuredOutputsParams  # noqa: E402
-from tests.unit.test_grammar import SCHEMAS  # noqa: E402
+def _test_suite_schemas() -> dict[str, dict]:
+    """The schemas of tests/unit/test_grammar.py, loaded from its file: the repo root stays off sys.path, where its
+    kernels/ folder would shadow HF's `kernels` package (transformers imports it)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "unit" / "test_grammar.py"
+    spec = importlib.util.spec_from_file_location("grammar_test_suite", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic resolves the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module.SCHEMAS
+
+
+SCHEMAS = _test_suite_schemas()
 
 EOS = 2  # SmolLM2-Instruct's <|im_end|>
 

@@ -18,8 +18,10 @@ from batchllm.connectors import engine_cache
 from tests.connectors.jobs import write_parquet_input
 
 
-def test_help_lists_the_options():
-    result = subprocess.run([sys.executable, "-m", "batchllm", "run", "--help"], capture_output=True, text=True)
+def test_help_lists_the_options(tmp_path):
+    # Not from the repo root, whose kernels/ folder `python -m` would put on sys.path ahead of HF's `kernels`.
+    result = subprocess.run([sys.executable, "-m", "batchllm", "run", "--help"], cwd=tmp_path, capture_output=True,
+                            text=True)
     assert result.returncode == 0
     for flag in ("--prompt-column", "--messages-column", "--template", "--max-tokens", "--temperature", "--seed",
                  "--rows-per-shard", "--model"):

@@ -60,7 +60,7 @@ def test_synthetic_data(run_example, tmp_path):
 def test_parquet_job_shell(tmp_path):
     env = {**os.environ, "MAX_TOKENS": "4", "ROWS": "3", "PYTHON": sys.executable,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", str(EXAMPLES / "parquet_job.sh"), str(tmp_path)], env=env,
+    result = subprocess.run(["bash", str(EXAMPLES / "parquet_job.sh"), str(tmp_path)], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "3 rows written" in result.stderr and "0 rows written (0 with errors), 3 already done" in result.stderr

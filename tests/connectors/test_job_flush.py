@@ -19,8 +19,6 @@ from batchllm.connectors.jobs.manifest import ManifestMismatch
 from tests.connectors.helpers import reference_texts
 from tests.connectors.jobs import read_shards, write_parquet_input
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _checkpointed(manifest: Path) -> list[int]:
     """Offsets in shard 0 held by checkpoint records, read from the manifest's JSON lines."""
@@ -89,7 +87,7 @@ def test_rows_checkpointed_before_a_kill_are_not_run_again(tmp_path, monkeypatch
     # One shard that takes many engine steps: rows one at a time, checkpointed every 0.1 s.
     command = [sys.executable, "-m", "batchllm", "run", str(tmp_path / "in"), str(output), "--prompt-column", "q",
                "--max-tokens", "3", "--rows-per-shard", "100", "--max-in-flight", "1", "--flush-seconds", "0.1"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while not _checkpointed(output / "_manifest.jsonl"):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()

@@ -20,7 +20,6 @@ from tests.connectors.jobs import read_shards, write_parquet_input
 
 ROWS_PER_SHARD = 4
 JOB = {"prompt_column": "q", "rows_per_shard": ROWS_PER_SHARD, "max_in_flight": 4, **GREEDY}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _command(input: Path, output: Path) -> list[str]:
@@ -35,7 +34,8 @@ def _records(output: Path) -> int:
 
 
 def _start(input: Path, output: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(_command(input, output), cwd=REPO, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    # Not from the repo root: `python -m` puts the cwd on sys.path, and the root's kernels/ shadows HF's `kernels`.
+    return subprocess.Popen(_command(input, output), cwd=log.parent, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
 def _wait_until(process: subprocess.Popen, condition, timeout: float = 600) -> bool:

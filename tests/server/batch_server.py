@@ -1,7 +1,7 @@
 """A server process for the Batch API's kill-and-restart test: the real app and engine loop, with small batch shards
 and frequent checkpoints so that a batch is visibly half done for a while.
 
-    python -m tests.server.batch_server DATA_DIR
+    python tests/server/batch_server.py DATA_DIR
 
 It listens on 127.0.0.1 on a port the OS picks and writes that port to DATA_DIR/port once it serves.
 """

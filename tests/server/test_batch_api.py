@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -36,7 +35,7 @@ MANY = [f"Write the number {i} in words:" for i in range(12)]  # 2 at a time (SE
 LONG_TOKENS = 64  # seconds of work per row on a CPU, even in the CLI's main-thread engine: time to signal meanwhile
 MAX_UPLOAD = 256 * 1024
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
-REPO = Path(__file__).resolve().parents[2]
+BATCH_SERVER = Path(__file__).with_name("batch_server.py")
 SLOW = 300.0  # seconds: a bound for waits that take seconds on an idle CPU, much longer on a shared one
 
 
@@ -256,8 +255,9 @@ def test_a_restart_finishes_a_cancel_that_a_kill_interrupted(served, tmp_path):
 
 def _start_server(data_dir: Path) -> tuple[subprocess.Popen, openai.OpenAI]:
     (data_dir / "port").unlink(missing_ok=True)
-    process = subprocess.Popen([sys.executable, "-m", "tests.server.batch_server", str(data_dir)], cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    # Run as a script, in the test's directory: `python -m` from the repo root would put the root on sys.path,
+    # where its kernels/ folder shadows HF's `kernels` package (transformers imports it).
+    process = subprocess.Popen([sys.executable, str(BATCH_SERVER), str(data_dir)], cwd=data_dir)
     wait_until(lambda: (data_dir / "port").exists() or process.poll() is not None, SLOW, "the server to start")
     assert process.poll() is None, "the server process died at start"
     return process, openai_client(f"http://127.0.0.1:{(data_dir / 'port').read_text()}")
@@ -299,7 +299,8 @@ def _serve_cli(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
     """`batchllm serve` on `port`, once it answers /health; one batch row at a time in the engine."""
     process = subprocess.Popen([sys.executable, "-m", "batchllm", "serve", "--data-dir", str(data_dir), "--port",
                                 str(port), "--api-key", KEY, "--max-num-seqs", "2", "--grace-seconds", "0",
-                                "--log-level", "warning"], cwd=REPO, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+                                "--log-level", "warning"],
+                               cwd=log.parent, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
     def healthy() -> bool:
         assert process.poll() is None, f"batchllm serve exited at start:\n{log.read_text()[-3000:]}"

@@ -11,21 +11,24 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.server.conftest import wait_until
 
+# Run in each test's own directory: `python -m` puts the cwd on sys.path, and from the repo root its kernels/
+# folder would shadow HF's `kernels` package, which transformers imports.
 SERVE = [sys.executable, "-m", "batchllm", "serve"]
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=timeout)
+def _run(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*SERVE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def test_help_shows_the_flags():
-    result = _run("--help")
+def test_help_shows_the_flags(tmp_path):
+    result = _run(tmp_path, "--help")
     assert result.returncode == 0
     for flag in ("--model", "--host", "--port", "--api-key", "--data-dir", "--lora", "--speculative-config",
                  "--grace-seconds", "--batch-rows-per-shard", "--batch-flush-seconds", "--batch-max-in-flight",
@@ -49,8 +52,8 @@ def test_help_shows_the_flags():
     (["--task", "classify"], "--task"),  # the server serves generate and embed only
     (["--task", "score"], "--task"),
 ])
-def test_a_bad_flag_value_exits_2_naming_the_flag(args, flag):
-    result = _run(*args)
+def test_a_bad_flag_value_exits_2_naming_the_flag(args, flag, tmp_path):
+    result = _run(tmp_path, *args)
     assert result.returncode == 2, result.stderr
     assert flag in result.stderr
 
@@ -58,7 +61,7 @@ def test_a_bad_flag_value_exits_2_naming_the_flag(args, flag):
 def test_serve_answers_then_drains_on_sigterm_and_exits_0(tmp_path):
     process = subprocess.Popen([*SERVE, "--port", "0", "--max-num-seqs", "4", "--grace-seconds", "1",
                                 "--data-dir", str(tmp_path / "data")],
-                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                               cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
