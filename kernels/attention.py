@@ -107,12 +107,14 @@ def paged_attention_triton(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of `query [T, num_heads, head_dim]`; returns `out` (allocated if not given).
 
     `num_splits=None` picks the variant with `choose_num_splits`; 1 forces the single-pass kernel, more
     forces split-KV. Split-KV uses `workspace` if given (it caps the split count) and allocates one
-    otherwise. Every launch parameter comes from tensor shapes and the metadata's host ints, never from
+    otherwise. `tile` overrides the launch shape that `tile_config` picks (benchmarks/decode_attention.py sweeps
+    it); results do not depend on it. Every launch parameter comes from tensor shapes and the metadata's host ints, never from
     device values, so the call can be captured in a CUDA graph.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -134,11 +136,11 @@ def paged_attention_triton(
 
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    block_m, tile_n, num_warps = _tile_config(metadata.max_query_len, group_p2)
-    block_q = block_m // group_p2
+    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim)
+    block_q = tile.block_m // group_p2
     constants = dict(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile_n, NUM_SPLITS=num_splits,
+        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile.tile_n, NUM_SPLITS=num_splits,
         # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
@@ -149,7 +151,7 @@ def paged_attention_triton(
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0))
     if num_splits == 1:
         _attention_kernel[grid](*common, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
-                                **constants, num_warps=num_warps)
+                                **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
         return out
 
     if workspace is None:
@@ -159,7 +161,7 @@ def paged_attention_triton(
     acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
     _attention_kernel[grid](*common, out, out.stride(0), out.stride(1), acc, m, s,
                             acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-                            **constants, num_warps=num_warps)
+                            **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, acc, m, s, metadata.query_start_loc, num_seqs, out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
@@ -169,8 +171,19 @@ def paged_attention_triton(
     return out
 
 
-def _tile_config(max_query_len: int, group_p2: int) -> tuple[int, int, int]:
-    """`(BLOCK_M rows, keys per KV tile, warps)`. Correctness does not depend on the choice.
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """A launch shape of `_attention_kernel`: `block_m` tile rows (query tokens x group heads), `tile_n` keys
+    per K/V tile, warps, and software-pipelining stages of the key loop."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int = 3  # Triton's default on NVIDIA GPUs
+
+
+def tile_config(max_query_len: int, group_p2: int, head_dim: int) -> TileConfig:
+    """The launch shape for a batch. Correctness does not depend on the choice.
 
     Decode-only batches take the smallest `tl.dot` tile, 16 rows; batches with prefill tokens take 64 rows,
     so each K/V tile loaded serves four times more queries. 32-key tiles (two pages) with 4 warps for 16
@@ -178,8 +191,8 @@ def _tile_config(max_query_len: int, group_p2: int) -> tuple[int, int, int]:
     spill at 4 warps: the gathered K/V loads hold one 64-bit address per element).
     """
     if max_query_len * group_p2 <= 16:
-        return max(16, group_p2), 32, 4
-    return max(64, group_p2), 32, 8
+        return TileConfig(max(16, group_p2), 32, 4)
+    return TileConfig(max(64, group_p2), 32, 8)
 
 
 @functools.cache
