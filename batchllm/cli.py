@@ -37,6 +37,7 @@ from typing import Any
 
 from batchllm.cli_engine import (
     USAGE_ERRORS,
+    OneLineErrors,
     add_engine_flags,
     engine_options,
     fail,
@@ -83,7 +84,7 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchllm", description="Offline LLM batch inference.")
+    parser = OneLineErrors(prog="batchllm", description="Offline LLM batch inference.")  # its subcommands' too
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
@@ -126,8 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                             help="structured outputs: column holding each row's JSON schema (JSON text; null: "
                                  "unconstrained); tables only")
     run.add_argument("--parse-json", action="store_true",
-                     help="add a `parsed` column: the canonical JSON text of each JSON-constrained completion "
-                          "(--json-schema or --schema-column); tables only")
+                     help="add a `parsed` column: the canonical JSON text of each completion constrained by "
+                          "--json-schema or --schema-column (--regex and --choice outputs are not JSON); named after "
+                          "--output-column like the other columns (answer_parsed), a list per row with --n > 1; "
+                          "tables only")
     run.add_argument("--lora", type=adapter, action="append", metavar="NAME=PATH",
                      help="a PEFT LoRA adapter directory under a name (repeatable): rows name theirs in --lora-column; "
                           "an OpenAI batch request's `model` names its adapter")
@@ -171,7 +174,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from batchllm.api import run_job
+    from batchllm.cli_resume import changed_options_message
     from batchllm.connectors.jobs.job import JobInterrupted
+    from batchllm.connectors.jobs.manifest import ManifestMismatch
     from batchllm.connectors.replicas.errors import ReplicaPoolError
 
     sampling = (*_SAMPLING_FLAGS, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
@@ -225,10 +230,16 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     except ReplicaPoolError as exc:
         print(f"batchllm: error: {exc}:\n  batchllm {shlex.join(argv)}", file=sys.stderr)
         return 1
+    except ManifestMismatch as exc:  # what changed since the job started, by flag
+        return fail(changed_options_message(exc, args.flags_by_python_name))
     except USAGE_ERRORS as exc:
         return fail(with_flag_names(str(exc), args.flags_by_python_name))
     except OSError as exc:  # what the file system said (EROFS, ENOSPC, EACCES, ...), and where
         return fail(_os_error_message(exc))
+    if result.complete and result.written_rows == 0:  # an earlier run saved every row: say so, not "0 rows written"
+        print(f"batchllm: nothing to do: the job is complete ({result.total_rows} rows in {result.output})",
+              file=sys.stderr)
+        return 0
     print(f"batchllm: done: {result.written_rows} rows written ({result.error_rows} with errors), "
           f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s "
           f"→ {result.output}", file=sys.stderr)

@@ -9,7 +9,7 @@ import argparse
 import inspect
 import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from batchllm.cli_types import disaggregated_layout, speculative_config
 from batchllm.config import PREEMPTION_MODES
@@ -70,6 +70,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["disaggregated"],
                         help='engine: a prefill engine hands each prompt\'s K/V to a decode engine, each on its own '
                              'GPU (or process), e.g. \'{"prefill": 1, "decode": 1}\'')
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose own errors (a flag's bad value, flags that exclude each other) read as the commands' other
+    errors: one line, `batchllm: error: ...`, status 2. The usage is for --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"batchllm: error: {message}\n")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

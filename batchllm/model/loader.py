@@ -41,7 +41,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
         raise FileNotFoundError(
             f"model {str(model)!r} is not a local directory. batchllm never downloads models: pass the path of "
             f"an HF checkpoint directory (config.json + *.safetensors), e.g. one fetched with "
-            f"`huggingface-cli download <repo> --local-dir <dir>`, or model=None for the default model."
+            f"`huggingface-cli download <repo> --local-dir <dir>`, or leave out model= for the default model."
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json; is it an HF checkpoint directory?")

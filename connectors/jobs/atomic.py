@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 TMP_PREFIX = "."
 TMP_MARKER = ".tmp-"
@@ -18,7 +18,7 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     system) would only hide it."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}{TMP_MARKER}{os.getpid()}")
     try:
-        with open(tmp, "wb") as file:
+        with naming_path(path), open(tmp, "wb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
@@ -33,9 +33,22 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming_path(directory):
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def naming_path(path: Path) -> Iterator[None]:
+    """An OSError of the block that names no file (a write, flush or fsync failing: ENOSPC, EDQUOT, EIO) is raised
+    again naming `path`, so that its message says where, as a failed open does."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:  # named already, or one of ours with its own message
+            raise
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
 
 
 def is_temporary(path: Path) -> bool:

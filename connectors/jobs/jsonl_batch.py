@@ -56,6 +56,7 @@ from batchllm.connectors.jobs.openai_batch import (
     prompt_of,
     sampling_params,
 )
+from batchllm.connectors.jobs.output_directory import created_for_the_job
 from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, params_dict, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
@@ -112,8 +113,8 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
         raise IsADirectoryError(f"output {output} is a directory; an OpenAI batch job writes one JSONL file")
     if output.exists() and not manifest_path.exists():
         raise FileExistsError(f"output {output} exists and has no batchllm manifest beside it; refusing to overwrite")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output_lock(output.with_name(output.name + ".lock"), output), \
+    # A job refused before it writes anything (say the model does not load) leaves no directory behind.
+    with created_for_the_job(output.parent), output_lock(output.with_name(output.name + ".lock"), output), \
             engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
         return _run(source, output, manifest_path, engine, defaults, truncate, settings, adapter_dirs)
 

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 
-from batchllm.connectors.jobs.atomic import write_atomically
+from batchllm.connectors.jobs.atomic import naming_path, write_atomically
 from batchllm.connectors.jobs.job import ResumeState
 from batchllm.connectors.jobs.manifest import Manifest, ShardRecord, to_ranges
 from batchllm.connectors.jobs.openai_batch import EMBEDDINGS_URL, Envelope, parse_envelope, response_line
@@ -65,7 +65,7 @@ class JsonlSink:
                                                                        outcomes)]
         data = "".join(line + "\n" for line in lines).encode()
         if data:
-            with open(self.path, "ab") as file:
+            with naming_path(self.path), open(self.path, "ab") as file:
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())
@@ -79,7 +79,7 @@ class JsonlSink:
         records = self.manifest.records
         size = self.path.stat().st_size if self.path.exists() else 0
         good, end, problem = 0, 0, None
-        with open(self.path, "ab+") as file:  # created when missing: then every region is damaged
+        with naming_path(self.path), open(self.path, "ab+") as file:  # created when missing: every region is damaged
             for record in records:
                 problem = _region_problem(file, record, end, size)
                 if problem is not None:

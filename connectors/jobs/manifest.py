@@ -21,18 +21,41 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchllm.connectors.jobs.atomic import write_atomically
+from batchllm.connectors.jobs.atomic import naming_path, write_atomically
 
 _VERSION = 2
 
 
 class ManifestMismatch(ValueError):
-    """The output was written by a job with other options or another input, or its manifest is unreadable."""
+    """The output was written by a job with other options or another input, or its manifest is unreadable.
+    `differences`: what changed (empty for an unreadable manifest), which a caller may describe in its own terms
+    (the CLI names flags) with `mismatch_message`."""
+
+    def __init__(self, message: str, manifest: Path | None = None,
+                 differences: Sequence[Difference] = ()) -> None:
+        super().__init__(message)
+        self.manifest = manifest
+        self.differences = list(differences)
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    key: str  # where in the fingerprint, e.g. "options.sampling_params.temperature"
+    old: Any
+    new: Any
+
+
+def mismatch_message(manifest: Path, differences: Sequence[Difference],
+                     name_of: Callable[[str], str] = lambda key: key) -> str:
+    """The refusal to resume another job's output, listing what changed, each under `name_of(key)`."""
+    lines = [f"{name_of(d.key)}: was {_short(d.old)}, now {_short(d.new)}" for d in differences[:8]]
+    return (f"the output was started by a different job (manifest {manifest}):\n  " + "\n  ".join(lines)
+            + "\nWrite to another output, or delete the old output to start over.")
 
 
 @dataclass(slots=True)
@@ -82,14 +105,12 @@ class Manifest:
         header, records = _read(path, output)
         differences = _differences(header["fingerprint"], fingerprint)
         if differences:
-            raise ManifestMismatch(
-                f"the output was started by a different job (manifest {path}):\n  " + "\n  ".join(differences[:8])
-                + "\nWrite to another output, or delete the old output to start over.")
+            raise ManifestMismatch(mismatch_message(path, differences), path, differences)
         return cls(path, fingerprint, records)
 
     def record(self, record: ShardRecord) -> None:
         line = json.dumps(dataclasses.asdict(record)) + "\n"
-        with open(self.path, "ab") as file:
+        with naming_path(self.path), open(self.path, "ab") as file:
             file.write(line.encode())
             file.flush()
             os.fsync(file.fileno())
@@ -169,13 +190,13 @@ def _record_problem(fields: Any) -> str | None:
     return None
 
 
-def _differences(old: Any, new: Any, where: str = "") -> list[str]:
+def _differences(old: Any, new: Any, where: str = "") -> list[Difference]:
     if isinstance(old, dict) and isinstance(new, dict):
         return [d for key in dict.fromkeys([*old, *new])
                 for d in _differences(old.get(key), new.get(key), f"{where}.{key}" if where else key)]
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         return [d for i, (a, b) in enumerate(zip(old, new)) for d in _differences(a, b, f"{where}[{i}]")]
-    return [] if old == new else [f"{where}: was {_short(old)}, now {_short(new)}"]
+    return [] if old == new else [Difference(where, old, new)]
 
 
 def _short(value: Any) -> str:

@@ -58,6 +58,7 @@ from batchllm.connectors.jobs.job import (
 )
 from batchllm.connectors.jobs.lock import output_lock
 from batchllm.connectors.jobs.manifest import Manifest
+from batchllm.connectors.jobs.output_directory import created_for_the_job
 from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource, open_table_source
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
@@ -113,8 +114,9 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                            retry_errors)
     source = open_table_source(input, input_format)
     needed = options.check_input_columns(source.schema.names)
-    directory = _prepare_output(Path(output), input)
-    with output_lock(directory / LOCK_NAME, directory):
+    directory = _check_output(Path(output), input)
+    # A job refused before it writes anything (say the model does not load) leaves no directory behind.
+    with created_for_the_job(directory), output_lock(directory / LOCK_NAME, directory):
         remove_stale_temporaries(directory)  # only now: they could be another job's files in flight
         with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
             return _run(source, directory, engine, options.with_engine(engine), settings, needed)
@@ -174,7 +176,8 @@ def table_planner(options: MapOptions, capped: MapOptions, encoder: PromptEncode
     return plan
 
 
-def _prepare_output(directory: Path, input: str | Path) -> Path:
+def _check_output(directory: Path, input: str | Path) -> Path:
+    """The output directory, resolved, once it is known to be one this job may write (it may not exist yet)."""
     directory = directory.expanduser().resolve()
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"output {directory} exists and is not a directory")
@@ -187,7 +190,6 @@ def _prepare_output(directory: Path, input: str | Path) -> Path:
             p.name != LOCK_NAME and not is_temporary(p) for p in directory.iterdir()):
         raise FileExistsError(f"output directory {directory} is not empty and holds no batchllm manifest; "
                               f"refusing to write into it")
-    directory.mkdir(parents=True, exist_ok=True)
     return directory
 
 
