@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from batchllm.engine.interfaces import BlockTransfers
+from batchllm.executor.uploads import to_device
 
 STAGING_BYTES = 64 << 20  # device staging per cache: copies move this much at a time
 
@@ -117,9 +118,8 @@ class HostKVPool:
             view.index_copy_(0, dst, staging[: len(chunk)])
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        """Block ids on the device, uploaded from pinned memory: a plain `torch.tensor(..., device=)` would wait
-        for the copy stream, and so for the compute stream's queued steps."""
-        return torch.tensor(ids, dtype=torch.int64).pin_memory().to(self._device, non_blocking=True)
+        """Block ids on the device, queued behind the copy stream's work (uploads.py)."""
+        return to_device(ids, self._device)
 
     def _collect_timings(self, wait: bool) -> None:
         pending = []

@@ -4,7 +4,7 @@ A prompt may be computed over several steps (chunked prefill), so mean and CLS p
 the first token's state, per request between its chunks; a chunk that starts at position 0 starts them over
 (a recomputation after preemption). Last-token pooling needs only the final chunk. Each step's work is a few
 batched ops over all its pooling rows: one gather of their tokens, one `index_add_`, one gather of their last
-tokens, whatever the number of rows.
+tokens, whatever the number of rows; their indices are uploaded without waiting for the device (uploads.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchllm.executor.uploads import to_device
 from batchllm.pooling_params import PoolingParams
 
 
@@ -52,7 +53,7 @@ class Pooler:
         finals = [row for row in rows if row.final]
         if not finals:
             return None
-        last = hidden[torch.tensor([row.start + row.num_tokens - 1 for row in finals], device=self.device)].float()
+        last = hidden[to_device([row.start + row.num_tokens - 1 for row in finals], self.device)].float()
         vectors = []
         for index, row in enumerate(finals):
             if row.params.pooling == "mean":
@@ -64,7 +65,7 @@ class Pooler:
         pooled = torch.stack(vectors)
         normalize = [row.params.normalize for row in finals]  # decided on the host: no sync with the device
         if any(normalize):
-            mask = torch.tensor(normalize, device=self.device)[:, None]
+            mask = to_device(normalize, self.device, torch.bool)[:, None]
             pooled = torch.where(mask, F.normalize(pooled, dim=-1), pooled)
         classify = [row.params.classify for row in finals]
         if any(classify):
@@ -80,8 +81,7 @@ class Pooler:
         tokens = np.concatenate([np.arange(row.start, row.start + row.num_tokens) for row in rows])
         owner = np.repeat(np.arange(len(rows)), counts)
         sums = torch.zeros(len(rows), hidden.shape[-1], dtype=torch.float32, device=self.device)
-        sums.index_add_(0, torch.from_numpy(owner).to(self.device),
-                        hidden[torch.from_numpy(tokens).to(self.device)].float())
+        sums.index_add_(0, to_device(owner, self.device), hidden[to_device(tokens, self.device)].float())
         for index, row in enumerate(rows):
             earlier = None if row.position == 0 else self._sums.get(row.request_id)
             self._sums[row.request_id] = sums[index] if earlier is None else earlier + sums[index]
