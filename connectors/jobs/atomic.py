@@ -41,14 +41,14 @@ def fsync_directory(directory: Path) -> None:
 
 @contextlib.contextmanager
 def naming_path(path: Path) -> Iterator[None]:
-    """An OSError of the block that names no file (a write, flush or fsync failing: ENOSPC, EDQUOT, EIO) is raised
-    again naming `path`, so that its message says where, as a failed open does."""
+    """An OSError of the block that names no file (a write, flush or fsync failing: ENOSPC, EDQUOT, EIO) is given
+    `path`, so that its message says where, as a failed open's does."""
     try:
         yield
     except OSError as exc:
-        if exc.filename is not None or exc.errno is None:  # named already, or one of ours with its own message
-            raise
-        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        if exc.filename is None and exc.errno is not None:  # not one of ours, whose message names the path itself
+            exc.filename = str(path)
+        raise
 
 
 def is_temporary(path: Path) -> bool:
