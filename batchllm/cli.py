@@ -166,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--data-parallel", type=int, default=1, metavar="N",
                      help="N engine processes, one per GPU (or per share of the CPU cores), fed from one queue")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--dry-run", action="store_true",
+                     help="check the input, the flags and every row's prompt, print the row count, the prompt tokens, "
+                          "a few prompts and an estimate of the run time; load no weights, write nothing (exit 1 if "
+                          "rows would fail)")
     # Last, so it sees every flag: how run_job's argument names read as flags in error messages.
     run.set_defaults(flags_by_python_name=flags_by_python_name(run, _PYTHON_NAMES), handler=_run)
     add_serve_parser(commands)
@@ -221,6 +225,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         return fail("--schema-column / --parse-json do not apply to an OpenAI batch file: a request's "
                     "response_format carries its schema (--json-schema / --regex / --choice set the default)")
     try:
+        if args.dry_run:  # the same arguments, checked and sized (batchllm/connectors/jobs/dry_run.py)
+            from batchllm.connectors.jobs.dry_run import print_dry_run
+
+            return print_dry_run(args.input, args.output, input_format=input_format, model=args.model,
+                                 engine_kwargs=engine or None, data_parallel_size=args.data_parallel, **options)
         result = run_job(args.input, args.output, input_format=input_format, model=args.model,
                          engine_kwargs=engine or None, use_tqdm=not args.no_progress,
                          data_parallel_size=args.data_parallel, **options)
