@@ -30,6 +30,9 @@ class Detokenizer:
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    # False: `finish` leaves the final text to the consumer (the server's HTTP process decodes it with
+    # `final_text`, so the engine process spends its time on steps).
+    decode_finished: bool = True
     _streams: dict[str, _StreamState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,16 +79,9 @@ class Detokenizer:
     def finish(self, request: Request) -> str:
         """The request's final text (stop string cut off unless asked for), releasing its stream."""
         self._streams.pop(request.request_id, None)
-        if self.tokenizer is None:
+        if not self.decode_finished:
             return ""
-        params = request.sampling_params
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        if isinstance(request.stop_reason, str):
-            # rfind: the stop that fired is the newest occurrence (min_tokens may have let earlier ones pass).
-            cut = text.rfind(request.stop_reason)
-            if cut >= 0:
-                text = text[: cut + len(request.stop_reason)] if params.include_stop_str_in_output else text[:cut]
-        return text
+        return final_text(self.tokenizer, request.output_token_ids, request.sampling_params, request.stop_reason)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -96,3 +92,17 @@ def _finish(request: Request, status: RequestStatus, reason: int | str | None) -
     request.status = status
     request.stop_reason = reason
     return True
+
+
+def final_text(tokenizer: Any, output_token_ids: list[int], params: Any, stop_reason: int | str | None) -> str:
+    """A finished request's text: its output decoded, cut at the stop string that ended it (kept with
+    `include_stop_str_in_output`); empty without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    text = tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
+    if isinstance(stop_reason, str):
+        # rfind: the stop that fired is the newest occurrence (min_tokens may have let earlier ones pass).
+        cut = text.rfind(stop_reason)
+        if cut >= 0:
+            text = text[: cut + len(stop_reason)] if params.include_stop_str_in_output else text[:cut]
+    return text

@@ -1,34 +1,34 @@
-"""The engine thread's book of admitted requests: it adds a prompt's samples to the engine (forked like
-`LLM._stream`: request ids "{prompt_id}.{sample}", samples 1..n-1 sharing sample 0's prompt K/V) and turns each
-step's results into the events of their streams. Only the engine thread uses it.
+"""The HTTP side's book of the requests it submitted: it turns the engine's `StepResults` (token ids, raw logprobs,
+pooled vectors) into each stream's events. Detokenisation happens here, off the engine: streamed text through
+`SampleProgress`, logprobs' tokens decoded, and the final `RequestOutput` built as `LLM.generate` builds it (its
+text decoded whole and cut at the stop string that ended it, `final_text`).
 
-A pooling submission (params: the LLM's `PoolingParams`, on an embed server) is one engine request, "{prompt_id}.0",
-with no per-step updates: its stream gets one event, whose output is a `PoolingRequestOutput` (as `LLM.embed`
-returns it; aborted: outputs None and error `ABORTED`).
+A pooling submission's stream gets one event, whose output is a `PoolingRequestOutput` (as `LLM.embed` returns it;
+aborted: outputs None and error `ABORTED`). Thread-safe: streams are added by the HTTP threads and the results
+applied by the thread that reads the engine.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Protocol
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from batchllm.engine.engine_core import FinishedRequest
-from batchllm.llm import LLM
-from batchllm.lora.request import LoRARequest
-from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from batchllm.pooling_api import NO_SAMPLING, pooling_output
+from batchllm.engine.detokenizer import final_text
+from batchllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
-from batchllm.request_outputs import complete, completion_output, logprob_entries, sample_params
+from batchllm.request_outputs import complete, logprob_entries
 from batchllm.sampling_params import SamplingParams
+from batchllm.server.engine_driver import ABORTED
+from batchllm.server.engine_protocol import Observations, SampleDelta, SampleFinish, StepResults
 from batchllm.server.request_stream import RequestStream, SampleUpdate, StreamEvent
 from batchllm.server.sample_progress import SampleProgress
 
-ABORTED = "aborted"  # the error of a pooling request's output when it was aborted
+__all__ = ["ABORTED", "AdmittedRequests", "LoopObserver", "was_aborted"]
 
 
 class LoopObserver(Protocol):
-    """Per-request measurements, called on the engine thread (`metrics.ServerMetrics` implements it)."""
+    """Per-request measurements (`metrics.ServerMetrics` implements it), replayed from the engine's observations."""
 
     def request_admitted(self, num_prompt_tokens: int) -> None: ...
     def tokens_generated(self, num_tokens: int, first_token_seconds: float | None,
@@ -36,204 +36,137 @@ class LoopObserver(Protocol):
     def request_finished(self, seconds: float) -> None: ...
 
 
+def replay(observations: Observations, observer: LoopObserver | None) -> None:
+    if observer is None:
+        return
+    for num_prompt_tokens in observations.admitted:
+        observer.request_admitted(num_prompt_tokens)
+    for num_tokens, first, inter in observations.tokens:
+        observer.tokens_generated(num_tokens, first, inter)
+    for seconds in observations.finished:
+        observer.request_finished(seconds)
+
+
 @dataclass(slots=True, eq=False)
-class Submission:
+class _Sample:
+    progress: SampleProgress
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # the engine's SampledTokens
+    entries: list[dict[int, Logprob]] = field(default_factory=list)  # decoded, as far as they were needed
+    completion: CompletionOutput | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Prompt:
     stream: RequestStream
-    prompt_token_ids: list[int]
     prompt_text: str | None
+    token_ids: list[int]
     params: SamplingParams | PoolingParams
-    lora_request: LoRARequest | None
     incremental: bool
-    submitted_at: float
-
-    @property
-    def num_requests(self) -> int:
-        """The engine requests it becomes: its samples, or one pooling request."""
-        return self.params.n if isinstance(self.params, SamplingParams) else 1
-
-
-@dataclass(slots=True, eq=False)
-class _Admitted:
-    submission: Submission
-    samples: list[SampleProgress]
-    completions: list[CompletionOutput | None]
+    samples: list[_Sample]  # empty for a pooling request
 
 
 class AdmittedRequests:
-    def __init__(self, llm: LLM) -> None:
-        self._engine = llm.engine
-        self._tokenizer = llm.tokenizer
-        self._backend = None if llm.tokenizer is None else llm.tokenizer.backend_tokenizer
-        self._admitted: dict[str, _Admitted] = {}
-        self._pooled: dict[str, Submission] = {}  # engine request id → a pooling submission
-        self.observer: LoopObserver | None = None
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._backend = None if tokenizer is None else tokenizer.backend_tokenizer
+        self._lock = threading.Lock()
+        self._prompts: dict[str, _Prompt] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._admitted) or bool(self._pooled)
+    def __len__(self) -> int:
+        return len(self._prompts)
 
-    def admit(self, submission: Submission) -> None:
-        stream, params = submission.stream, submission.params
-        if stream.cancelled:  # aborted while it was being taken from the queue
-            stream.deliver(StreamEvent(output=aborted_output(submission)))
-            return
-        if isinstance(params, PoolingParams):
-            self._admit_pooling(submission, params)
-            return
+    def add(self, stream: RequestStream, token_ids: list[int], params: SamplingParams | PoolingParams,
+            prompt_text: str | None, incremental: bool) -> None:
         samples = []
-        try:
-            for index in range(params.n):
-                request_id = f"{stream.prompt_id}.{index}"
-                fork_of = f"{stream.prompt_id}.0" if index else None  # the samples share the prompt's K/V
-                self._engine.add_request(request_id, submission.prompt_token_ids, sample_params(params, index),
-                                         fork_of=fork_of, lora_request=submission.lora_request)
-                samples.append(SampleProgress(request_id, index, params, self._backend, submission.incremental))
-        except ValueError as exc:
-            for sample in samples:
-                self._engine.abort(sample.request_id)
-            stream.deliver(StreamEvent(error=exc))
-            return
-        self._admitted[stream.prompt_id] = _Admitted(submission, samples, [None] * params.n)
-        if self.observer is not None:
-            self.observer.request_admitted(len(submission.prompt_token_ids))
+        if isinstance(params, SamplingParams):
+            samples = [_Sample(SampleProgress(f"{stream.prompt_id}.{i}", i, params, self._backend, incremental))
+                       for i in range(params.n)]
+        with self._lock:
+            self._prompts[stream.prompt_id] = _Prompt(stream, prompt_text, token_ids, params, incremental, samples)
 
-    def _admit_pooling(self, submission: Submission, params: PoolingParams) -> None:
-        request_id = f"{submission.stream.prompt_id}.0"
-        try:
-            self._engine.add_request(request_id, submission.prompt_token_ids, NO_SAMPLING,
-                                     lora_request=submission.lora_request, pooling=params)
-        except ValueError as exc:
-            submission.stream.deliver(StreamEvent(error=exc))
-            return
-        self._pooled[request_id] = submission
-        if self.observer is not None:
-            self.observer.request_admitted(len(submission.prompt_token_ids))
-
-    def publish(self, finished: list[FinishedRequest]) -> None:
-        if self._pooled:  # only the finished ones are looked at: a pooling request has nothing to report before
-            for item in finished:
-                submission = self._pooled.pop(item.request.request_id, None)
-                if submission is not None:
-                    self._finish(submission, StreamEvent(output=pooling_output(
-                        item.request, submission.prompt_text, submission.prompt_token_ids)))
-        if not self._admitted:
-            return
-        by_id = {item.request.request_id: item for item in finished}
-        requests, now = self._engine.scheduler.requests, time.perf_counter()
-        for prompt_id, admitted in list(self._admitted.items()):
-            updates = []
-            for sample in admitted.samples:
-                if sample.done:
-                    continue
-                ended = by_id.get(sample.request_id)
-                request = ended.request if ended is not None else requests.get(sample.request_id)
-                num_new = 0 if request is None else request.num_output_tokens - sample.num_tokens
-                if num_new:
-                    self._observe_tokens(admitted.submission, sample, num_new, now)
-                if num_new or ended is not None:
-                    update = self._update(admitted, sample, request, ended)
-                    if update is not None:
-                        updates.append(update)
-            if all(sample.done for sample in admitted.samples):
-                del self._admitted[prompt_id]
-                self._deliver_final(admitted, updates)
-            elif updates and admitted.submission.incremental:
-                admitted.submission.stream.deliver(StreamEvent(updates))
-
-    def _update(self, admitted: _Admitted, sample: SampleProgress, request, ended: FinishedRequest | None
-                ) -> SampleUpdate | None:
-        """The sample's update since the last one (None: a one-shot stream's sample that has not ended)."""
-        start = sample.num_tokens
-        new_ids = request.token_ids[request.num_prompt_tokens + start:]
-        sample.num_tokens += len(new_ids)
-        if ended is not None:
-            completion = admitted.completions[sample.index] = completion_output(sample.index, ended, self._tokenizer)
-            sample.done = True
-            logprobs = None if completion.logprobs is None else completion.logprobs[start:]
-            return SampleUpdate(sample.index, new_ids, sample.rest_of(completion.text), logprobs,
-                                completion.finish_reason, completion.stop_reason)
-        if not admitted.submission.incremental:
-            return None
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            logprobs = [logprob_entries(token_id, sampled, self._tokenizer)
-                        for token_id, sampled in zip(new_ids, request.output_logprobs[start:])]
-        return SampleUpdate(sample.index, new_ids, sample.text_of(new_ids), logprobs)
-
-    def _observe_tokens(self, submission: Submission, sample: SampleProgress, num_new: int, now: float) -> None:
-        first = inter = None
-        if sample.last_token_time is None:
-            first = now - submission.submitted_at
-        else:
-            inter = (now - sample.last_token_time) / num_new
-        sample.last_token_time = now
-        if self.observer is not None:
-            self.observer.tokens_generated(num_new, first, inter)
-
-    def _deliver_final(self, admitted: _Admitted, updates: list[SampleUpdate]) -> None:
-        submission = admitted.submission
-        output = RequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
-                               finished=False)
-        complete(output, admitted.completions)
-        self._finish(submission, StreamEvent(updates if submission.incremental else [], output))
-
-    def _finish(self, submission: Submission, event: StreamEvent) -> None:
-        if self.observer is not None:
-            self.observer.request_finished(time.perf_counter() - submission.submitted_at)
-        submission.stream.deliver(event)
-
-    def abort(self, stream: RequestStream) -> None:
-        pooled = self._pooled.pop(f"{stream.prompt_id}.0", None)
-        if pooled is not None:
-            self._engine.abort(f"{stream.prompt_id}.0")  # None when it finished already: that result is dropped
-            self._finish(pooled, StreamEvent(output=aborted_output(pooled)))
-            return
-        admitted = self._admitted.pop(stream.prompt_id, None)
-        if admitted is None:
-            return  # finished before the abort reached the engine: its last event is on its way
-        updates = []
-        for sample in admitted.samples:
-            request = None if sample.done else self._engine.abort(sample.request_id)
-            if request is not None:
-                ended = FinishedRequest(request, self._engine.detokenizer.finish(request))
-                updates.append(self._update(admitted, sample, request, ended))
-        _fill_aborted(admitted.completions)
-        self._deliver_final(admitted, updates)
+    def apply(self, results: StepResults) -> None:
+        """Deliver the events `results` make: per-step updates, last events, refusals."""
+        with self._lock:
+            updates: dict[str, list[SampleUpdate]] = {}
+            for delta in results.deltas:
+                prompt = self._prompts.get(delta.prompt_id)
+                if prompt is not None:
+                    update = self._update(prompt, prompt.samples[delta.index], delta)
+                    updates.setdefault(delta.prompt_id, []).append(update)
+            for prompt_id, prompt_updates in updates.items():
+                prompt = self._prompts[prompt_id]
+                if all(sample.completion is not None for sample in prompt.samples):
+                    del self._prompts[prompt_id]
+                    output = RequestOutput(prompt_id, prompt.prompt_text, prompt.token_ids, finished=False)
+                    complete(output, [sample.completion for sample in prompt.samples])
+                    prompt.stream.deliver(StreamEvent(prompt_updates if prompt.incremental else [], output))
+                elif prompt.incremental:
+                    prompt.stream.deliver(StreamEvent(prompt_updates))
+            for prompt_id, output in results.pooled:
+                prompt = self._prompts.pop(prompt_id, None)
+                if prompt is not None:
+                    output.prompt, output.prompt_token_ids = prompt.prompt_text, prompt.token_ids
+                    prompt.stream.deliver(StreamEvent(output=output))
+            for prompt_id, message in results.refused:
+                prompt = self._prompts.pop(prompt_id, None)
+                if prompt is not None:
+                    prompt.stream.deliver(StreamEvent(error=ValueError(message)))
 
     def abort_all(self) -> None:
-        streams = [a.submission.stream for a in self._admitted.values()] + [s.stream for s in self._pooled.values()]
-        for stream in streams:
-            self.abort(stream)
+        """The engine stopped without reporting these: each stream ends as aborted, with the tokens it got."""
+        results = StepResults()
+        with self._lock:
+            for prompt_id, prompt in self._prompts.items():
+                if isinstance(prompt.params, PoolingParams):
+                    results.pooled.append((prompt_id, PoolingRequestOutput(f"{prompt_id}.0", None, [], None,
+                                                                           error=ABORTED)))
+                for index, sample in enumerate(prompt.samples):
+                    if sample.completion is None:
+                        results.deltas.append(SampleDelta(prompt_id, index, [], None, SampleFinish("abort")))
+        self.apply(results)
 
     def fail_all(self, error: BaseException) -> None:
-        """The engine can no longer be used: every admitted stream ends with `error`."""
-        for submission in [a.submission for a in self._admitted.values()] + list(self._pooled.values()):
-            submission.stream.deliver(StreamEvent(error=error))
-        self._admitted.clear()
-        self._pooled.clear()
+        """The engine can no longer be used: every stream ends with `error`."""
+        with self._lock:
+            prompts, self._prompts = list(self._prompts.values()), {}
+        for prompt in prompts:
+            prompt.stream.deliver(StreamEvent(error=error))
 
+    def _update(self, prompt: _Prompt, sample: _Sample, delta: SampleDelta) -> SampleUpdate:
+        start = len(sample.token_ids)
+        sample.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            sample.logprobs += delta.logprobs
+        finish = delta.finish
+        if finish is None:
+            return SampleUpdate(delta.index, delta.token_ids, sample.progress.text_of(delta.token_ids),
+                                self._entries(prompt, sample, start))
+        sample.completion = self._completion(prompt, sample, finish)
+        return SampleUpdate(delta.index, delta.token_ids, sample.progress.rest_of(sample.completion.text),
+                            self._entries(prompt, sample, start), finish.reason, finish.stop_reason)
 
-def _fill_aborted(completions: list[CompletionOutput | None]) -> None:
-    for index, completion in enumerate(completions):
-        if completion is None:
-            completions[index] = CompletionOutput(index, "", [], finish_reason="abort")
+    def _entries(self, prompt: _Prompt, sample: _Sample, start: int) -> list[dict[int, Logprob]] | None:
+        """The decoded logprobs of the sample's tokens from `start` on (None: the request asked for none)."""
+        if prompt.params.logprobs is None:
+            return None
+        for token_id, sampled in zip(sample.token_ids[len(sample.entries):], sample.logprobs[len(sample.entries):]):
+            sample.entries.append(logprob_entries(token_id, sampled, self._tokenizer))
+        return sample.entries[start:]
 
-
-def aborted_output(submission: Submission) -> RequestOutput | PoolingRequestOutput:
-    """The last event's output of a request aborted before it ran: no tokens, finish_reason "abort" (a pooling
-    request: no outputs, error `ABORTED`)."""
-    if isinstance(submission.params, PoolingParams):
-        return PoolingRequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
-                                    None, error=ABORTED)
-    completions: list[CompletionOutput | None] = [None] * submission.params.n
-    _fill_aborted(completions)
-    output = RequestOutput(submission.stream.prompt_id, submission.prompt_text, submission.prompt_token_ids,
-                           finished=False)
-    complete(output, completions)
-    return output
+    def _completion(self, prompt: _Prompt, sample: _Sample, finish: SampleFinish) -> CompletionOutput:
+        params = prompt.params
+        logprobs = cumulative = None
+        if params.logprobs is not None:
+            logprobs = self._entries(prompt, sample, 0)
+            cumulative = sum(s.logprob for s in sample.logprobs if s.logprob is not None)
+        text = final_text(self._tokenizer, sample.token_ids, params, finish.stop_reason)
+        return CompletionOutput(sample.progress.index, text, sample.token_ids, cumulative, logprobs, finish.reason,
+                                finish.stop_reason, finish.error, finish.metrics)
 
 
 def was_aborted(output: RequestOutput | PoolingRequestOutput) -> bool:
-    """Whether a stream's final output is an abort's (the loop's shutdown, or the consumer's own abort)."""
+    """Whether a stream's final output is an abort's (the engine's shutdown, or the consumer's own abort)."""
     if isinstance(output, PoolingRequestOutput):
         return output.error == ABORTED
     return any(c.finish_reason == "abort" for c in output.outputs)

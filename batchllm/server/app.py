@@ -1,15 +1,17 @@
-"""The OpenAI-compatible HTTP application over an `EngineLoop`.
+"""The OpenAI-compatible HTTP application over the server's engines (`engine_client.EngineClient`: an engine process
+each under `batchllm serve`, one per served model).
 
     POST /v1/completions, POST /v1/chat/completions   (server-sent events with "stream": true)
-    POST /v1/embeddings                               on an LLM built with task="embed" (`--task embed`), which
+    POST /v1/embeddings                               on a model built with task="embed" (`--task embed`), which
                                                       serves it instead of the two above (`embeddings.py`)
-    GET  /v1/models, /v1/models/{id}                  the base model (its directory's name) and the adapters
-    GET  /health                                      200, or 503 while shutting down or once the engine died
+    GET  /v1/models, /v1/models/{id}                  the models (by default their directories' names) and adapters
+    GET  /health                                      200, or 503 while shutting down or once an engine died
     GET  /metrics                                     Prometheus text
 
-With `api_key` every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open.
-Handlers tokenize on the event loop (quick) and hand requests to the loop; they never call the engine. A client
-that goes away aborts its request: a stream's generator aborts it when it is cancelled or closed (and the
+A request's `model` picks the engine (`served_models.py`); an unknown one is a 404 naming the served models. With
+`api_key` every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open.
+Handlers tokenize on the event loop (quick) and hand requests to an engine client; they never call an engine. A
+client that goes away aborts its request: a stream's generator aborts it when it is cancelled or closed (and the
 response's background task makes sure), a non-streaming request checks for the disconnect while it waits.
 """
 
@@ -28,43 +30,38 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from batchllm.lora.request import LoRARequest
-from batchllm.model.config import ModelConfig, read_hf_config
 from batchllm.server.batch_api import mount_batch_api
 from batchllm.server.batch_runner import BatchSettings
 from batchllm.server.embeddings import mount_embeddings
-from batchllm.server.engine_loop import EngineLoop
+from batchllm.server.engine_client import EngineClient
 from batchllm.server.errors import APIError, bad_request, install_handlers, unavailable
 from batchllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from batchllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from batchllm.server.request_io import abort_all, parse_body, submit_all, wait_outputs
-from batchllm.server.request_mapping import EngineInputs, RequestMapper
+from batchllm.server.request_mapping import EngineInputs
 from batchllm.server.request_stream import RequestStream
 from batchllm.server.responses import DONE, ChunkWriter, full_body
+from batchllm.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 _EMBED_SERVER = "this server embeds (--task embed): use /v1/embeddings"
 SERVED_TASKS = ("generate", "embed")
 
 
-def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str | None = None,
+def build_app(engines: EngineClient | ServedModels, *, api_key: str | None = None, model_name: str | None = None,
               loras: Mapping[str, LoRARequest] | None = None, data_dir: str | Path | None = None,
               batch_settings: BatchSettings | None = None) -> FastAPI:
-    """`model_name`: the base model's name (default: its directory's name). `loras`: adapters by the name a
-    request's `model` gives (already checked with `llm.check_lora`; the LLM needs enable_lora=True). `data_dir`:
-    where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API. `batch_settings`:
-    its shard size, save interval, rows in flight and upload limit."""
-    llm = loop.llm
-    if llm.task not in SERVED_TASKS:
-        raise ValueError(f"the server serves an LLM built with task 'generate' or 'embed', not {llm.task!r}")
-    generates = llm.task == "generate"
-    model_name = model_name or llm.model_path.name
-    loras = dict(loras or {})
-    vocab_size = ModelConfig.from_hf_dict(read_hf_config(llm.model_path)).vocab_size
-    mapper = RequestMapper(llm.tokenizer, llm.max_model_len, vocab_size, model_name, loras)
-    # One set of metrics per loop: a second app on the same loop (another port, another key) shares them.
-    metrics = loop.observer if isinstance(loop.observer, ServerMetrics) else ServerMetrics()
-    metrics.watch(loop)
-    loop.observer = metrics
+    """`engines`: one engine client, or the served models (`ServedModels`: several engines, each with its adapters).
+    For one client, `model_name` is its name (default: its directory's name) and `loras` its adapters by the name
+    a request's `model` gives (already checked with `llm.check_lora`; the engine needs enable_lora=True).
+    `data_dir`: where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API.
+    `batch_settings`: its shard size, save interval, rows in flight and upload limit."""
+    models = engines if isinstance(engines, ServedModels) else ServedModels.single(engines, model_name, loras)
+    for served in models.models:
+        if served.task not in SERVED_TASKS:
+            raise ValueError(f"the server serves engines built with task 'generate' or 'embed', not "
+                             f"{served.task!r} (model {served.name})")
+    metrics = _shared_metrics(models.engines)
     started = int(time.time())
 
     app = FastAPI(title="batchllm", docs_url=None, redoc_url=None, openapi_url=None)
@@ -72,50 +69,66 @@ def build_app(loop: EngineLoop, *, api_key: str | None = None, model_name: str |
     require_key = api_key_checker(api_key)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
-    def model_card(name: str, parent: str | None) -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": started, "owned_by": "batchllm", "root": name,
-                "parent": parent}
+                "parent": models.parent_of(name)}
 
     @v1.get("/models")
     async def list_models():
-        cards = [model_card(model_name, None)] + [model_card(name, model_name) for name in loras]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(name) for name in models.names()]}
 
     @v1.get("/models/{model_id}")
     async def get_model(model_id: str):
-        mapper.adapter_of(model_id)  # 404 for an unknown one
-        return model_card(model_id, None if model_id == model_name else model_name)
+        return model_card(model_id)  # 404 for an unknown one
 
     @v1.post("/completions")
     async def completions(request: Request):
-        if not generates:
-            raise bad_request(_EMBED_SERVER)
         body = await parse_body(request, CompletionRequest)
-        return await _answer(loop, request, body, mapper.completion(body), chat=False)
+        served = _generating(models, body.model)
+        return await _answer(served.engine, request, body, served.mapper.completion(body), chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        if not generates:
-            raise bad_request(_EMBED_SERVER)
         body = await parse_body(request, ChatCompletionRequest)
-        return await _answer(loop, request, body, mapper.chat(body), chat=True)
+        served = _generating(models, body.model)
+        return await _answer(served.engine, request, body, served.mapper.chat(body), chat=True)
 
     @app.get("/health")
     async def health():
-        if not loop.healthy:
-            error = unavailable("the engine failed" if loop.dead else "the server is shutting down")
-            return JSONResponse(error.body(), status_code=503)
+        dead = [m.name for m in models.models if m.engine.dead]
+        if dead or not all(m.engine.healthy for m in models.models):
+            message = f"the engine of {', '.join(dead)} failed" if dead else "the server is shutting down"
+            return JSONResponse(unavailable(message).body(), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    mount_embeddings(v1, loop, mapper)
+    mount_embeddings(v1, models)
     app.include_router(v1)
     if data_dir is not None:
-        mount_batch_api(app, loop, Path(data_dir), require_key, batch_settings)
+        mount_batch_api(app, models, Path(data_dir), require_key, batch_settings)
     return app
+
+
+def _generating(models: ServedModels, model: str | None):
+    served, _ = models.route(model)
+    if served.task != "generate":
+        raise bad_request(_EMBED_SERVER)
+    return served
+
+
+def _shared_metrics(engines: list[EngineClient]) -> ServerMetrics:
+    """One set of metrics per set of engines: a second app on the same engines (another port, another key)
+    shares them."""
+    observers = {id(engine.observer) for engine in engines}
+    first = engines[0].observer
+    metrics = first if len(observers) == 1 and isinstance(first, ServerMetrics) else ServerMetrics()
+    metrics.watch(engines)
+    for engine in engines:
+        engine.observer = metrics
+    return metrics
 
 
 def api_key_checker(api_key: str | None):
@@ -133,7 +146,7 @@ def api_key_checker(api_key: str | None):
     return check
 
 
-async def _answer(loop: EngineLoop, request: Request, body: Any, inputs: EngineInputs, chat: bool):
+async def _answer(loop: EngineClient, request: Request, body: Any, inputs: EngineInputs, chat: bool):
     sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
     streams = submit_all(loop, inputs.prompts, inputs.params, inputs.lora_request, incremental=body.stream, sink=sink)
     if body.stream:
@@ -150,7 +163,7 @@ async def _answer(loop: EngineLoop, request: Request, body: Any, inputs: EngineI
     return full_body(chat, inputs.model, outputs, inputs.top_logprobs)
 
 
-async def _events(loop: EngineLoop, streams: list[RequestStream], sink: asyncio.Queue, writer: ChunkWriter,
+async def _events(loop: EngineClient, streams: list[RequestStream], sink: asyncio.Queue, writer: ChunkWriter,
                   include_usage: bool):
     prompt_index = {stream: i for i, stream in enumerate(streams)}
     remaining = set(streams)

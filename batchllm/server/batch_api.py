@@ -38,6 +38,7 @@ from batchllm.server.batch_runner import BatchRunner, BatchSettings
 from batchllm.server.batches import CANCELLABLE, COMPLETION_WINDOW_SECONDS, BatchRecord, BatchStore, new_batch_id
 from batchllm.server.errors import APIError, bad_request
 from batchllm.server.files import INPUT_PURPOSE, FileStore, FileTooLarge
+from batchllm.server.served_models import ServedModels
 
 _GENERATE_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
@@ -77,19 +78,21 @@ def _lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
-def mount_batch_api(app: FastAPI, loop: Any, data_dir: Path, auth_dependency: Callable | None = None,
+def mount_batch_api(app: FastAPI, engines: Any, data_dir: Path, auth_dependency: Callable | None = None,
                     settings: BatchSettings | None = None) -> BatchService:
-    """Add the Files and Batch routes to `app`, with `auth_dependency` on each; the batches run on
-    `loop.batch_engine()` (`EngineLoop`). Starts the batch worker, which first resumes unfinished batches."""
+    """Add the Files and Batch routes to `app`, with `auth_dependency` on each; the batches run on the engines
+    (one `EngineClient`, or the `ServedModels`) through their `batch_engine()`. Starts the batch worker, which first
+    resumes unfinished batches."""
+    models = engines if isinstance(engines, ServedModels) else ServedModels.single(engines)
     settings = settings or BatchSettings()
     data_dir = Path(data_dir).expanduser()
     lock = _lock_data_dir(data_dir)
     files, batches = FileStore(data_dir / "files"), BatchStore(data_dir / "batches")
-    runner = BatchRunner(batches, files, lambda stop: loop.batch_engine(stop_event=stop), settings)
+    runner = BatchRunner(batches, files, lambda stop: models.default.engine.batch_engine(stop_event=stop), settings)
     service = BatchService(files, batches, runner, lock)
     router = APIRouter(prefix="/v1", dependencies=[Depends(auth_dependency)] if auth_dependency else [])
     _file_routes(router, service, settings.max_upload_bytes)
-    _batch_routes(router, service, settings, getattr(loop.llm, "task", "generate") == "embed")
+    _batch_routes(router, service, settings, models.default.task == "embed")
     app.include_router(router)
     if APIError not in app.exception_handlers:  # an app that build_app did not make
         async def api_error(request: Request, exc: APIError) -> JSONResponse:

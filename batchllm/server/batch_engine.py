@@ -1,12 +1,13 @@
-"""The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on the `EngineLoop`.
+"""The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on an `EngineClient`.
 
 `BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, None pauses
 admission, `(key, RequestOutput)` in completion order (`PoolingRequestOutput` for the PoolingParams items of an
 embed server's jobs), at most `max_in_flight` prompts out at once), but its
 requests go through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
 thread never touches the engine. Every other attribute (tokenizer, model_path, max_model_len, check_lora,
-quantization, kv_cache_dtype, engine.scheduler.config, ...) is the real LLM's, read-only;
-`check_structured_outputs` compiles on the engine thread, where the engine's own compilations happen.
+quantization, kv_cache_dtype, engine.scheduler.config, ...) is the client's `llm` (the real LLM, or what the HTTP
+process knows of it: `remote_llm.RemoteLLM`), read-only; `check_structured_outputs` compiles on the engine, where the
+engine's own compilations happen.
 
 It subclasses `LLM` only so that `get_llm`'s type check accepts it; it builds no engine of its own.
 
@@ -31,14 +32,14 @@ from batchllm.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from batchllm.outputs import RequestOutput
-    from batchllm.server.engine_loop import EngineLoop
+    from batchllm.server.engine_client import EngineClient
 
 K = TypeVar("K")
 _POLL_SECONDS = 1.0  # how often a blocked stream looks at its stop event and at the loop's health
 
 
 class BatchEngine(LLM):
-    def __init__(self, loop: EngineLoop, stop_event: threading.Event | None = None,
+    def __init__(self, loop: EngineClient, stop_event: threading.Event | None = None,
                  abort_on_stop: bool = False) -> None:  # no super().__init__(): the loop's LLM does the work
         self._loop = loop
         self._llm = loop.llm
@@ -51,7 +52,7 @@ class BatchEngine(LLM):
         return getattr(self._llm, name)
 
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        self._loop.run_on_engine_thread(lambda: self._llm.check_structured_outputs(params)).result()
+        self._loop.check_structured_outputs(params)
 
     def generate(self, *args: Any, **kwargs: Any):
         raise NotImplementedError("a BatchEngine only streams (BatchEngine.stream): the engine belongs to the server")

@@ -1,20 +1,22 @@
-"""`batchllm serve`: the OpenAI-compatible server on one engine (also `python -m batchllm serve`).
+"""`batchllm serve`: the OpenAI-compatible server (also `python -m batchllm serve`).
 
     batchllm serve --model /models/llama3-8b --port 8000 --api-key "$KEY"
     batchllm serve --model /models/my-embedder --task embed          # POST /v1/embeddings
+    batchllm serve --model chat=/models/llama3-8b --model small=/models/smollm2   # a request's `model` picks one
 
-The engine flags are `batchllm run`'s. SIGTERM / SIGINT drain the server: new requests get 503 (and /health
-503) while the requests in flight finish, for up to --grace-seconds; what is left is then aborted and the
-process exits with status 0. A second signal stops at once. Bad flag values exit with status 2, naming the flag.
+Each model runs in an engine process of its own (`engine_process.py`); this process serves HTTP, tokenizes,
+detokenizes and streams. Several models share the GPUs' memory (--gpu-memory-utilization divided among them), or
+get a GPU each when enough are visible. The engine flags are `batchllm run`'s and apply to every model.
+SIGTERM / SIGINT drain the server (`draining.py`): new requests get 503 (and /health 503) while the requests in
+flight finish, for up to --grace-seconds; what is left is then aborted and the process exits with status 0. A
+second signal stops at once. Bad flag values exit with status 2, naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from typing import Any
 
 from batchllm.cli_engine import (
@@ -29,6 +31,9 @@ from batchllm.cli_types import adapter
 from batchllm.server.batch_runner import BatchSettings
 
 DEFAULT_DATA_DIR = "./batchllm-data"
+# A pooling task's step budget on the server (LLM's default is 32768): a long input is pooled in chunks this big, so
+# an abort or the drain deadline takes effect within one short step, and other requests get a step between chunks.
+SERVER_POOLING_BUDGET = 2048
 _BATCH_DEFAULTS = BatchSettings()
 logger = logging.getLogger("batchllm.server")
 
@@ -63,6 +68,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _served_model(text: str) -> tuple[str | None, str]:
+    """`PATH` or `NAME=PATH` (NAME holds no path separator, so a path with "=" in it stays a path)."""
+    name, sep, path = text.partition("=")
+    if sep and name.strip() and "/" not in name and path:
+        return name.strip(), path
+    return None, text
+
+
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
@@ -70,7 +83,10 @@ def add_serve_parser(commands: Any) -> None:
                     "/v1/models, the Batch API (/v1/files, /v1/batches), /health and /metrics; with --task embed, "
                     "/v1/embeddings instead of the completions.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--model", type=_served_model, action="append", metavar="[NAME=]PATH",
+                       help="a local HF model directory, served under its directory's name or under NAME "
+                            "(repeatable: one engine process per model, a request's `model` picks one, the first is "
+                            "the default; none: the bundled SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; 0.0.0.0 exposes the server to the network: set --api-key with it")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
@@ -86,7 +102,8 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--max-upload-mb", type=_positive, default=_BATCH_DEFAULTS.max_upload_bytes // 2 ** 20,
                        metavar="MB", help="largest file POST /v1/files accepts (413 above)")
     serve.add_argument("--lora", type=adapter, action="append", metavar="NAME=PATH",
-                       help="a PEFT LoRA adapter directory under a name (repeatable): a request's `model` names it")
+                       help="a PEFT LoRA adapter directory under a name (repeatable): a request's `model` names it; "
+                            "adapters apply to the first --model")
     serve.add_argument("--grace-seconds", type=_seconds, default=30.0,
                        help="on SIGTERM / SIGINT, how long the requests in flight may take to finish")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -101,79 +118,72 @@ def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
         import uvicorn
     except ImportError as exc:
         return fail(f"batchllm serve needs the serve extra ({exc.name} is missing): pip install 'batchllm[serve]'")
-    from batchllm.connectors.adapters import adapter_requests
-    from batchllm.llm import LLM
-    from batchllm.server.app import SERVED_TASKS, build_app
-    from batchllm.server.engine_loop import EngineLoop
+    from batchllm.server.app import SERVED_TASKS
 
     if args.task not in SERVED_TASKS:
         return fail(f"--task {args.task} is not served: batchllm serve takes --task generate (/v1/completions, "
                     f"/v1/chat/completions) or --task embed (/v1/embeddings)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    engine = engine_options(args)
     loras = dict(args.lora or [])
     if len(loras) < len(args.lora or []):
         return fail("--lora names an adapter twice")
-    if loras:
-        engine["enable_lora"] = True
     try:
-        llm = LLM(args.model, **engine)
-        adapters = adapter_requests(sorted(loras.items()), llm) if loras else {}
+        engines = _start_engines(args, loras)
     except USAGE_ERRORS as exc:
         return fail(with_flag_names(str(exc), args.flags_by_python_name))
-    # The engine steps in this thread, the one that built the LLM (engine_loop.py says why); HTTP is served from
-    # another, and SIGTERM / SIGINT, which only this thread can receive, are handed to the server.
-    loop = EngineLoop(llm, start=False)
+    except KeyboardInterrupt:
+        return 130
     try:
-        settings = BatchSettings(args.batch_rows_per_shard, args.batch_flush_seconds, args.batch_max_in_flight,
-                                 args.max_upload_mb * 2 ** 20)
-        app = build_app(loop, api_key=args.api_key, loras=adapters, data_dir=args.data_dir, batch_settings=settings)
-        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-            logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-        server = _draining_server(uvicorn, uvicorn.Config(app, host=args.host, port=args.port,
-                                                           log_level=args.log_level, timeout_graceful_shutdown=5),
-                                  loop, args.grace_seconds)
-
-        def serve_http() -> None:
-            try:
-                server.run()
-            finally:
-                loop.shutdown(0)  # the server stopped (or never started): so does the engine
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, server.handle_exit)
-        http = threading.Thread(target=serve_http, name="batchllm-http")
-        http.start()
-        loop.run()
-        server.should_exit = True
-        http.join()
+        return _serve(uvicorn, args, engines, loras)
     finally:
-        loop.shutdown(0)  # a no-op after a drain
-        llm.shutdown()
+        for _, engine in engines:
+            engine.stop()  # a no-op after a drain
+
+
+def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tuple[str | None, Any]]:
+    """(name given by --model, engine process) per model, started in parallel; ValueError and the like for bad
+    flags (the engine's own, raised where it was built)."""
+    from batchllm.server.engine_process import EngineLaunch, launch_engines
+    from batchllm.server.placement import plan_engines
+
+    models = args.model or [(None, None)]
+    named = [name for name, _ in models if name is not None]
+    if len(set(named)) < len(named):
+        raise ValueError("--model names two models alike: give each its own NAME")
+    engine = engine_options(args)
+    if loras:
+        engine["enable_lora"] = True
+    if args.task != "generate" and "max_num_batched_tokens" not in engine:
+        engine["max_num_batched_tokens"] = SERVER_POOLING_BUDGET
+    placements = plan_engines(len(models), engine)
+    launches = [EngineLaunch(name or f"model{i}", path, p.engine_kwargs, p.env, p.num_threads)
+                for i, ((name, path), p) in enumerate(zip(models, placements))]
+    return [(name, process) for (name, _), process in zip(models, launch_engines(launches))]
+
+
+def _serve(uvicorn: Any, args: argparse.Namespace, engines: list[tuple[str | None, Any]],
+           loras: dict[str, str]) -> int:
+    from batchllm.connectors.adapters import adapter_requests
+    from batchllm.server.app import build_app
+    from batchllm.server.draining import draining_server
+    from batchllm.server.served_models import ServedModels
+
+    try:
+        adapters = adapter_requests(sorted(loras.items()), engines[0][1].llm) if loras else {}
+        served = ServedModels([(name or process.llm.model_path.name, process, adapters if i == 0 else {})
+                               for i, (name, process) in enumerate(engines)])
+    except USAGE_ERRORS as exc:
+        return fail(with_flag_names(str(exc), args.flags_by_python_name))
+    settings = BatchSettings(args.batch_rows_per_shard, args.batch_flush_seconds, args.batch_max_in_flight,
+                             args.max_upload_mb * 2 ** 20)
+    app = build_app(served, api_key=args.api_key, data_dir=args.data_dir, batch_settings=settings)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = draining_server(uvicorn, config, served.engines, args.grace_seconds)
+    server.run()  # in the main thread: SIGTERM / SIGINT reach its handlers (draining.py) as they arrive
     if not server.started:
         print("batchllm: the HTTP server did not start (its error is above)", file=sys.stderr)
         return 1
     return 0
-
-
-def _draining_server(uvicorn: Any, config: Any, loop: Any, grace_seconds: float) -> Any:
-    """A uvicorn.Server whose first SIGTERM / SIGINT drains the engine loop before the server stops (uvicorn's own
-    handling would close the listening socket at once, and re-raise the signal after it stops)."""
-
-    class DrainingServer(uvicorn.Server):
-        _drain: threading.Thread | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if self._drain is not None:  # a second signal: stop now
-                self.should_exit = self.force_exit = True
-                return
-            print(f"batchllm: draining: no new requests; the ones in flight get up to {grace_seconds:g} s "
-                  f"(signal again to stop at once)", file=sys.stderr, flush=True)
-            self._drain = threading.Thread(target=self._drain_then_exit, name="batchllm-drain", daemon=True)
-            self._drain.start()
-
-        def _drain_then_exit(self) -> None:
-            loop.shutdown(grace_seconds)
-            self.should_exit = True
-
-    return DrainingServer(config)

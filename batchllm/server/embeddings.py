@@ -1,11 +1,12 @@
-"""`POST /v1/embeddings`, OpenAI's embeddings API, on a server whose LLM embeds (`task="embed"`, `--task embed`).
+"""`POST /v1/embeddings`, OpenAI's embeddings API, on a model that embeds (`task="embed"`, `--task embed`).
 
 The body is read as a batch file's /v1/embeddings line is (`connectors/jobs/openai_batch.py`): `input` a string, a
 list of strings, a list of token ids or a list of lists of them (up to `MAX_INPUTS`); `encoding_format` "float" or
-"base64" (little-endian float32 bytes); `dimensions` only the model's own; `user` ignored; `model` the base model
-or an adapter (404 otherwise). Texts are tokenized as `LLM.embed` tokenizes them, and an input longer than the
-model's max_model_len keeps its first tokens (the embeddings' documented policy, `LLM.embed(truncate="right")`).
-Each input is one pooling request of the engine loop; the response lists the vectors in input order, and `usage`
+"base64" (little-endian float32 bytes); `dimensions` only the model's own; `user` ignored; `model` a served model
+or an adapter (404 otherwise; none: the default model). Texts are tokenized as `LLM.embed` tokenizes them, and an
+input longer than the model's max_model_len keeps its first tokens (the embeddings' documented policy,
+`LLM.embed(truncate="right")`).
+Each input is one pooling request of the model's engine; the response lists the vectors in input order, and `usage`
 counts the tokens embedded. A client that disconnects aborts every input of its request.
 """
 
@@ -24,41 +25,41 @@ from batchllm.connectors.jobs.openai_batch import (
 )
 from batchllm.connectors.prompts import RowError
 from batchllm.server.admitted import ABORTED
-from batchllm.server.engine_loop import EngineLoop
 from batchllm.server.errors import bad_request, unavailable
 from batchllm.server.protocol import EmbeddingRequest
 from batchllm.server.request_io import parse_body, submit_all, wait_outputs
 from batchllm.server.request_mapping import RequestMapper
+from batchllm.server.served_models import ServedModels
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 
 
-def mount_embeddings(router: APIRouter, loop: EngineLoop, mapper: RequestMapper) -> None:
+def mount_embeddings(router: APIRouter, models: ServedModels) -> None:
     """Add `POST /embeddings` to `router` (build_app's /v1 router, with its API-key dependency)."""
-    llm = loop.llm
 
     @router.post("/embeddings")
     async def embeddings(request: Request):
+        body = await parse_body(request, EmbeddingRequest)
+        served, lora = models.route(body.model)
+        engine, mapper, llm = served.engine, served.mapper, served.engine.llm
         if llm.task != "embed":
             raise bad_request(f"this server was started without --task embed (its task is {llm.task!r}): it does "
                               f"not serve /v1/embeddings")
-        body = await parse_body(request, EmbeddingRequest)
-        lora = mapper.adapter_of(body.model)
         try:
             check_embedding_options(body.encoding_format, body.dimensions, llm.embedding_dim)
         except RowError as exc:
             param = "dimensions" if body.encoding_format in ENCODING_FORMATS else "encoding_format"
             raise bad_request(str(exc), param) from None
         prompts = _prompts(body.input, mapper)
-        streams = submit_all(loop, prompts, llm.pooling_params, lora)
-        outputs = await wait_outputs(loop, request, streams)
+        streams = submit_all(engine, prompts, llm.pooling_params, lora)
+        outputs = await wait_outputs(engine, request, streams)
         for output in outputs:
-            if output.error == ABORTED:  # only the loop's shutdown aborts a request whose client still waits
+            if output.error == ABORTED:  # only the engine's shutdown aborts a request whose client still waits
                 raise unavailable("the server is shutting down")
             if output.error is not None:
                 raise bad_request(output.error, "input")
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-        return JSONResponse(embeddings_body(body.model or mapper.model_name, [o.outputs.data for o in outputs],
+        return JSONResponse(embeddings_body(body.model or served.name, [o.outputs.data for o in outputs],
                                             num_tokens, body.encoding_format))
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, in a registry of its own (two servers in one process, e.g. in tests, do not
-share counts). The engine thread records per-request measurements (`LoopObserver`); the gauges read the loop's
-latest `EngineSnapshot` when scraped, so a scrape never touches the engine."""
+share counts). The engines' per-request measurements are replayed here (`LoopObserver`) as their results arrive;
+the gauges add up the engines' latest `EngineSnapshot`s when scraped (pooling requests count as running and
+waiting too), so a scrape never touches an engine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from batchllm.server.engine_loop import EngineLoop
+    from batchllm.server.engine_client import EngineClient
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                     80.0, 160.0, 640.0)
@@ -39,10 +40,12 @@ class ServerMetrics:
                                              "From submission to the last token of a request", registry=registry,
                                              buckets=_LATENCY_BUCKETS)
 
-    def watch(self, loop: EngineLoop) -> None:
-        self.running.set_function(lambda: loop.snapshot.num_running)
-        self.waiting.set_function(lambda: loop.snapshot.num_waiting)
-        self.kv_cache_usage.set_function(lambda: loop.snapshot.kv_cache_usage)
+    def watch(self, engines: list[EngineClient]) -> None:
+        """The gauges: requests summed over the engines; KV-cache usage over their blocks together."""
+        self.running.set_function(lambda: sum(e.snapshot.num_running for e in engines))
+        self.waiting.set_function(lambda: sum(e.snapshot.num_waiting for e in engines))
+        self.kv_cache_usage.set_function(lambda: sum(e.snapshot.num_used_blocks for e in engines)
+                                         / sum(e.snapshot.num_blocks for e in engines))
 
     # LoopObserver, called on the engine thread
     def request_admitted(self, num_prompt_tokens: int) -> None:

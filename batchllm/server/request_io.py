@@ -12,7 +12,8 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
-from batchllm.server.engine_loop import LIVE, EngineLoop
+from batchllm.server.engine_client import EngineClient
+from batchllm.server.engine_protocol import LIVE
 from batchllm.server.errors import APIError, bad_request, from_validation_errors, unavailable
 from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
 
@@ -33,26 +34,26 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise from_validation_errors(exc.errors()) from None
 
 
-def submit_all(loop: EngineLoop, prompts: Iterable[tuple[str | None, list[int]]], params: Any,
+def submit_all(engine: EngineClient, prompts: Iterable[tuple[str | None, list[int]]], params: Any,
                lora_request: Any = None, **options: Any) -> list[RequestStream]:
-    """Submit each (text, token ids) at LIVE priority (`options`: `EngineLoop.submit`'s); 503, with the ones
-    already submitted aborted, when the loop admits no more."""
+    """Submit each (text, token ids) at LIVE priority (`options`: `EngineClient.submit`'s); 503, with the ones
+    already submitted aborted, when the engine admits no more."""
     streams: list[RequestStream] = []
     try:
         for text, token_ids in prompts:
-            streams.append(loop.submit(token_ids, params, lora_request, LIVE, prompt_text=text, **options))
+            streams.append(engine.submit(token_ids, params, lora_request, LIVE, prompt_text=text, **options))
     except (ServerShuttingDown, EngineDead) as exc:
-        abort_all(loop, streams)
+        abort_all(engine, streams)
         raise unavailable(str(exc)) from None
     return streams
 
 
-def abort_all(loop: EngineLoop, streams: Iterable[RequestStream]) -> None:
+def abort_all(engine: EngineClient, streams: Iterable[RequestStream]) -> None:
     for stream in list(streams):
-        loop.abort(stream)  # a no-op for the finished ones
+        engine.abort(stream)  # a no-op for the finished ones
 
 
-async def wait_outputs(loop: EngineLoop, request: Request, streams: list[RequestStream]
+async def wait_outputs(engine: EngineClient, request: Request, streams: list[RequestStream]
                        ) -> list[RequestOutput | PoolingRequestOutput]:
     """Each stream's final output, in order; a client that disconnects meanwhile aborts them all (499)."""
     tasks = [asyncio.ensure_future(stream.result()) for stream in streams]
@@ -62,7 +63,7 @@ async def wait_outputs(loop: EngineLoop, request: Request, streams: list[Request
             if not pending:
                 break
             if await request.is_disconnected():
-                abort_all(loop, streams)
+                abort_all(engine, streams)
                 raise APIError(499, "the client closed the request")
         return [task.result() for task in tasks]
     except (EngineDead, ServerShuttingDown) as exc:

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from batchllm.connectors.replicas.channel import spawn_child
 from batchllm.connectors.replicas.devices import Placement
 from batchllm.connectors.replicas.messages import Stop
 from batchllm.connectors.replicas.replica import ReplicaSpec, replica_main
 
 ABORT_SECONDS = 5.0  # after `Stop`, a replica with rows in flight exits at its next engine step
-_START_LOCK = threading.Lock()  # replicas take their environment from os.environ, which is process-wide
 
 
 @dataclass(slots=True, eq=False)
@@ -37,20 +33,10 @@ class ReplicaProcess:
 
 
 def start_replica(spec: ReplicaSpec, placement: Placement) -> ReplicaProcess:
-    """Start a replica from the `spawn` context with `placement.env` in its environment from its first instruction
-    (so before it can import torch), and the pipes it talks through."""
-    context = multiprocessing.get_context("spawn")
-    task_reader, task_writer = context.Pipe(duplex=False)
-    result_reader, result_writer = context.Pipe(duplex=False)
-    # Not daemonic: a replica may start tensor-parallel workers of its own, which daemons cannot.
-    process = context.Process(target=replica_main, args=(spec, task_reader, result_writer),
-                              name=f"batchllm-replica-{spec.index}", daemon=False)
-    with _START_LOCK, _environment(placement.env):
-        process.start()
-    # Only the replica holds these ends now: its exit shows as EOF here, ours as EOF there.
-    task_reader.close()
-    result_writer.close()
-    return ReplicaProcess(spec.index, process, task_writer, result_reader, pid=process.pid)
+    """Start a replica with `placement.env` in its environment from its first instruction (so before it can import
+    torch), and the pipes it talks through."""
+    process, tasks, results = spawn_child(replica_main, (spec,), f"batchllm-replica-{spec.index}", placement.env)
+    return ReplicaProcess(spec.index, process, tasks, results, pid=process.pid)
 
 
 def replica_events(replicas: list[ReplicaProcess]) -> Iterator[tuple[ReplicaProcess, object | None]]:
@@ -103,18 +89,3 @@ def shutdown_replicas(replicas: list[ReplicaProcess], timeout: float) -> None:
             replica.process.join()
         replica.tasks.close()
         replica.results.close()
-
-
-@contextmanager
-def _environment(overrides: dict[str, str]) -> Iterator[None]:
-    """`overrides` in os.environ while a replica starts: a spawned process copies the environment at start."""
-    saved = {name: os.environ.get(name) for name in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import signal
-import sys
-import threading
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterator
 
+from batchllm.connectors.replicas.channel import EXIT_PARENT_GONE, Inbox, Outbox
 from batchllm.connectors.replicas.messages import (
     BuildFailed,
     CheckConstraint,
@@ -40,8 +38,6 @@ from batchllm.connectors.replicas.messages import (
 # Test hook: replica 0 exits with status 1 right after its N-th finished row (and after sending it), so
 # a replica death mid-job can be tested deterministically.
 EXIT_AFTER_ROWS_ENV = "BATCHLLM_TEST_REPLICA_EXIT_AFTER_ROWS"
-_PARENT_CHECK_SECONDS = 1.0
-_EXIT_PARENT_GONE = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +53,9 @@ class ReplicaSpec:
 def replica_main(spec: ReplicaSpec, tasks: Connection, results: Connection) -> None:
     """The replica process's entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    inbox = _Inbox(tasks)  # from now on, a parent that dies takes this process with it, even mid-build
-    outbox = _Outbox(results)
+    # From now on, a parent that dies takes this process with it, even mid-build.
+    inbox = Inbox(tasks, Stop, "replica-inbox")
+    outbox = Outbox(results, "replica-outbox")
     try:
         llm = _build_engine(spec)
     except Exception as exc:
@@ -93,7 +90,7 @@ class _State:
     stopping: bool = False
 
 
-def _serve(llm: Any, spec: ReplicaSpec, inbox: _Inbox, outbox: _Outbox) -> None:
+def _serve(llm: Any, spec: ReplicaSpec, inbox: Inbox, outbox: Outbox) -> None:
     exit_after = _exit_after_rows(spec.index)
     state = _State()
 
@@ -132,7 +129,7 @@ def _serve(llm: Any, spec: ReplicaSpec, inbox: _Inbox, outbox: _Outbox) -> None:
             else:
                 message = inbox.get(block=True)
                 if message is None and os.getppid() != spec.parent_pid:
-                    os._exit(_EXIT_PARENT_GONE)
+                    os._exit(EXIT_PARENT_GONE)
                 take(message)
 
     for seq, output in llm.stream(source(), max_in_flight=spec.max_in_flight):
@@ -145,61 +142,6 @@ def _serve(llm: Any, spec: ReplicaSpec, inbox: _Inbox, outbox: _Outbox) -> None:
             outbox.close()
             os._exit(1)
     flush()
-
-
-class _Inbox:
-    """Reads the task pipe on a thread, so the parent's sends never wait on a busy engine (and the parent and a
-    replica can never both block writing to each other). EOF before `Stop` means the parent is gone: exit."""
-
-    def __init__(self, tasks: Connection) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._read, args=(tasks,), name="replica-inbox", daemon=True).start()
-
-    def _read(self, tasks: Connection) -> None:
-        while True:
-            try:
-                message = tasks.recv()
-            except (EOFError, OSError):
-                os._exit(_EXIT_PARENT_GONE)
-            self._queue.put(message)
-            if isinstance(message, Stop):
-                return
-
-    def get(self, block: bool) -> object | None:
-        try:
-            return self._queue.get(block=block, timeout=_PARENT_CHECK_SECONDS if block else None)
-        except queue.Empty:
-            return None
-
-
-class _Outbox:
-    """Sends on a thread, so the engine never waits for a parent that is busy writing a shard or tokenizing."""
-
-    _CLOSE = object()
-
-    def __init__(self, results: Connection) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._write, args=(results,), name="replica-outbox", daemon=True)
-        self._thread.start()
-
-    def send(self, message: object) -> None:
-        self._queue.put(message)
-
-    def close(self) -> None:
-        """Return once everything sent so far is written."""
-        self._queue.put(self._CLOSE)
-        self._thread.join()
-
-    def exit(self, status: int) -> NoReturn:
-        self.close()
-        sys.exit(status)
-
-    def _write(self, results: Connection) -> None:
-        while (message := self._queue.get()) is not self._CLOSE:
-            try:
-                results.send(message)
-            except OSError:  # the parent is gone
-                os._exit(_EXIT_PARENT_GONE)
 
 
 def _check_constraint(llm: Any, index: int, message: CheckConstraint) -> ConstraintChecked:

@@ -1,0 +1,65 @@
+"""What the HTTP process knows of an engine that runs in another process: `RemoteLLM` quacks like the parts of `LLM`
+that the routes, the Batch API and its JSONL job read (task, tokenizer, model_path, max_model_len, pooling_params,
+embedding_dim, quantization, kv_cache_dtype, engine.scheduler.config, check_lora, encode_requests). The tokenizer
+is loaded here, as the engine loads it: prompts are tokenized, and outputs detokenized, in the HTTP process; adapters
+are checked here too (that needs the model's config only, and the engine was built alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batchllm.config import SchedulerConfig
+from batchllm.lora.registry import AdapterRegistry
+from batchllm.lora.request import LoRARequest
+from batchllm.server.engine_protocol import EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class _SchedulerView:
+    config: SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineView:
+    scheduler: _SchedulerView
+
+
+class RemoteLLM:
+    def __init__(self, info: EngineInfo, tokenizer: Any, adapters: AdapterRegistry) -> None:
+        self.model_path = info.model_path
+        self.task = info.task
+        self.max_model_len = info.max_model_len
+        self.pooling_params = info.pooling_params
+        self.embedding_dim = info.embedding_dim
+        self.quantization = info.quantization
+        self.kv_cache_dtype = info.kv_cache_dtype
+        self.num_blocks = info.num_blocks
+        self.engine = _EngineView(_SchedulerView(info.scheduler_config))  # the jobs read max_num_seqs there
+        self.tokenizer = tokenizer
+        self._adapters = adapters
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """`LLM.check_lora`: LoRAError (a ValueError) naming an adapter the engine cannot apply."""
+        self._adapters.check_call(lora_request, 1)
+
+    def encode_requests(self, requests: Iterable[tuple | None]) -> Iterator[tuple | None]:
+        """`LLM.encode_requests`: (key, text, token ids, params, adapter) per item, tokenized as the stream pulls."""
+        for index, item in enumerate(requests):
+            if item is None:
+                yield None
+                continue
+            key, prompt, params, *rest = item
+            lora = rest[0] if rest else None
+            if lora is not None:
+                self.check_lora(lora)
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {index} is text, but the engine was built with skip_tokenizer_init=True")
+                yield key, prompt, self.tokenizer(prompt)["input_ids"], params, lora
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                yield key, None, prompt, params, lora
+            else:
+                raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
