@@ -31,6 +31,7 @@ from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 from batchllm.structured_outputs import StructuredOutputsParams
+from batchllm.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 
 Messages = list[dict[str, Any]]
 K = TypeVar("K")
@@ -268,12 +269,7 @@ class LLM(PoolingCalls):
         loras = self._adapters.check_call(lora_request, len(prompt_list))
         encoded = [self._encode(prompt, index, tokenize=False) for index, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
-        token_lists = [token_ids for _, token_ids in encoded]
-        text_rows = [i for i, text in enumerate(texts) if text is not None]
-        if text_rows:  # one call: the fast tokenizer encodes a batch on its own threads
-            batch = self.tokenizer([texts[i] for i in text_rows])["input_ids"]
-            for i, token_ids in zip(text_rows, batch):
-                token_lists[i] = token_ids
+        token_lists = [None if text is not None else token_ids for text, token_ids in encoded]
         return self._run(texts, token_lists, params_list, use_tqdm, loras)
 
     def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | tuple[K, Prompt, SamplingParams,
@@ -401,11 +397,10 @@ class LLM(PoolingCalls):
                                                add_generation_prompt=add_generation_prompt)
             for conversation in conversations
         ]
-        # The template already contains the special tokens (BOS etc.), so do not add them a second time.
-        token_lists = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         self._check_call_wide(sampling_params)
         params_list = broadcast_params(sampling_params, len(prompts))
-        return self._run(list(prompts), token_lists, params_list, use_tqdm)
+        # The template already contains the special tokens (BOS etc.), so do not add them a second time.
+        return self._run(list(prompts), [None] * len(prompts), params_list, use_tqdm, add_special_tokens=False)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (strings or token ids), with HF transformers' selection and stopping rules;
@@ -421,13 +416,32 @@ class LLM(PoolingCalls):
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             self.check_structured_outputs(sampling_params.structured_outputs)
 
-    def _run(self, texts: list[str | None], token_lists: list[list[int]], params_list: list[SamplingParams],
-             use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def _run(self, texts: list[str | None], token_lists: list[list[int] | None], params_list: list[SamplingParams],
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
+             add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Every prompt through the engine; a None in `token_lists` is a text to tokenize, which happens while the
+        engine runs on the first rows (`batchllm/tokenize_ahead.py`)."""
         if self.tokenizer is None and any(p.stop_strings for p in params_list):
             raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         loras = loras or [None] * len(token_lists)
-        order = self.admission_order(token_lists, loras)
-        items = ((i, texts[i], token_lists[i], params_list[i], loras[i]) for i in order)
+        if all(token_ids is not None for token_ids in token_lists):
+            ready: Iterable[tuple[int, list[int]] | None] = (
+                (i, token_lists[i]) for i in self.admission_order(token_lists, loras))
+        else:
+            # Texts are admitted in text order, which groups shared prefixes as token order does, so that order
+            # is known before they are tokenized; rows given as ids go first.
+            keys = [(1, texts[i]) if token_ids is None else (0, token_ids) for i, token_ids in enumerate(token_lists)]
+
+            def tokenize(rows: Sequence[int]) -> list[list[int]]:
+                pending = [i for i in rows if token_lists[i] is None]
+                batch = iter(self.tokenizer([texts[i] for i in pending], add_special_tokens=add_special_tokens)
+                             ["input_ids"] if pending else [])
+                return [next(batch) if token_lists[i] is None else token_lists[i] for i in rows]
+
+            ready = tokenized_ahead(self.admission_order(keys, loras), tokenize, self.engine.has_unfinished,
+                                    can_tokenize_aside(self.tokenizer))
+        items = (None if item is None else (item[0], texts[item[0]], item[1], params_list[item[0]], loras[item[0]])
+                 for item in ready)
         outputs: list[RequestOutput | None] = [None] * len(token_lists)
         progress = progress_bar(len(token_lists), use_tqdm)
         try:
@@ -440,11 +454,15 @@ class LLM(PoolingCalls):
                 progress.close()
         return outputs  # type: ignore[return-value]  (every slot is filled once the stream ends)
 
-    def admission_order(self, token_lists: list[list[int]],
+    def admission_order(self, token_lists: Sequence[Any],
                         loras: Sequence[LoRARequest | None] | None = None) -> list[int]:
-        """The order a whole batch is admitted in (`batchllm/admission.py`): by prefix, and by adapter first.
-        Results still come back in input order."""
+        """The order a whole batch is admitted in (`batchllm/admission.py`): by prefix (of the token lists, or of
+        the texts), and by adapter first. Results still come back in input order."""
         return admission_order(token_lists, loras, self.reorder_by_prefix)
+
+    def has_unfinished(self) -> bool:
+        """Whether requests of a stream are in the engine (a request source may pause admission only then)."""
+        return self.engine.has_unfinished()
 
 
 @dataclasses.dataclass(slots=True)

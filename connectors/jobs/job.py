@@ -33,6 +33,7 @@ same job resumes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import threading
 import time
@@ -54,6 +55,7 @@ from batchllm.llm import LLM
 from batchllm.lora.request import LoRARequest
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
+from batchllm.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 
 DEFAULT_ROWS_PER_SHARD = 5000  # a few MB of Parquet per shard for typical prompts; little work lost on a kill
 DEFAULT_MAX_TOKENS_CAP = 4096  # output tokens per row: long answers fit, a runaway row stops within minutes
@@ -201,9 +203,14 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
                     continue
                 if len(waiting) < piece.num_rows:  # plan only the rows that earlier runs did not save
                     piece = piece.take(pa.array([row - first for row in waiting], pa.int64()))
-                for row, request in zip(waiting, planner(piece)):
+                for item in tokenized_ahead(range(piece.num_rows), functools.partial(_plan_slice, planner, piece),
+                                            llm.has_unfinished, can_tokenize_aside(llm.tokenizer)):
                     if stop.signal_number is not None:
                         return
+                    if item is None:  # the next rows are being planned and the engine has work: step on
+                        yield None
+                        continue
+                    row, request = waiting[item[0]], item[1]
                     prompt = request.prompt
                     if prompt.error is not None:
                         finish(shard, row, RowOutcome(None, prompt.error, prompt.num_tokens))
@@ -238,6 +245,12 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
     if stop.signal_number is not None:
         raise JobInterrupted(stop.signal_number, result)
     return result
+
+
+def _plan_slice(planner: Planner, piece: pa.RecordBatch, rows: range) -> list[RowRequest]:
+    """The requests of a contiguous run of a piece's rows: the piece is planned in chunks, on a worker thread
+    while the engine runs (`batchllm/tokenize_ahead.py`), so a job's first step waits only for the first chunk."""
+    return planner(piece.slice(rows.start, len(rows)))
 
 
 class Checkpointer:

@@ -155,10 +155,14 @@ class ReplicaPool:
         """Rows out at once that keep every engine full with a chunk in reserve."""
         return self.size * (self.max_in_flight_per_replica + self.chunk_rows)
 
-    def admission_order(self, token_lists: list[list[int]],
+    def admission_order(self, token_lists: list[Any],
                         loras: list[LoRARequest | None] | None = None) -> list[int]:
         """The order `LLM.admission_order` would use: rows sharing a prefix (or an adapter) go out together."""
         return admission_order(token_lists, loras, self.reorder_by_prefix)
+
+    def has_unfinished(self) -> bool:
+        """Whether rows of a stream are out (queued here or held by replicas): a source may pause only then."""
+        return bool(self._rows)
 
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """`LLM.check_structured_outputs` on a replica's engine: compile a call-wide constraint before any row goes

@@ -118,17 +118,16 @@ def test_n_and_logprobs_give_list_columns(llm, expected):
         assert len(step["top_logprobs"]) == 2 and step["top_logprobs"][0]["token_id"] == token_id  # greedy: rank 1
 
 
-def test_a_large_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expected, monkeypatch):
+def test_a_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expected, monkeypatch):
     """Chunks of two rows, each but the first tokenized only once the engine has stepped: admission pauses
     for them, and every row still comes back once, in place, with the facade's text or its own error."""
     import threading
 
+    from batchllm import tokenize_ahead
     from batchllm.connectors import prompts as prompts_module
-    from batchllm.connectors.tables import mapper
 
-    monkeypatch.setattr(mapper, "STREAM_MIN_ROWS", 4)
-    monkeypatch.setattr(mapper, "FIRST_CHUNK_ROWS", 2)
-    monkeypatch.setattr(mapper, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(tokenize_ahead, "FIRST_CHUNK_ROWS", 2)
+    monkeypatch.setattr(tokenize_ahead, "MAX_CHUNK_ROWS", 2)
     stepped, calls = threading.Event(), []
     step, encode = llm.engine.step, prompts_module.PromptEncoder.encode
 
@@ -158,12 +157,11 @@ def test_a_large_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expecte
 def test_a_tokenizer_that_transformers_mutates_per_call_is_not_shared_with_a_worker(llm, expected, monkeypatch):
     """With truncation set on the Rust tokenizer, a call clears it (a write): the rows are tokenized at once, on
     the caller's thread, so no worker writes while the engine detokenizes."""
+    from batchllm import tokenize_ahead
     from batchllm.connectors import prompts as prompts_module
-    from batchllm.connectors.tables import mapper
 
-    monkeypatch.setattr(mapper, "STREAM_MIN_ROWS", 2)
-    monkeypatch.setattr(mapper, "FIRST_CHUNK_ROWS", 1)  # streamed, the rows would go one by one
-    monkeypatch.setattr(mapper, "CHUNK_ROWS", 1)
+    monkeypatch.setattr(tokenize_ahead, "FIRST_CHUNK_ROWS", 1)  # streamed, the rows would go one by one
+    monkeypatch.setattr(tokenize_ahead, "MAX_CHUNK_ROWS", 1)
     calls = []
     encode = prompts_module.PromptEncoder.encode
 

@@ -87,6 +87,9 @@ class FakeEngine:
     def admission_order(self, token_lists, loras=None):
         return list(range(len(token_lists)))
 
+    def has_unfinished(self):
+        return False  # `stream` answers each row as it takes it
+
     def stream(self, requests, *, max_in_flight=None):
         for item in requests:
             if item is None:
