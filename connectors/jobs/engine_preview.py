@@ -4,8 +4,10 @@
 weight, with the same messages (tests compare the two), and loads what a job needs of the engine besides the
 weights: the tokenizer, the chat template, the model's config, the pooling of an embedding task, the grammar
 engine (constraints compile on the host) and the adapter checks. Nothing here reads a weight tensor, allocates a
-KV cache or creates a CUDA context: the device is resolved as a run resolves it (`torch.cuda.is_available()`, a
-driver query).
+KV cache or takes GPU memory: the device is resolved as a run resolves it (`torch.cuda.is_available()`, a
+driver query); only FP8 weights or KV cache ask torch for the card's compute capability, as a run's check does. As in
+a run, the default model (`model=None`) is converted from its GGUF package into the cache on its very first use
+(`batchllm/model/default_model.py`).
 
 `max_model_len` is what a run gets unless the KV pool is smaller than one sequence: on the CPU the pool's size
 is known (`--num-kv-blocks`, else the runner's default share of memory); on a GPU profiling sizes it from
