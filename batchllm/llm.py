@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -274,7 +274,8 @@ class LLM(PoolingCalls):
 
     def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | tuple[K, Prompt, SamplingParams,
                                                                                 LoRARequest | None] | None], *,
-               max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
+               max_in_flight: int | None = None, stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[K, RequestOutput]]:
         """Generate for an iterator of `(key, prompt, params)`, yielding `(key, output)` as each prompt finishes.
         An item may name its adapter as a fourth element, `(key, prompt, params, lora_request)`; each adapter
         is checked when first seen (`check_lora`).
@@ -288,11 +289,12 @@ class LLM(PoolingCalls):
         The source may yield None to pause admission until the next step (backpressure); it must not
         pause while nothing is in flight. Closing the generator early (or an error in the source) lets
         the in-flight requests run to completion and discards them, so the engine is empty for the next
-        call.
+        call. `stop` is asked before every step: once it returns True the requests in flight are aborted (their
+        results never come) and the stream ends, within a step (a job's Ctrl-C).
         """
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
-        return self._stream(self.encode_requests(requests), max_in_flight)
+        return self._stream(self.encode_requests(requests), max_in_flight, stop)
 
     def encode_requests(self, requests: Iterable[tuple | None]
                         ) -> Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None]:
@@ -314,7 +316,8 @@ class LLM(PoolingCalls):
         self._adapters.check_call(lora_request, 1)
 
     def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
-                max_in_flight: int | None) -> Iterator[tuple[K, RequestOutput | PoolingRequestOutput]]:
+                max_in_flight: int | None, stop: Callable[[], bool] | None = None
+                ) -> Iterator[tuple[K, RequestOutput | PoolingRequestOutput]]:
         """Items whose params are `PoolingParams` (this LLM's `pooling_params`, on a pooling task) are pooled and
         come back as `PoolingRequestOutput`s."""
         engine = self.engine
@@ -329,6 +332,9 @@ class LLM(PoolingCalls):
         with objects_frozen():
             try:
                 while True:
+                    if stop is not None and stop():
+                        self._abort(in_flight, pooled)
+                        return
                     room = None if max_in_flight is None else max_in_flight - len(in_flight) - len(pooled)
                     for key, text, token_ids, params, lora in source.take(room):
                         prompt_id = str(next(self._request_counter))
@@ -367,6 +373,18 @@ class LLM(PoolingCalls):
                     while engine.has_unfinished():
                         engine.step()
                 self._last_call_seconds = time.perf_counter() - start
+
+    def _abort(self, in_flight: dict[str, _InFlight], pooled: dict[str, Any]) -> None:
+        """End a stream's requests in the engine now; a step already launched is applied (and its tokens dropped)
+        by the stream's final drain."""
+        for prompt_id, entry in in_flight.items():
+            for sample, completion in enumerate(entry.completions):
+                if completion is None:
+                    self.engine.abort(f"{prompt_id}.{sample}")
+        for request_id in pooled:
+            self.engine.abort(request_id)
+        in_flight.clear()
+        pooled.clear()
 
     def _check_pooling_item(self, params: Any) -> None:
         if self.task == "generate":

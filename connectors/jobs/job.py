@@ -23,11 +23,12 @@ starving the engine) while `max_buffered_rows` input rows are held, so at most
 With data parallelism the loop feeds a `ReplicaPool` the same way; its rows out at once (queued in this
 process or held by replicas) count as in flight, so the same bound holds.
 
-SIGINT / SIGTERM (`signals.py`): the first one stops admitting rows; rows already in the engine finish,
-every shard they complete is written, the finished rows of the others are checkpointed, and
-`JobInterrupted` is raised (the CLI exits with 128 + the signal number). A second signal acts as usual:
-SIGINT raises KeyboardInterrupt, SIGTERM terminates. What was saved is safe either way; re-running the
-same job resumes.
+SIGINT / SIGTERM (`signals.py`): the first one stops the job at the next engine step (with data-parallel
+replicas, at the next report of one): no more rows are admitted, the rows in the engine are aborted (they run
+again on resume), every shard completed before is written, the finished rows of the others are checkpointed,
+and `JobInterrupted` is raised (the CLI exits with 128 + the signal number), unless every row was done by then.
+A second signal acts as usual: SIGINT raises KeyboardInterrupt, SIGTERM terminates. What was saved is safe
+either way; re-running the same job resumes.
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
     start_time = time.perf_counter()
     try:
         with StopOnSignal() as stop, Checkpointer(settings.flush_seconds, tracker.checkpoint) as checkpointer:
-            for (shard, row, params), output in llm.stream(feed(stop), max_in_flight=max_in_flight):
+            for (shard, row, params), output in llm.stream(feed(stop), max_in_flight=max_in_flight,
+                                                           stop=stop.signalled):
                 checkpointer.raise_failure()
                 finish(shard, row, RowOutcome.from_output(output, params))
         checkpointer.raise_failure()
@@ -242,7 +244,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
         progress.close()
         result.seconds = time.perf_counter() - start_time
         result.replica_failures = list(getattr(llm, "failures", []))
-    if stop.signal_number is not None:
+    if stop.signal_number is not None and not result.complete:
         raise JobInterrupted(stop.signal_number, result)
     return result
 

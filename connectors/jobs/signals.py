@@ -1,4 +1,5 @@
-"""SIGINT / SIGTERM during a job: the first one asks the job to stop; the second acts as usual."""
+"""SIGINT / SIGTERM during a job: the first one asks the job to stop (at the next engine step); the second acts as
+usual."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ class StopOnSignal:
     def __exit__(self, *exc_info: object) -> None:
         self._restore()
 
+    def signalled(self) -> bool:
+        return self.signal_number is not None
+
     def _handle(self, signal_number: int, frame: object) -> None:
         self.signal_number = signal_number
         self._restore()
-        print(f"\n{signal.Signals(signal_number).name}: no new rows are admitted; finishing the rows in flight and "
-              f"saving every finished row (signal again to stop at once)", file=sys.stderr, flush=True)
+        print(f"\n{signal.Signals(signal_number).name}: no new rows are admitted; the rows in flight stop after this "
+              f"step (they run again on resume) and every finished row is saved (signal again to stop at once)",
+              file=sys.stderr, flush=True)
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():

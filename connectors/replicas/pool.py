@@ -33,7 +33,7 @@ import inspect
 import os
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.util import Finalize
 from pathlib import Path
@@ -218,19 +218,22 @@ class ReplicaPool:
 
     def stream(self, requests: Iterable[tuple[K, str | list[int], SamplingParams]
                                         | tuple[K, str | list[int], SamplingParams, LoRARequest | None] | None], *,
-               max_in_flight: int | None = None) -> Iterator[tuple[K, RequestOutput]]:
+               max_in_flight: int | None = None, stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[K, RequestOutput]]:
         """`LLM.stream` across the replicas: `(key, output)` as rows finish, in completion order.
 
         An item may name its adapter as a fourth element, as for `LLM.stream`. `max_in_flight` bounds the rows
         out at once (queued here or held by replicas); None: no bound. The source may yield None to pause
         admission, never while nothing is in flight. Rows still out when the caller stops early are dropped;
-        their late results are ignored.
+        their late results are ignored. `stop` is asked whenever a replica reports (rows done, a request for work):
+        once it returns True the stream ends, dropping the rows out; closing the pool then stops the replicas
+        at their next step.
         """
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
         if not self._finalizer.still_active():
             raise RuntimeError("the replica pool is closed")
-        return self._stream(iter(requests), max_in_flight)
+        return self._stream(iter(requests), max_in_flight, stop)
 
     def close(self, timeout: float = _STOP_SECONDS) -> None:
         """Stop every replica: `Stop`, then terminate and kill what has not exited within `timeout` seconds."""
@@ -246,10 +249,13 @@ class ReplicaPool:
 
     # -- the parent's side of the work queue ------------------------------------------------------------
 
-    def _stream(self, requests: Iterator, max_in_flight: int | None) -> Iterator[tuple[Any, RequestOutput]]:
+    def _stream(self, requests: Iterator, max_in_flight: int | None,
+                stop: Callable[[], bool] | None = None) -> Iterator[tuple[Any, RequestOutput]]:
         source = RequestSource(requests)
         try:
             while True:
+                if stop is not None and stop():
+                    return
                 for item in source.take(None if max_in_flight is None else max_in_flight - len(self._rows)):
                     self._add(*item)
                 self._dispatch()
