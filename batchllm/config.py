@@ -58,3 +58,28 @@ class SchedulerConfig:
 def _require(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise ValueError(f"LLM argument {name} must be {expected}, got {value!r}")
+
+
+GENERATE_STEP_BUDGET = 8192  # tokens: a step's length delays every running row's next token
+POOLING_STEP_BUDGET = 32768  # no row waits for a next token: larger steps spread the host's per-step work
+# Decoder-layer parameters of a model whose 8192-token step covers the host's launch work on a Hopper GPU.
+_LARGE_MODEL_PARAMETERS = 1_000_000_000
+
+
+def default_step_budget(task: str, device_type: str, layer_parameters: int) -> int:
+    """`max_num_batched_tokens` when the user gives none.
+
+    Generating on CUDA, a small model's step is too short to hide the host's work of launching it: an eager
+    prefill step of the smollm2-135m shape (8192 tokens) took ~15 ms of host launches for a few ms of GPU work on
+    one H100, and W1 200 x 128 ran at 256k total tok/s with 8192-token steps against 290k with 32768 (same call,
+    benchmarks/README.md "Host work per step"). So below 1B decoder-layer parameters the budget doubles per halving
+    of the size, up to 4x (32768 tokens); on the CPU, where a step's compute dwarfs its launches, it stays 8192.
+    """
+    if task != "generate":
+        return POOLING_STEP_BUDGET
+    if device_type != "cuda":
+        return GENERATE_STEP_BUDGET
+    scale = 1
+    while scale < 4 and layer_parameters * scale * 2 <= _LARGE_MODEL_PARAMETERS:
+        scale *= 2
+    return GENERATE_STEP_BUDGET * scale

@@ -10,7 +10,7 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig, default_step_budget
 from batchllm.disaggregation import build_disaggregated, parse_layout
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore
@@ -68,7 +68,8 @@ class LLM(PoolingCalls):
     `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
     step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next
     token and larger steps spread the host's per-step work over more tokens (1.35-1.8x the rows/s of 8192 for a
-    135M model on an H200, benchmarks/README.md "Embeddings").
+    135M model on an H200, benchmarks/README.md "Embeddings"). Generating on CUDA with a model under 1B parameters,
+    up to 32768 as well (`batchllm.config.default_step_budget`): its steps are too short to hide their launches.
 
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
@@ -134,6 +135,7 @@ class LLM(PoolingCalls):
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
         from batchllm.model.pooling_config import pooled_dim, resolve_pooling
+        from batchllm.model.size import model_size
         from batchllm.model.quantization import pinned_quantization
         from batchllm.model.spec_checks import check_speculative_model
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
@@ -142,9 +144,8 @@ class LLM(PoolingCalls):
                                    enable_prefix_caching, swap_space)
         check_lora_options(enable_lora, max_loras, max_lora_rank)
         check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8192 if task == "generate" else 32768
-        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+        scheduler_config = SchedulerConfig(max_num_seqs, GENERATE_STEP_BUDGET if max_num_batched_tokens is None
+                                           else max_num_batched_tokens,
                                            max_loras=max_loras if enable_lora else 0, preemption_mode=preemption_mode,
                                            num_micro_batches=pipeline_parallel_size)
         cache_config.validate()
@@ -177,6 +178,9 @@ class LLM(PoolingCalls):
         self.model_path = resolve_model_path(model)
         self.task = task
         model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
+        if max_num_batched_tokens is None:
+            scheduler_config.max_num_batched_tokens = default_step_budget(task, torch_device.type,
+                                                                          model_size(model_config).layers)
         self.pooling_params = resolve_pooling(self.model_path, model_config, task, pooling, normalize)
         self.embedding_dim = pooled_dim(model_config, self.pooling_params)  # a pooled vector's length
         if self.pooling_params is not None and (layout is not None or spec_config is not None):

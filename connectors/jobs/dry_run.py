@@ -31,11 +31,12 @@ from batchllm.connectors.jobs.job import MAX_BATCH_ROWS, JobSettings, RowRequest
 from batchllm.connectors.jobs.jsonl_batch import JsonlSource, run_jsonl_job
 from batchllm.connectors.jobs.openai_batch import CHAT_URL
 from batchllm.connectors.jobs.parquet_job import MANIFEST_NAME, run_parquet_job, table_planner
-from batchllm.connectors.jobs.run_estimate import Estimate, Workload, estimate_run, machine_for, model_size
+from batchllm.connectors.jobs.run_estimate import Estimate, Workload, estimate_run, machine_for
 from batchllm.connectors.jobs.sources import input_format_of, open_table_source
 from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, resolve_options, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size
+from batchllm.model.size import model_size
 from batchllm.pooling_params import PoolingParams
 
 SAMPLE_PROMPTS = 3  # the first rows that would run, shown as the model receives them

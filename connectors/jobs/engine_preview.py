@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from batchllm.config import CacheConfig, SchedulerConfig
+from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig, default_step_budget
 from batchllm.disaggregation import parse_layout
 from batchllm.engine.spec.config import parse_speculative_config
 from batchllm.engine.structured_output import StructuredOutputManager, check_backend
 from batchllm.lora.registry import AdapterRegistry, check_lora_options
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
+from batchllm.model.size import model_size
 from batchllm.pooling_params import PoolingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 
@@ -92,9 +93,8 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
     tp, pp = a["tensor_parallel_size"], a["pipeline_parallel_size"]
     check_parallel_sizes(tp, pp)
     max_num_batched_tokens = a["max_num_batched_tokens"]
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = 8192 if a["task"] == "generate" else 32768
-    scheduler_config = SchedulerConfig(a["max_num_seqs"], max_num_batched_tokens,
+    scheduler_config = SchedulerConfig(a["max_num_seqs"], GENERATE_STEP_BUDGET if max_num_batched_tokens is None
+                                       else max_num_batched_tokens,
                                        max_loras=a["max_loras"] if a["enable_lora"] else 0,
                                        preemption_mode=a["preemption_mode"], num_micro_batches=pp)
     cache_config.validate()
@@ -125,6 +125,9 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
     hf_config = read_hf_config(model_path)
     get_model_class(architecture_of(hf_config))  # the loader's first check, made before it reads any weight
     model_config = ModelConfig.from_hf_dict(hf_config)
+    if max_num_batched_tokens is None:
+        scheduler_config.max_num_batched_tokens = default_step_budget(a["task"], device.type,
+                                                                      model_size(model_config).layers)
     pooling_params = resolve_pooling(model_path, model_config, a["task"], a["pooling"], a["normalize"])
     if pooling_params is not None and (layout is not None or spec_config is not None):
         raise ValueError(f"LLM argument task={a['task']!r} does not work with "
@@ -155,7 +158,7 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
     return EnginePreview(model_path, a["task"], tokenizer, model_config, max_model_len, pooling_params,
                          pooled_dim(model_config, pooling_params), pinned_quantization(hf_config, a["quantization"]),
                          kv_cache_dtype, device.type, str(dtype).removeprefix("torch."), dtype_bytes, linear_bits,
-                         a["max_num_seqs"], max_num_batched_tokens, kv_tokens, tp * pp, structured,
+                         a["max_num_seqs"], scheduler_config.max_num_batched_tokens, kv_tokens, tp * pp, structured,
                          AdapterRegistry(model_config, a["max_lora_rank"], a["enable_lora"]))
 
 

@@ -36,7 +36,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.model.config import ModelConfig, causal_lm_of
+from batchllm.model.config import ModelConfig
+from batchllm.model.size import model_size
 
 # (name fragment, dense bf16 TFLOP/s, memory TB/s), from NVIDIA's data sheets; the first fragment in the card's
 # name wins, so more specific names come first.
@@ -47,39 +48,6 @@ _GPU = {"flops_share": 0.5, "bandwidth_share": 0.6, "step_seconds": 1e-3, "seque
 _CPU = {"flops_per_thread": 100e9, "bandwidth": 20e9, "kv_bandwidth": 1.5e9, "step_seconds": 5e-3,
         "sequence_seconds": 2e-3}
 _FLOAT32_SLOWDOWN = 16
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSize:
-    """Parameters by role: `layers` (attention, MLP and their norms), the token `embedding`, the `head` a logits
-    row multiplies (tied to the embedding or not) and whether the checkpoint stores the head apart."""
-
-    layers: int
-    embedding: int
-    head: int
-    head_stored: bool
-    final_norm: int
-
-    @property
-    def parameters(self) -> int:
-        """What the checkpoint stores (a tied head counts once)."""
-        return self.layers + self.embedding + self.final_norm + (self.head if self.head_stored else 0)
-
-
-def model_size(config: ModelConfig) -> ModelSize:
-    """The parameter count of a Llama-family model (batchllm/model/llama.py) from its config alone."""
-    h, heads, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    attention = h * heads * d + 2 * h * kv * d + heads * d * h
-    if config.attention_bias:
-        attention += heads * d + 2 * kv * d
-    if config.o_proj_bias:
-        attention += h
-    mlp = 3 * h * config.intermediate_size + (2 * config.intermediate_size + h if config.mlp_bias else 0)
-    norms = 2 * h + (2 * d if config.qk_norm else 0)
-    classifier = causal_lm_of(config.architecture) != config.architecture
-    head = config.num_labels * h if classifier else config.vocab_size * h
-    return ModelSize(config.num_layers * (attention + mlp + norms), config.vocab_size * h, head,
-                     classifier or not config.tie_word_embeddings, h)
 
 
 @dataclass(slots=True)

@@ -17,10 +17,11 @@ from transformers import AutoTokenizer
 from batchllm.cli import main
 from batchllm.connectors import engine_cache
 from batchllm.connectors.jobs.engine_preview import preview_engine
-from batchllm.connectors.jobs.run_estimate import Machine, Workload, estimate_run, machine_for, model_size
+from batchllm.connectors.jobs.run_estimate import Machine, Workload, estimate_run, machine_for
 from batchllm.llm import LLM
 from batchllm.model.config import ModelConfig
 from batchllm.model.default_model import default_model_path
+from batchllm.model.size import model_size
 from tests.connectors.jobs import read_shards
 
 QUESTIONS = ["What is two plus two?", "Name a color.", None, "Why is the sky blue? Answer in one sentence."]
