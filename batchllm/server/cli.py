@@ -31,9 +31,11 @@ from batchllm.cli_types import adapter
 from batchllm.server.batch_runner import BatchSettings
 
 DEFAULT_DATA_DIR = "./batchllm-data"
-# A pooling task's step budget on the server (LLM's default is 32768): a long input is pooled in chunks this big, so
-# an abort or the drain deadline takes effect within one short step, and other requests get a step between chunks.
-SERVER_POOLING_BUDGET = 2048
+# A pooling task's step budget on the server, GPU and CPU (LLM's default is 32768): a long input is pooled in chunks
+# this big, so an abort or the drain deadline takes effect within one short step (a 2048-token chunk of an 8B model is
+# ~0.1 s on an H100; 256 tokens of the 135M default model ~1 s on two CPU cores), and other requests get steps
+# between the chunks.
+SERVER_POOLING_BUDGET = {"gpu": 2048, "cpu": 256}
 _BATCH_DEFAULTS = BatchSettings()
 logger = logging.getLogger("batchllm.server")
 
@@ -144,7 +146,7 @@ def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tupl
     """(name given by --model, engine process) per model, started in parallel; ValueError and the like for bad
     flags (the engine's own, raised where it was built)."""
     from batchllm.server.engine_process import EngineLaunch, launch_engines
-    from batchllm.server.placement import plan_engines
+    from batchllm.server.placement import gpu_count, plan_engines
 
     models = args.model or [(None, None)]
     named = [name for name, _ in models if name is not None]
@@ -154,7 +156,7 @@ def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tupl
     if loras:
         engine["enable_lora"] = True
     if args.task != "generate" and "max_num_batched_tokens" not in engine:
-        engine["max_num_batched_tokens"] = SERVER_POOLING_BUDGET
+        engine["max_num_batched_tokens"] = SERVER_POOLING_BUDGET["gpu" if gpu_count(engine) else "cpu"]
     placements = plan_engines(len(models), engine)
     launches = [EngineLaunch(name or f"model{i}", path, p.engine_kwargs, p.env, p.num_threads)
                 for i, ((name, path), p) in enumerate(zip(models, placements))]

@@ -24,18 +24,23 @@ class EnginePlacement:
     engine_kwargs: dict[str, Any]
 
 
+def gpu_count(engine_kwargs: Mapping[str, Any]) -> int:
+    """The GPUs the engines may use (0: they run on the CPU)."""
+    return 0 if str(engine_kwargs.get("device", "auto")) == "cpu" else _cuda_device_count()
+
+
 def plan_engines(num_engines: int, engine_kwargs: Mapping[str, Any]) -> list[EnginePlacement]:
     kwargs = dict(engine_kwargs)
     device = str(kwargs.get("device", "auto"))
-    gpu_count = 0 if device == "cpu" else _cuda_device_count()
+    num_gpus = gpu_count(kwargs)
     if num_engines == 1:
         return [EnginePlacement({}, None, kwargs)]
-    if gpu_count == 0:
+    if num_gpus == 0:
         return [EnginePlacement({}, p.num_threads, kwargs) for p in plan_placements(num_engines, kwargs)]
     per_engine = (kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
                   * (2 if kwargs.get("disaggregated") else 1))
-    if not device.startswith("cuda:") and num_engines * per_engine <= gpu_count:
-        groups = gpu_groups(num_engines, kwargs.get("tensor_parallel_size", 1), gpu_count,
+    if not device.startswith("cuda:") and num_engines * per_engine <= num_gpus:
+        groups = gpu_groups(num_engines, kwargs.get("tensor_parallel_size", 1), num_gpus,
                             os.environ.get("CUDA_VISIBLE_DEVICES"), kwargs.get("pipeline_parallel_size", 1),
                             2 if kwargs.get("disaggregated") else 1)
         return [EnginePlacement({"CUDA_VISIBLE_DEVICES": group}, None, kwargs) for group in groups]
