@@ -108,7 +108,7 @@ def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, si
                  "--max-tokens", str(GREEDY["max_tokens"]), "--temperature", "0", "--no-progress",
                  "--data-parallel", "2"])
     assert code == 0
-    assert "0 rows written (0 with errors), 24 already done" in capsys.readouterr().err
+    assert f"nothing to do: the job is complete (24 rows in {output})" in capsys.readouterr().err
     assert (output / "_manifest.jsonl").read_bytes() == manifest
 
 
