@@ -13,6 +13,8 @@ _FILES = {"input": "INPUT", "model": "--model", "tokenizer": "--model", "adapter
 _GROUPS = ("options", "defaults", "sampling_params", "prompt", "pooling", "quantization")
 # Options whose flag is not their name.
 _FLAGS = {"structured_outputs": "--json-schema / --regex / --choice", "loras": "--lora", "classify": "--task"}
+# Whole groups that appear or go with a flag: sampling options exist only for --task generate.
+_WHOLE = {"options.sampling_params": "--task", "quantization": "--quantization / --kv-cache-dtype"}
 
 
 def changed_options_message(exc: ManifestMismatch, flags: dict[str, str]) -> str:
@@ -23,6 +25,8 @@ def changed_options_message(exc: ManifestMismatch, flags: dict[str, str]) -> str
 
 
 def _flag_of(key: str, flags: dict[str, str]) -> str:
+    if key in _WHOLE:
+        return _WHOLE[key]
     parts = re.sub(r"\[\d+\]", "", key).split(".")
     if parts[0] in _FILES:
         return f"{_FILES[parts[0]]} ({key})"

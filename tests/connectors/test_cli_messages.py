@@ -7,11 +7,14 @@ import errno
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
-from batchllm.cli import main
+from batchllm.cli import _parser, main
+from batchllm.cli_resume import changed_options_message
 from batchllm.connectors import engine_cache
+from batchllm.connectors.jobs.manifest import Difference, ManifestMismatch
 from tests.connectors.jobs import write_parquet_input
 
 
@@ -107,6 +110,32 @@ def test_a_refused_resume_names_the_flags_that_changed(llm, tmp_path, capsys):
     changes = re.findall(r"^  (.*)$", err, re.M)
     assert changes == ['--prompt-column: was "q", now null', '--template: was null, now "Q: {q}"',
                        "--temperature: was 0.0, now 0.5", "--top-p: was 1.0, now 0.9", '--stop: was null, now ["."]']
+
+
+@pytest.mark.parametrize("key, name", [
+    ("options.sampling_params.top_k", "--top-k"),
+    ("options.sampling_params.structured_outputs.spec", "--json-schema / --regex / --choice"),
+    ("options.sampling_params", "--task"),  # there are sampling options only when generating
+    ("options.prompt.prompt_template", "--template"),
+    ("options.prompt.system_prompt", "--system-prompt"),
+    ("options.pooling.normalize", "--normalize"),
+    ("options.pooling.classify", "--task"),
+    ("options.loras[0]", "--lora"),
+    ("options.output_column", "--output-column"),
+    ("defaults.stop_token_ids", "--stop-token-ids"),
+    ("quantization.kv_cache_dtype", "--kv-cache-dtype"),
+    ("quantization", "--quantization / --kv-cache-dtype"),
+    ("max_model_len", "--max-model-len"),
+    ("max_tokens_cap", "--max-tokens-cap"),
+    ("input.files[0].footer_sha256", "INPUT (input.files[0].footer_sha256)"),
+    ("tokenizer.chat_template_sha256", "--model (tokenizer.chat_template_sha256)"),
+    ("adapters.fr.adapter_config.json", "--lora (adapters.fr.adapter_config.json)"),
+    ("options.sampling_params.include_stop_str_in_output", "options.sampling_params.include_stop_str_in_output"),
+])
+def test_each_manifest_key_reads_as_its_flag(key, name):
+    flags = _parser().parse_args(["run", "in", "out"]).flags_by_python_name
+    mismatch = ManifestMismatch("", Path("m.jsonl"), [Difference(key, 1, 2)])
+    assert re.findall(r"^  (.*)$", changed_options_message(mismatch, flags), re.M) == [f"{name}: was 1, now 2"]
 
 
 def test_a_refused_batch_file_resume_names_the_flags_that_changed(llm, tmp_path, capsys):
