@@ -50,7 +50,7 @@ def write_kv(
 
 
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """`x / scale` saturated to the float8_e4m3fn range and rounded to nearest even."""
+    """`x / scale`, divided in float32, saturated to the float8_e4m3fn range and rounded to nearest even."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

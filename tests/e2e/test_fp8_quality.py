@@ -2,13 +2,17 @@
 
 Teacher-forced over held-out texts (each fed in two chunks, so the second half reads the first half's K/V
 back from the cache): the next-token distributions of our model with `quantization="fp8"`, with an FP8 KV
-cache, and with both, against HF's float32 logits. Measured on the CPU (torch 2.13), 2026-12-02, 144 tokens:
+cache, and with both, against HF's float32 logits. Measured on the CPU (torch 2.13), 2026-12-05, 144 tokens:
 
 | configuration | mean KL | max KL | top-1 agreement |
 |---|---|---|---|
-| FP8 weights + per-token FP8 activations | 0.041 | 0.42 | 0.910 |
-| FP8 KV cache (scales 1.0) | 0.0069 | 0.08 | 0.951 |
-| both | 0.055 | 0.46 | 0.896 |
+| FP8 weights + per-token FP8 activations | 0.041 | 0.41 | 0.896 |
+| FP8 KV cache (scales 1.0) | 0.0066 | 0.04 | 0.965 |
+| both | 0.062 | 0.46 | 0.875 |
+
+On 2026-12-02 the top-1 column read 0.910 / 0.951 / 0.896, with the same FP8 code: FP8 rounding turns any
+float-rounding change elsewhere in the model or its dependencies into a few different tokens (see
+test_fp8_vs_simulation.py), so these figures are statistics of the FP8 noise, good to a few tokens of 144.
 
 SmolLM2-135M is small and sensitive: with FP8 weights alone (activations unquantized; measured on 4 of
 these texts) the mean KL is about 2/3 of the full FP8 figure, so most of the loss is the weights' 3-bit

@@ -4,6 +4,17 @@ The GEMM on the GPU is `torch._scaled_mm` with row-wise scales (Hopper and Ada F
 `out[t, o] = (sum_k qx[t, k] qw[o, k]) * sx[t] * sw[o]`, accumulated in float32. The CPU runs the same
 arithmetic as a dequantize-then-matmul reference: the same quantized operands and the same scales, the sum
 exact in float64, so CI tests the math and an FP8 checkpoint loads (slowly, correctly) on a laptop.
+
+The scales are float32 and so is the division, for weights and activations alike: a row's scale is
+`float32(absmax) / 448` rounded to float32 (the value stored in `weight_scale` and read by `_scaled_mm`), and
+`q = E4M3(clamp(float32(x) / scale, ±448))`, nearest with ties to even: `q * scale` is the E4M3 multiple of the
+scale actually used that is nearest `x`, up to the division's own rounding (on the GPU the Triton kernel's
+division errs by up to 2 ulp, which moves a rare activation one E4M3 step). Against an unrounded absmax / 448 a
+few weights round the other way: those on an exact E4M3 tie, common in checkpoints dequantized from a GGUF grid
+(734 of the default model's 106M). FP8 rounding is discontinuous, so such a difference, or any float-rounding
+difference elsewhere in the model, flips further roundings layer after layer: two implementations of this scheme
+agree closely only if they agree bit for bit (tests/e2e/test_fp8_vs_simulation.py compares with a simulation on
+HF's model in float64 for that reason).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ MIN_CUDA_CAPABILITY = (8, 9)
 
 
 def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight [out, in]` → `(q [out, in] float8_e4m3fn, scale [out] float32)`, one absmax / 448 scale per row."""
+    """`weight [out, in]` → `(q [out, in] float8_e4m3fn, scale [out] float32)`, one float32 absmax / 448 per row."""
     scale = (weight.float().abs().amax(dim=1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
     return quantize_fp8(weight, scale[:, None]), scale
 
