@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchllm.cli import _parser, main
-from batchllm.cli_resume import changed_options_message
 from batchllm.connectors import engine_cache
-from batchllm.connectors.jobs.manifest import Difference, ManifestMismatch
 from tests.connectors.jobs import write_parquet_input
 
 
@@ -133,6 +131,9 @@ def test_a_refused_resume_names_the_flags_that_changed(llm, tmp_path, capsys):
     ("options.sampling_params.include_stop_str_in_output", "options.sampling_params.include_stop_str_in_output"),
 ])
 def test_each_manifest_key_reads_as_its_flag(key, name):
+    from batchllm.cli_resume import changed_options_message
+    from batchllm.connectors.jobs.manifest import Difference, ManifestMismatch
+
     flags = _parser().parse_args(["run", "in", "out"]).flags_by_python_name
     mismatch = ManifestMismatch("", Path("m.jsonl"), [Difference(key, 1, 2)])
     assert re.findall(r"^  (.*)$", changed_options_message(mismatch, flags), re.M) == [f"{name}: was 1, now 2"]
