@@ -88,7 +88,7 @@ def mount_batch_api(app: FastAPI, engines: Any, data_dir: Path, auth_dependency:
     data_dir = Path(data_dir).expanduser()
     lock = _lock_data_dir(data_dir)
     files, batches = FileStore(data_dir / "files"), BatchStore(data_dir / "batches")
-    runner = BatchRunner(batches, files, lambda stop: models.default.engine.batch_engine(stop_event=stop), settings)
+    runner = BatchRunner(batches, files, models, settings)
     service = BatchService(files, batches, runner, lock)
     router = APIRouter(prefix="/v1", dependencies=[Depends(auth_dependency)] if auth_dependency else [])
     _file_routes(router, service, settings.max_upload_bytes)

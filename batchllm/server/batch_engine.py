@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchllm.llm import LLM
@@ -62,24 +62,31 @@ class BatchEngine(LLM):
     def shutdown(self) -> None:
         """Nothing to stop: the server owns the engine (LLM.shutdown would stop its tensor-parallel workers)."""
 
-    def stream(self, requests: Iterable[tuple | None], *, max_in_flight: int | None = None
-               ) -> Iterator[tuple[K, RequestOutput]]:
+    def stream(self, requests: Iterable[tuple | None], *, max_in_flight: int | None = None,
+               stop: Callable[[], bool] | None = None) -> Iterator[tuple[K, RequestOutput]]:
+        """`stop`, as for `LLM.stream`: once it returns True the requests in flight are aborted and the stream
+        ends."""
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
-        return self._stream(self._llm.encode_requests(requests), max_in_flight)
+        return self._stream(self._llm.encode_requests(requests), max_in_flight, stop)
 
     def _stopped(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
 
-    def _stream(self, requests: Iterator[tuple | None], max_in_flight: int | None) -> Iterator[tuple[K, Any]]:
+    def _stream(self, requests: Iterator[tuple | None], max_in_flight: int | None,
+                stop: Callable[[], bool] | None) -> Iterator[tuple[K, Any]]:
         results: queue.Queue[tuple[RequestStream, StreamEvent]] = queue.Queue()
         in_flight: dict[RequestStream, K] = {}
         source = RequestSource(requests)
+
+        def halted() -> bool:
+            return (self._stopped() and self.abort_on_stop) or (stop is not None and stop())
+
         try:
             while True:
+                if halted():
+                    return  # the finally clause aborts what is in flight
                 if self._stopped():
-                    if self.abort_on_stop:
-                        return  # the finally clause aborts what is in flight
                     if not in_flight:
                         return
                 else:
@@ -90,7 +97,7 @@ class BatchEngine(LLM):
                         in_flight[stream] = key
                     if source.finished(len(in_flight)):
                         return
-                for stream, event in self._wait(results):
+                for stream, event in self._wait(results, halted):
                     key = in_flight.pop(stream)
                     if event.error is not None:
                         raise event.error
@@ -103,7 +110,7 @@ class BatchEngine(LLM):
             for stream in in_flight:
                 self._loop.abort(stream)
 
-    def _wait(self, results: queue.Queue) -> list[tuple[RequestStream, StreamEvent]]:
+    def _wait(self, results: queue.Queue, halted: Callable[[], bool]) -> list[tuple[RequestStream, StreamEvent]]:
         """At least one finished request (every event of a one-shot stream is its last), and any others ready."""
         while True:
             try:
@@ -112,7 +119,7 @@ class BatchEngine(LLM):
             except queue.Empty:
                 if self._loop.dead:
                     raise EngineDead("the server's engine loop failed") from None
-                if self._stopped() and self.abort_on_stop:
+                if halted():
                     return []
         while True:
             try:

@@ -2,11 +2,13 @@
 
 A batch's job writes `batches/<id>/output.jsonl` with its manifest and lock beside it (`run_jsonl_job`): every
 request line gets exactly one answer line, and running the job again resumes it, so a batch that a restart
-finds unfinished simply runs its job again. The job's engine is the server's (`EngineLoop.batch_engine`), whose
-rows are admitted behind live traffic.
+finds unfinished simply runs its job again. The job's engine is the server's (`EngineClient.batch_engine`), whose
+rows are admitted behind live traffic. On a server of several models each line runs on the model its `body.model`
+names, one job per model (`batch_groups.py`).
 
 - validating: the input must hold at least one request, and no valid request may name the other endpoint
-  (a batch has one endpoint); otherwise the batch fails with OpenAI's `errors` list. Lines the job cannot
+  (a batch has one endpoint) or a model the server does not serve; otherwise the batch fails with OpenAI's
+  `errors` list. Lines the job cannot
   serve (invalid JSON, an unknown url, a refused field) are not refused here: they become error lines.
 - in_progress: the job runs; `request_counts` come live from its manifest (`JobProgress`).
 - finalizing: the answer lines are split into the output file (the answered ones) and the error file (the
@@ -19,6 +21,7 @@ rows are admitted behind live traffic.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import queue
@@ -30,9 +33,12 @@ from typing import Any, BinaryIO
 
 from batchllm.connectors.jobs.jsonl_batch import run_jsonl_job
 from batchllm.connectors.jobs.openai_batch import parse_envelope
+from batchllm.server.batch_groups import BatchGroup, Route, group_outputs, plan_groups
 from batchllm.server.batches import UNFINISHED, BatchRecord, BatchStore, RequestCounts
+from batchllm.server.errors import APIError
 from batchllm.server.files import OUTPUT_PURPOSE, FileStore, derived_id
 from batchllm.server.request_stream import EngineDead, ServerShuttingDown
+from batchllm.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 _MAX_REPORTED_ERRORS = 10  # validation errors listed in a failed batch's `errors`
@@ -46,19 +52,14 @@ class BatchSettings:
     max_upload_bytes: int = 512 * 1024 * 1024
 
 
-# Builds the job's engine for one run: `stop` set → admit no more rows.
-EngineFactory = Callable[[threading.Event], Any]
-
-
 class BatchRunner:
-    def __init__(self, store: BatchStore, files: FileStore, engine_factory: EngineFactory,
-                 settings: BatchSettings) -> None:
+    def __init__(self, store: BatchStore, files: FileStore, models: ServedModels, settings: BatchSettings) -> None:
         self.store, self.files, self.settings = store, files, settings
-        self._engine_factory = engine_factory
+        self._models = models
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._lock = threading.Lock()
         self._current: tuple[str, threading.Event] | None = None
-        self._current_engine: Any = None
+        self._current_engines: list[Any] = []
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="batchllm-batches", daemon=True)
 
@@ -82,16 +83,17 @@ class BatchRunner:
         """The batch's counts now: for a running batch, its job's manifest says how many rows are saved."""
         if record.status not in UNFINISHED:
             return record.request_counts
-        completed, failed = saved_rows(self._output(record.id).with_name("output.jsonl.manifest.jsonl"))
-        return RequestCounts(record.request_counts.total, completed, failed)
+        counts = [saved_rows(output.with_name("output.jsonl.manifest.jsonl"))
+                  for output in group_outputs(self.store.job_dir(record.id))]
+        return RequestCounts(record.request_counts.total, sum(c[0] for c in counts), sum(c[1] for c in counts))
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the worker; the running batch saves its finished rows and is left for the next server."""
         with self._lock:
             self._closing = True
             if self._current is not None:
-                if self._current_engine is not None:
-                    self._current_engine.abort_on_stop = True  # rows out would end as "abort", no real answer
+                for engine in self._current_engines:
+                    engine.abort_on_stop = True  # rows out would end as "abort", no real answer
                 self._current[1].set()
         self._queue.put(None)
         if self._thread.is_alive():
@@ -114,14 +116,15 @@ class BatchRunner:
                     self.store.update(batch_id, status="failed", errors=_errors([_error("batch_failed", str(exc))]))
             finally:
                 with self._lock:
-                    self._current, self._current_engine = None, None
+                    self._current, self._current_engines = None, []
 
     def _process(self, batch_id: str, stop: threading.Event) -> None:
         record = self.store.get(batch_id)
         if record is None or record.status not in UNFINISHED:
             return
         if record.status == "validating":
-            total, errors = validate_input(self.files.content_path(record.input_file_id), record.endpoint)
+            total, errors = validate_input(self.files.content_path(record.input_file_id), record.endpoint,
+                                           self._route)
             if errors:
                 self.store.update(batch_id, only_from=("validating",), status="failed", errors=_errors(errors),
                                   request_counts=RequestCounts(total))
@@ -129,36 +132,66 @@ class BatchRunner:
             record = self.store.update(batch_id, only_from=("validating",), status="in_progress",
                                        request_counts=RequestCounts(total)) or self.store.get(batch_id)
         if record.status == "cancelling":
-            stop.set()  # the job only verifies and keeps what earlier runs saved
-        output = self._output(batch_id)
-        if record.status != "cancelling" or output.exists():
-            with self._lock:
-                self._current_engine = engine = self._engine_factory(stop)
-                engine.abort_on_stop = self._closing
-            settings = self.settings
-            max_in_flight = settings.max_in_flight or engine.engine.scheduler.config.max_num_seqs
-            result = run_jsonl_job(self.files.content_path(record.input_file_id), output, llm=engine,
-                                   use_tqdm=False, rows_per_shard=record.rows_per_shard,
-                                   flush_seconds=settings.flush_seconds, max_in_flight=max_in_flight,
-                                   max_tokens=None)  # as OpenAI: a request without max_tokens may use the context
-            if self._closing and not result.complete:
+            stop.set()  # the jobs only verify and keep what earlier runs saved
+        job_dir = self.store.job_dir(batch_id)
+        if record.status != "cancelling" or any(output.exists() for output in group_outputs(job_dir)):
+            groups = plan_groups(self.files.content_path(record.input_file_id), job_dir, self._route,
+                                 self._models.default.name, self._unknown_to_job)
+            complete = _run_all([lambda group=group: self._run_group(group, record, stop) for group in groups])
+            if self._closing and not complete:
                 return
         self._finalize(batch_id)
+
+    def _route(self, model: str | None) -> str | None:
+        try:
+            return self._models.route(model)[0].name
+        except APIError:
+            return None
+
+    def _unknown_to_job(self, served_name: str, model: str) -> bool:
+        """Whether a job on that model refuses a line naming `model` (it knows its directory's name and adapters)."""
+        served = self._models.route(served_name)[0]
+        return bool(served.adapters) and model != served.engine.llm.model_path.name and model not in served.adapters
+
+    def _run_group(self, group: BatchGroup, record: BatchRecord, stop: threading.Event) -> bool:
+        """Run (or resume) one model's job; True once every line of it is answered."""
+        served = self._models.route(group.model)[0]
+        with self._lock:
+            engine = served.engine.batch_engine(stop_event=stop)
+            engine.abort_on_stop = self._closing
+            self._current_engines.append(engine)
+        settings = self.settings
+        max_in_flight = settings.max_in_flight or engine.engine.scheduler.config.max_num_seqs
+        loras = {name: str(lora.lora_path) for name, lora in served.adapters.items()}
+        result = run_jsonl_job(group.input, group.output, llm=engine, use_tqdm=False,
+                               rows_per_shard=record.rows_per_shard, flush_seconds=settings.flush_seconds,
+                               max_in_flight=max_in_flight, loras=loras or None,
+                               max_tokens=None)  # as OpenAI: a request without max_tokens may use the context
+        return result.complete
 
     def _finalize(self, batch_id: str) -> None:
         record = self.store.update(batch_id, only_from=("in_progress",), status="finalizing") \
             or self.store.get(batch_id)
-        completed, failed, output_id, error_id = split_answers(self._output(batch_id), self.files, batch_id)
+        outputs = group_outputs(self.store.job_dir(batch_id))
+        completed, failed, output_id, error_id = split_answers(outputs, self.files, batch_id)
         final = "cancelled" if record.status == "cancelling" else "completed"
         self.store.update(batch_id, status=final, output_file_id=output_id, error_file_id=error_id,
                           request_counts=RequestCounts(record.request_counts.total, completed, failed))
 
-    def _output(self, batch_id: str) -> Path:
-        return self.store.job_dir(batch_id) / "output.jsonl"
+def _run_all(jobs: list[Callable[[], bool]]) -> bool:
+    """Run the jobs at once (each on its own model's engine); True if every one completed. The first exception is
+    raised once all have ended."""
+    if len(jobs) == 1:
+        return jobs[0]()
+    with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="batchllm-batch") as pool:
+        futures = [pool.submit(job) for job in jobs]
+        concurrent.futures.wait(futures)
+    return all([future.result() for future in futures])
 
 
-def validate_input(path: Path, endpoint: str) -> tuple[int, list[dict[str, Any]]]:
-    """(number of request lines, the errors that fail the batch) of the input file at `path`."""
+def validate_input(path: Path, endpoint: str, route: Route | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """(number of request lines, the errors that fail the batch) of the input file at `path`; `route` names the
+    served model of a line's `body.model` (None: not served)."""
     if not path.is_file():
         return 0, [_error("file_not_found", "the input file no longer exists")]
     total, errors = 0, []
@@ -172,28 +205,35 @@ def validate_input(path: Path, endpoint: str) -> tuple[int, list[dict[str, Any]]
             except UnicodeDecodeError:
                 continue  # the job answers it with an error line
             envelope = parse_envelope(text)
-            if envelope.error is None and envelope.url != endpoint and len(errors) < _MAX_REPORTED_ERRORS:
+            if envelope.error is not None or len(errors) >= _MAX_REPORTED_ERRORS:
+                continue
+            if envelope.url != endpoint:
                 errors.append(_error("mismatched_endpoint", f"the request's url {envelope.url} is not the batch's "
                                      f"endpoint {endpoint}", param="url", line=number))
+            model = envelope.body.get("model")
+            if route is not None and isinstance(model, str) and route(model) is None:
+                errors.append(_error("model_not_found", f"the model {model!r} is not served here",
+                                     param="body.model", line=number))
     if total == 0:
         errors.append(_error("empty_file", "the input file holds no requests"))
     return total, errors
 
 
-def split_answers(output: Path, files: FileStore, batch_id: str) -> tuple[int, int, str | None, str | None]:
-    """Register the job's answer lines as the batch's output file (answered) and error file (failed):
+def split_answers(outputs: list[Path], files: FileStore, batch_id: str) -> tuple[int, int, str | None, str | None]:
+    """Register the jobs' answer lines as the batch's output file (answered) and error file (failed):
     (completed, failed, output file id, error file id); a file id is None when it would have no lines."""
     counts = [0, 0]  # answered, failed
 
     def lines_where(answered: bool) -> Callable[[BinaryIO], None]:
         def write(target: BinaryIO) -> None:
-            if not output.exists():
-                return
-            with open(output, "rb") as source:
-                for line in source:
-                    if (json.loads(line)["error"] is None) == answered:
-                        target.write(line)
-                        counts[not answered] += 1
+            for output in outputs:
+                if not output.exists():
+                    continue
+                with open(output, "rb") as source:
+                    for line in source:
+                        if (json.loads(line)["error"] is None) == answered:
+                            target.write(line)
+                            counts[not answered] += 1
         return write
 
     ids = []

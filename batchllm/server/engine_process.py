@@ -75,7 +75,8 @@ class EngineProcess(EngineClient):
         self._send(Stop())
         self._process.join(STOP_SECONDS)
         if self._process.is_alive():
-            logger.warning("engine %s: a step ran past the drain deadline; terminating its process", self.name)
+            logger.warning("engine %s did not stop within %g s (a step ran past the drain deadline); terminating "
+                           "its process", self.name, STOP_SECONDS)
             self.kill(gently=True)
         self._reader.join(TERMINATE_SECONDS)
         self._on_stopped()
