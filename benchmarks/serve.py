@@ -2,8 +2,13 @@
 OpenAI-compatible server under Poisson arrivals, against offline `LLM.generate` on the same prompts.
 
     python benchmarks/serve.py --shape llama3-8b --out $OUT                     # GPU: W1, 200 rows x 128 tokens
-    python benchmarks/serve.py --shape tiny-host --rows 16 --max-tokens 16 --rates 8 inf   # CPU check
+    python benchmarks/serve.py --shape llama3-8b --rates inf --out $OUT         # GPU: W1 all at once vs offline
+    python benchmarks/serve.py --shape tiny-host --rows 8 --max-tokens 8 --rates inf   # CPU check (seconds)
     python benchmarks/serve.py --rows 8 --max-tokens 16 --rates 4 inf           # CPU, the real default model
+
+The server runs its engine in a process of its own (`batchllm serve`'s layout since the engine-process split):
+the served / offline ratio at rate inf measures what the HTTP side (tokenizing, detokenizing, streaming) and the
+pipe between the processes cost, against `LLM.generate` on the same engine flags in this process.
 
 Model: `--model DIR` (default: the bundled SmolLM2-135M-Instruct, `default_model_path()`), or `--shape NAME`:
 random weights (`make_shape_dir`, `--load-format dummy`) plus a synthetic word-level tokenizer (token i is the
