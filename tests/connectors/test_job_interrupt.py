@@ -104,7 +104,7 @@ def test_ctrl_c_on_the_command_line_exits_130_long_before_the_rows_finish(llm, t
         time.sleep(0.02)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=600) == 128 + signal.SIGINT, log.read_text()
+    assert _saved_rows(output) == 0 and not list(output.glob("*.parquet"))  # no row ran to its end
     text = log.read_text()
     assert "SIGINT: no new rows are admitted; the rows in flight stop after this step" in text
     assert "interrupted by SIGINT: 0 of 8 rows are saved" in text and "run the same job again to resume" in text
-    assert _saved_rows(output) == 0 and not list(output.glob("*.parquet"))
