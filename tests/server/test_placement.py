@@ -1,5 +1,5 @@
 """Where `batchllm serve` puts each model's engine process: its own GPUs when enough are visible, else a share of
-their memory, or of the CPU's threads (values worked out by hand)."""
+their memory, or of the CPU's threads (values worked out by hand); two models under one name are refused."""
 
 from __future__ import annotations
 
@@ -39,3 +39,12 @@ def test_one_model_keeps_its_flags_and_the_cpu_is_split(gpus, monkeypatch):
     assert plan_engines(1, {"gpu_memory_utilization": 0.5})[0].engine_kwargs == {"gpu_memory_utilization": 0.5}
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     assert [p.num_threads for p in plan_engines(2, {"device": "cpu"})] == [2, 2]
+
+
+def test_two_models_under_one_name_exit_2_before_any_engine_starts(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "batchllm", "serve", "--model", "a=/models/x", "--model",
+                             "a=/models/y"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and "--model names two models alike" in result.stderr, result.stderr
