@@ -45,7 +45,8 @@ from batchllm.cli_engine import (
     flags_by_python_name,
     with_flag_names,
 )
-from batchllm.cli_types import adapter, constraint_of, json_schema_file, token_ids
+from batchllm.cli_models import job_models
+from batchllm.cli_types import adapter, constraint_of, json_schema_file, served_model, token_ids
 from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
 from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
 from batchllm.sampling_params import SamplingParams
@@ -64,7 +65,7 @@ _SAMPLING_HELP = {"max_tokens": "most tokens per completion", "temperature": "te
                   "seed": "seed (None: unseeded)", "top_k": "top_k (0: off)",
                   "logprobs": "top logprobs returned per generated token (None: none)"}
 # Python argument names that differ from their flag's (the rest are the flag's dest).
-_PYTHON_NAMES = {"prompt_template": "template", "data_parallel_size": "data_parallel"}
+_PYTHON_NAMES = {"prompt_template": "template", "data_parallel_size": "data_parallel", "models": "model"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,7 +141,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="what to do with a prompt that leaves no room for --max-tokens: error the row, or cut its "
                           "left or right end (None: error; with --task embed, where a prompt may fill the model's "
                           "length, right)")
-    run.add_argument("--model", help="local HF model directory (None: the bundled SmolLM2-135M-Instruct)")
+    run.add_argument("--model", type=served_model, action="append", metavar="[NAME=]PATH",
+                     help="local HF model directory (None: the bundled SmolLM2-135M-Instruct); repeatable as NAME=PATH "
+                          "for several models, each row on its own: a table's --model-column names each row's, an "
+                          "OpenAI batch request's `model` its own (none: the first); one engine per model, sharing "
+                          "the GPU's memory; not with --data-parallel, --lora, --dry-run or a pooling --task")
+    run.add_argument("--model-column", metavar="NAME",
+                     help="column holding each row's model name, among the --model NAME=PATH given (a bare PATH is "
+                          "named after its directory); a null or another name fails that row; the output gets a "
+                          "`model` column; tables only")
     for name, kind in _SAMPLING_FLAGS.items():
         run.add_argument(flag(name), type=kind, default=_SAMPLING_DEFAULTS[name],
                          help=f"sampling: {_SAMPLING_HELP.get(name, name)}")
@@ -209,6 +218,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.parse_json and args.schema_column is None and args.json_schema is None:
         return fail("--parse-json needs a JSON constraint: --json-schema FILE or --schema-column NAME")
     input_format = input_format_of(args.input, args.input_format)
+    try:
+        model = job_models(args.model, args.model_column, input_format, options)
+    except ValueError as exc:
+        return fail(str(exc))
     if input_format != "openai-batch":
         options.update(prompt)
         options.update(schema_column=args.schema_column, parse_json=args.parse_json)
@@ -225,12 +238,14 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         return fail("--schema-column / --parse-json do not apply to an OpenAI batch file: a request's "
                     "response_format carries its schema (--json-schema / --regex / --choice set the default)")
     try:
+        if args.dry_run and "models" in options:
+            return fail("--dry-run plans the rows of one model: give one --model")
         if args.dry_run:  # the same arguments, checked and sized (batchllm/connectors/jobs/dry_run.py)
             from batchllm.connectors.jobs.dry_run import print_dry_run
 
-            return print_dry_run(args.input, args.output, input_format=input_format, model=args.model,
+            return print_dry_run(args.input, args.output, input_format=input_format, model=model,
                                  engine_kwargs=engine or None, data_parallel_size=args.data_parallel, **options)
-        result = run_job(args.input, args.output, input_format=input_format, model=args.model,
+        result = run_job(args.input, args.output, input_format=input_format, model=model,
                          engine_kwargs=engine or None, use_tqdm=not args.no_progress,
                          data_parallel_size=args.data_parallel, **options)
     except JobInterrupted as exc:

@@ -8,7 +8,8 @@ import re
 from batchllm.connectors.jobs.manifest import ManifestMismatch, mismatch_message
 
 # Fingerprint parts that are files, not options: named by what the user passed, with the detail that changed.
-_FILES = {"input": "INPUT", "model": "--model", "tokenizer": "--model", "adapters": "--lora"}
+_FILES = {"input": "INPUT", "model": "--model", "tokenizer": "--model", "adapters": "--lora", "models": "--model",
+          "default_model": "--model"}
 # Keys that hold options rather than being one: `options.sampling_params.top_p` is --top-p.
 _GROUPS = ("options", "defaults", "sampling_params", "prompt", "pooling", "quantization")
 # Options whose flag is not their name.

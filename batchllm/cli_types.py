@@ -73,6 +73,15 @@ def adapter(text: str) -> tuple[str, str]:
     return name.strip(), path
 
 
+def served_model(text: str) -> tuple[str | None, str]:
+    """`PATH` or `NAME=PATH` (`--model` of `batchllm run` and `batchllm serve`): a model directory, under NAME when
+    one is given. NAME holds no path separator, so a path with "=" in it stays a path."""
+    name, sep, path = text.partition("=")
+    if sep and name.strip() and "/" not in name and path:
+        return name.strip(), path
+    return None, text
+
+
 def disaggregated_layout(text: str) -> dict[str, Any]:
     """`--disaggregated JSON`, e.g. '{"prefill": 1, "decode": 1}': checked here, passed on as the dict."""
     try:

@@ -27,7 +27,7 @@ from batchllm.cli_engine import (
     flags_by_python_name,
     with_flag_names,
 )
-from batchllm.cli_types import adapter
+from batchllm.cli_types import adapter, served_model
 from batchllm.server.batch_runner import BatchSettings
 
 DEFAULT_DATA_DIR = "./batchllm-data"
@@ -70,14 +70,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _served_model(text: str) -> tuple[str | None, str]:
-    """`PATH` or `NAME=PATH` (NAME holds no path separator, so a path with "=" in it stays a path)."""
-    name, sep, path = text.partition("=")
-    if sep and name.strip() and "/" not in name and path:
-        return name.strip(), path
-    return None, text
-
-
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
@@ -85,7 +77,7 @@ def add_serve_parser(commands: Any) -> None:
                     "/v1/models, the Batch API (/v1/files, /v1/batches), /health and /metrics; with --task embed, "
                     "/v1/embeddings instead of the completions.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--model", type=_served_model, action="append", metavar="[NAME=]PATH",
+    serve.add_argument("--model", type=served_model, action="append", metavar="[NAME=]PATH",
                        help="a local HF model directory, served under its directory's name or under NAME "
                             "(repeatable: one engine process per model, a request's `model` picks one, the first is "
                             "the default; none: the bundled SmolLM2-135M-Instruct)")

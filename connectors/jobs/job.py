@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from batchllm.connectors.jobs.model_router import ModelRouter
 from batchllm.connectors.jobs.shards import ShardTracker, shard_pieces
 from batchllm.connectors.jobs.signals import StopOnSignal
 from batchllm.connectors.progress import RowProgress
@@ -69,6 +70,7 @@ class RowRequest:
     prompt: EncodedPrompt
     params: SamplingParams | PoolingParams  # PoolingParams: a pooling task's row (an embedding)
     lora: LoRARequest | None = None  # None: the base model
+    model: str | None = None  # the model the row runs on, of a job of several (`model_router.py`); None: the one
 
 
 class Source(Protocol):
@@ -163,12 +165,13 @@ def cap_max_tokens(params: SamplingParams, cap: int, room: int | None = None) ->
     return params if limit is None or limit <= cap else dataclasses.replace(params, max_tokens=cap)
 
 
-def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | ReplicaPool,
+def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | ReplicaPool | ModelRouter,
                     settings: JobSettings) -> JobResult:
-    """Run the job on `llm`, or on a `ReplicaPool`: then `settings.max_in_flight` already applies to each of its
-    engines, and the rows out at once are the pool's default, enough to keep every replica full."""
+    """Run the job on `llm`, on a `ReplicaPool` (then `settings.max_in_flight` already applies to each of its
+    engines, and the rows out at once are the pool's default, enough to keep every replica full) or on a
+    `ModelRouter` (several models: each row runs on the engine its `RowRequest.model` names)."""
     rows_per_shard = settings.rows_per_shard
-    if isinstance(llm, ReplicaPool):
+    if isinstance(llm, (ReplicaPool, ModelRouter)):
         max_in_flight = llm.default_max_in_flight
     else:
         max_in_flight = settings.max_in_flight or 2 * llm.engine.scheduler.config.max_num_seqs
@@ -193,7 +196,12 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
     def skip(first: int, end: int) -> bool:
         return all(s in resume.done_shards for s in range(first // rows_per_shard, (end - 1) // rows_per_shard + 1))
 
-    def feed(stop: StopOnSignal) -> Iterator[tuple[RowKey, list[int], SamplingParams, LoRARequest | None] | None]:
+    # The planner tokenizes on a worker thread while the engine detokenizes: every model's tokenizer must allow it.
+    aside = all(map(can_tokenize_aside, llm.tokenizers if isinstance(llm, ModelRouter) else [llm.tokenizer]))
+
+    def feed(stop: StopOnSignal) -> Iterator[tuple[RowKey, list[int], SamplingParams, LoRARequest | None]
+                                             | tuple[RowKey, list[int], SamplingParams, LoRARequest | None, str]
+                                             | None]:
         for start, batch in source.batches(batch_size, skip):
             result.peak_buffered_rows = max(result.peak_buffered_rows, tracker.buffered_rows + batch.num_rows)
             for shard, piece in shard_pieces(start, batch, rows_per_shard):
@@ -205,7 +213,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
                 if len(waiting) < piece.num_rows:  # plan only the rows that earlier runs did not save
                     piece = piece.take(pa.array([row - first for row in waiting], pa.int64()))
                 for item in tokenized_ahead(range(piece.num_rows), functools.partial(_plan_slice, planner, piece),
-                                            llm.has_unfinished, can_tokenize_aside(llm.tokenizer)):
+                                            llm.has_unfinished, aside):
                     if stop.signal_number is not None:
                         return
                     if item is None:  # the next rows are being planned and the engine has work: step on
@@ -218,7 +226,8 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
                     else:
                         params = request.params if isinstance(request.params, PoolingParams) else cap_max_tokens(
                             request.params, settings.max_tokens_cap, llm.max_model_len - len(prompt.token_ids))
-                        yield (shard, row, params), prompt.token_ids, params, request.lora
+                        item = ((shard, row, params), prompt.token_ids, params, request.lora)
+                        yield item if request.model is None else (*item, request.model)
             # Rows wait here, not in memory: pause admission (the engine keeps stepping) while too many are held.
             # With nothing pending, the held rows are the current shard's: reading on is the only way forward.
             while tracker.buffered_rows >= max_buffered and tracker.pending_rows > 0:

@@ -48,6 +48,7 @@ from batchllm.connectors.jobs.job import (
 from batchllm.connectors.jobs.jsonl_output import JsonlSink
 from batchllm.connectors.jobs.lock import output_lock
 from batchllm.connectors.jobs.manifest import Manifest
+from batchllm.connectors.jobs.model_router import check_models, model_engines
 from batchllm.connectors.jobs.openai_batch import (
     CHAT_URL,
     EMBEDDINGS_URL,
@@ -76,7 +77,8 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
                   max_in_flight: int | None = None, max_buffered_rows: int | None = None, use_tqdm: bool = True,
                   data_parallel_size: int = 1, retry_errors: bool = False,
                   max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                  loras: Mapping[str, str | Path] | None = None, **sampling_fields: Any) -> JobResult:
+                  loras: Mapping[str, str | Path] | None = None,
+                  models: Mapping[str, str | Path | LLM | None] | None = None, **sampling_fields: Any) -> JobResult:
     """Answer the OpenAI batch request file `input` into the JSONL file `output`.
 
     `sampling_params` / sampling keywords are the defaults for fields a request body does not set; a
@@ -86,7 +88,8 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     template raise ValueError before any generation. `loras={name: PEFT directory}` registers adapters (the
     engine needs enable_lora=True): a request whose `model` is one of the names runs under that adapter, and its
     response names it; the base model's name (the model directory's), or no `model`, runs the base model; any
-    other `model` fails its line. Without `loras`, `model` is ignored.
+    other `model` fails its line. Without `loras`, `model` is ignored. `models={name: directory}` (instead of
+    `model=`) runs each request on the model its `model` names (`jsonl_models.py`).
     """
     check_data_parallel_size(data_parallel_size, llm)
     for name in ("prompt_column", "messages_column", "prompt_template", "chat", "output_column"):
@@ -101,6 +104,10 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
         raise ValueError("lora_column= does not apply to an OpenAI batch file: a request's body.model names its "
                          "adapter among loras=")
     adapter_dirs = lora_pairs(loras)
+    if models is not None:
+        task = llm.task if llm is not None else dict(engine_kwargs or {}).get("task", "generate")
+        models = check_models(models, model=model, llm=llm, task=task, data_parallel_size=data_parallel_size,
+                              loras=loras)
     defaults = resolve_sampling_params(sampling_params, sampling_fields)
     if truncate is not None and truncate not in TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {TRUNCATE_MODES}, got {truncate!r}")
@@ -114,8 +121,14 @@ def run_jsonl_job(input: str | Path, output: str | Path, *, model: str | Path | 
     if output.exists() and not manifest_path.exists():
         raise FileExistsError(f"output {output} exists and has no batchllm manifest beside it; refusing to overwrite")
     # A job refused before it writes anything (say the model does not load) leaves no directory behind.
+    engines = engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) if models is None \
+        else model_engines(models, engine_kwargs)
     with created_for_the_job(output.parent), output_lock(output.with_name(output.name + ".lock"), output), \
-            engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
+            engines as engine:
+        if models is not None:
+            from batchllm.connectors.jobs.jsonl_models import run_jsonl_models
+
+            return run_jsonl_models(source, output, manifest_path, engine, defaults, truncate, settings)
         return _run(source, output, manifest_path, engine, defaults, truncate, settings, adapter_dirs)
 
 

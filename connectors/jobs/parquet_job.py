@@ -58,6 +58,7 @@ from batchllm.connectors.jobs.job import (
 )
 from batchllm.connectors.jobs.lock import output_lock
 from batchllm.connectors.jobs.manifest import Manifest
+from batchllm.connectors.jobs.model_router import check_models, model_engines
 from batchllm.connectors.jobs.output_directory import created_for_the_job
 from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource, open_table_source
@@ -83,7 +84,9 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     data_parallel_size: int = 1, input_format: str = "auto", retry_errors: bool = False,
                     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
                     schema_column: str | None = None, parse_json: bool = False, lora_column: str | None = None,
-                    loras: Mapping[str, str | Path] | None = None, **sampling_fields: Any) -> JobResult:
+                    loras: Mapping[str, str | Path] | None = None,
+                    models: Mapping[str, str | Path | LLM | None] | None = None, model_column: str | None = None,
+                    **sampling_fields: Any) -> JobResult:
     """Generate for every row of the table `input` (read as `input_format`, see `sources.py`) into shards under
     the directory `output`.
 
@@ -93,10 +96,11 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     input rows held in memory (see `job.py`); `data_parallel_size` the engine processes
     (`data_parallel.py`). `lora_column` names each row's adapter among `loras` (see `batchllm.generate`;
     the engine needs enable_lora=True). `retry_errors` re-runs the rows saved with an error; `max_tokens_cap`
-    bounds every row's output tokens; `flush_seconds` is the checkpoint interval (see `job.py`). Raises `JobInterrupted`
-    after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job, `OutputInUse` while
-    another job writes it, `ReplicaPoolError` when every replica died (finished rows are saved), and
-    ValueError before generating when chat prompts are asked of a model without a chat template.
+    bounds every row's output tokens; `flush_seconds` is the checkpoint interval (see `job.py`). Several models:
+    `models={name: directory}` (instead of `model=`) and `model_column` naming each row's (`table_models.py`).
+    Raises `JobInterrupted` after SIGINT / SIGTERM, `ManifestMismatch` when `output` belongs to another job,
+    `OutputInUse` while another job writes it, `ReplicaPoolError` when every replica died (finished rows are
+    saved), and ValueError before generating when chat prompts are asked of a model without a chat template.
 
     An engine with a pooling task (`engine_kwargs={"task": "embed"}`, or such an `llm`) embeds each row's prompt
     instead (see `batchllm.embed`): no sampling options, `truncate` "right" by default (else "error").
@@ -112,12 +116,26 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                               sampling_fields=sampling_fields, task=task)
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
                            retry_errors)
+    if models is not None or model_column is not None:
+        from batchllm.connectors.jobs import table_models
+
+        if models is None or model_column is None:
+            raise ValueError("models= ({name: model directory}) and model_column= (the column naming each row's "
+                             "model) go together: pass both or neither")
+        models = check_models(models, model=model, llm=llm, task=task, data_parallel_size=data_parallel_size,
+                              loras=loras)
     source = open_table_source(input, input_format)
     needed = options.check_input_columns(source.schema.names)
+    if models is not None:
+        model_output = table_models.model_output_column(options, model_column, source.schema.names)
     directory = _check_output(Path(output), input)
     # A job refused before it writes anything (say the model does not load) leaves no directory behind.
     with created_for_the_job(directory), output_lock(directory / LOCK_NAME, directory):
         remove_stale_temporaries(directory)  # only now: they could be another job's files in flight
+        if models is not None:
+            with model_engines(models, engine_kwargs) as engines:
+                return table_models.run_table_models(source, directory, directory / MANIFEST_NAME, engines, options,
+                                                     settings, needed, model_column, model_output)
         with engine_for(data_parallel_size, model, llm, engine_kwargs, max_in_flight) as engine:
             return _run(source, directory, engine, options.with_engine(engine), settings, needed)
 
