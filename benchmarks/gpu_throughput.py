@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--peer", choices=["generate_batch", "none"], default="generate_batch")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's (by model size)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--also-sync", action="store_true",
                         help="also run batchllm with async_scheduling=False (the default is on for CUDA)")
