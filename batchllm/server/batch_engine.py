@@ -45,6 +45,7 @@ class BatchEngine(LLM):
         self._llm = loop.llm
         self.stop_event = stop_event
         self.abort_on_stop = abort_on_stop
+        self._in_flight: dict[RequestStream, Any] = {}  # the current stream's requests out
 
     def __getattr__(self, name: str) -> Any:  # only for what this object does not define itself
         if name.startswith("__"):
@@ -58,6 +59,10 @@ class BatchEngine(LLM):
         raise NotImplementedError("a BatchEngine only streams (BatchEngine.stream): the engine belongs to the server")
 
     chat = beam_search = generate
+
+    def has_unfinished(self) -> bool:
+        """`LLM.has_unfinished` for a stream's source: whether rows of the stream are out (it may pause only then)."""
+        return bool(self._in_flight)
 
     def shutdown(self) -> None:
         """Nothing to stop: the server owns the engine (LLM.shutdown would stop its tensor-parallel workers)."""
@@ -77,6 +82,7 @@ class BatchEngine(LLM):
                 stop: Callable[[], bool] | None) -> Iterator[tuple[K, Any]]:
         results: queue.Queue[tuple[RequestStream, StreamEvent]] = queue.Queue()
         in_flight: dict[RequestStream, K] = {}
+        self._in_flight = in_flight
         source = RequestSource(requests)
 
         def halted() -> bool:

@@ -146,6 +146,22 @@ def test_batch_rows_run_on_the_model_their_body_names(served):
     assert [(e.code, e.line) for e in errors] == [("model_not_found", len(unknown))]
 
 
+def test_a_job_larger_than_a_tokenizer_chunk_runs_on_an_engine_process(served, tmp_path):
+    # A shard of over 128 rows is tokenized on a worker thread, and the job asks the engine whether it may pause.
+    from batchllm.connectors.jobs.jsonl_batch import run_jsonl_job
+
+    count = 150
+    lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": f"{TEXT} {i}", "max_tokens": 1}}) for i in range(count)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines))
+    engine = served["engines"]["tiny"].batch_engine()
+    result = run_jsonl_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm=engine, rows_per_shard=1000,
+                           use_tqdm=False, max_tokens=None)
+    assert result.complete
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(answers) == count and all(a["error"] is None for a in answers)
+
+
 def test_an_engine_process_that_dies_fails_its_requests_and_health_names_it(served):
     url, tiny = served["url"], served["engines"]["tiny"]
     outcome = {}
