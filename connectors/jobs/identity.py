@@ -7,6 +7,7 @@ or edited in place changes every chat prompt without touching config or weights.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -37,12 +38,20 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:
     chat template; None for an engine built without a tokenizer."""
     if tokenizer is None:
         return None
-    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    template = tokenizer.chat_template
+    return {"sha256": _definition_sha256(tokenizer.backend_tokenizer.to_str()),
+            "chat_template_sha256": None if template is None else _sha256(json.dumps(template, sort_keys=True))}
+
+
+@functools.lru_cache(maxsize=4)
+def _definition_sha256(serialized: str) -> str:
+    """The hash of a serialized definition in canonical form. Parsing and re-serializing a large vocabulary takes
+    a few hundred milliseconds (llama3's 128k tokens), so each distinct definition is canonicalized once per
+    process: later jobs on the same engine start that much sooner."""
+    definition = json.loads(serialized)
     for key in _TOKENIZER_RUNTIME:
         definition.pop(key, None)
-    template = tokenizer.chat_template
-    return {"sha256": _sha256(json.dumps(definition, sort_keys=True)),
-            "chat_template_sha256": None if template is None else _sha256(json.dumps(template, sort_keys=True))}
+    return _sha256(json.dumps(definition, sort_keys=True))
 
 
 def require_chat_template(engine: Any, why: str) -> None:
