@@ -115,7 +115,8 @@ class EngineLoop(EngineClient):
                             message.future.set_exception(exc)
                 else:
                     driver.take(message)
-            driver.admit()
+            if driver.admit():  # before the step: a long one shows in the metrics while it runs
+                self._on_results(driver.take_results())
             driver.step()
             self._on_results(driver.take_results())
 
