@@ -48,3 +48,13 @@ def test_two_models_under_one_name_exit_2_before_any_engine_starts(tmp_path):
     result = subprocess.run([sys.executable, "-m", "batchllm", "serve", "--model", "a=/models/x", "--model",
                              "a=/models/y"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and "--model names two models alike" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("text,parsed", [("chat=/models/llama", ("chat", "/models/llama")),
+                                         ("/models/llama", (None, "/models/llama")),
+                                         ("/data/a=b/model", (None, "/data/a=b/model")),
+                                         ("=/models/x", (None, "=/models/x"))])
+def test_a_model_flag_reads_as_a_name_and_a_path(text, parsed):
+    from batchllm.cli_types import served_model
+
+    assert served_model(text) == parsed
