@@ -162,7 +162,9 @@ def main() -> None:
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
-    name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-seqs{args.max_num_seqs}-h200.json"
+    card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
+    budget = f"-b{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
+    name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-seqs{args.max_num_seqs}{budget}-{card}.json"
     save_record(name, record, args.out)
 
 
