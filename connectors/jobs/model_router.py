@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from batchllm.config import CacheConfig
 from batchllm.connectors.jobs.identity import model_identity, quantization_identity, tokenizer_identity
 from batchllm.llm import LLM
 
 _END = object()
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # LLM's
 
 
 def check_models(models: Any, *, model: Any = None, llm: Any = None, task: str = "generate",
@@ -70,7 +70,7 @@ def model_engines(models: Mapping[str, str | Path | LLM | None], engine_kwargs: 
              for name, model in models.items() if not isinstance(model, LLM)}
     distinct = list(dict.fromkeys(paths.values()))
     built: dict[str | None, LLM] = {}
-    share = kwargs.get("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION) / len(distinct) if distinct else 0
+    share = kwargs.get("gpu_memory_utilization", CacheConfig().gpu_memory_utilization) / max(1, len(distinct))
     try:
         for i, path in enumerate(distinct):
             own = kwargs if len(distinct) == 1 or kwargs.get("device") == "cpu" else {

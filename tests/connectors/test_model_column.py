@@ -220,3 +220,23 @@ def test_run_and_serve_read_model_flags_alike():
         run = _parser().parse_args(["run", "in", "out", "--model", value]).model
         serve = _parser().parse_args(["serve", "--model", value]).model
         assert run == serve == [parsed]
+
+
+def test_engines_on_one_gpu_split_its_memory_evenly(monkeypatch):
+    """Each engine's profiling counts the engines built before it in the process: shares are cumulative."""
+    built = []
+
+    class Recorded(LLM):
+        def __init__(self, model, **kwargs):
+            built.append((model, kwargs))
+
+    monkeypatch.setattr(model_router, "LLM", Recorded)
+    with model_router.model_engines({"a": "/m/x", "b": "/m/x", "c": "/m/y", "d": "/m/z"},
+                                    {"gpu_memory_utilization": 0.6, "max_num_seqs": 8}) as engines:
+        assert engines["a"] is engines["b"] and len({id(e) for e in engines.values()}) == 3
+    assert [(model, kwargs["gpu_memory_utilization"]) for model, kwargs in built] == [
+        ("/m/x", pytest.approx(0.2)), ("/m/y", pytest.approx(0.4)), ("/m/z", pytest.approx(0.6))]
+    assert all(kwargs["max_num_seqs"] == 8 for _, kwargs in built)
+    built.clear()
+    with model_router.model_engines({"a": "/m/x", "c": "/m/y"}, {"device": "cpu"}):
+        assert built == [("/m/x", {"device": "cpu"}), ("/m/y", {"device": "cpu"})]  # no GPU memory to share
