@@ -1,7 +1,7 @@
 """The suite imports the code as users do, with the repo root off sys.path. The root holds kernels/ (installed as
 `batchllm.kernels`); on sys.path it would also be the top-level `kernels`, which is HF's package, imported by
-transformers >= 5.25. `make test` runs pytest's own script in importlib mode (pyproject.toml): `python -m pytest`
-from the root, or pytest's default prepend mode, puts the root on sys.path and fails here."""
+transformers >= 5.25. pytest runs in importlib mode (pyproject.toml), which leaves sys.path alone; `python -m
+pytest` from the root puts the root there, and tests/conftest.py takes it off. Without either, these fail."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_repo_root_is_not_on_sys_path():
     # An empty entry stands for the cwd (`python -m`, `python -c`).
     entries = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() == REPO]
-    assert entries == [], "run pytest as `make test` does: .venv/bin/pytest, not `python -m pytest`"
+    assert entries == [], "run pytest as `make test` does (.venv/bin/pytest), in importlib mode"
 
 
 def test_the_top_level_kernels_is_not_the_repo_folder():
