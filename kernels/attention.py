@@ -114,8 +114,8 @@ def paged_attention_triton(
     `num_splits=None` picks the variant with `choose_num_splits`; 1 forces the single-pass kernel, more
     forces split-KV. Split-KV uses `workspace` if given (it caps the split count) and allocates one
     otherwise. `tile` overrides the launch shape that `tile_config` picks (benchmarks/decode_attention.py sweeps
-    it); results do not depend on it. Every launch parameter comes from tensor shapes and the metadata's host ints, never from
-    device values, so the call can be captured in a CUDA graph.
+    it); results do not depend on it. Every launch parameter comes from tensor shapes and the metadata's host
+    ints, never from device values, so the call can be captured in a CUDA graph.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

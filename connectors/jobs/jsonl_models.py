@@ -20,7 +20,7 @@ from batchllm.connectors.jobs.job import JobResult, JobSettings, Planner, RowReq
 from batchllm.connectors.jobs.jsonl_batch import CHAT_URL, JsonlSource, _planner
 from batchllm.connectors.jobs.jsonl_output import JsonlSink
 from batchllm.connectors.jobs.manifest import Manifest
-from batchllm.connectors.jobs.model_router import ModelRouter, models_identity
+from batchllm.connectors.jobs.model_router import ModelRouter, models_identity, plan_by_model
 from batchllm.connectors.options import params_dict
 from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder
 from batchllm.llm import LLM
@@ -64,17 +64,7 @@ def _routed_planner(planners: dict[str, Planner], default: str, defaults: Sampli
 
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
         chosen = [default if model is None else model for model in batch.column("model").to_pylist()]
-        requests: list[RowRequest | None] = [None] * batch.num_rows
-        for name, planner in planners.items():
-            rows = [i for i, model in enumerate(chosen) if model == name]
-            if rows:
-                for row, request in zip(rows, planner(batch.take(pa.array(rows, pa.int64())))):
-                    request.model = name
-                    requests[row] = request
-        for row, model in enumerate(chosen):
-            if requests[row] is None:
-                error = f"body.model {model!r} is not one of the models of this job: {names}"
-                requests[row] = RowRequest(EncodedPrompt(None, error), defaults)
-        return requests
+        return plan_by_model(batch, chosen, planners, lambda model: RowRequest(EncodedPrompt(
+            None, f"body.model {model!r} is not one of the models of this job: {names}"), defaults))
 
     return plan

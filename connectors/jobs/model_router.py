@@ -20,11 +20,16 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from batchllm.config import CacheConfig
 from batchllm.connectors.jobs.identity import model_identity, quantization_identity, tokenizer_identity
 from batchllm.llm import LLM
+
+if TYPE_CHECKING:  # job.py imports this module
+    from batchllm.connectors.jobs.job import Planner, RowRequest
 
 _END = object()
 
@@ -83,6 +88,20 @@ def model_engines(models: Mapping[str, str | Path | LLM | None], engine_kwargs: 
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def plan_by_model(batch: pa.RecordBatch, chosen: list[Any], planners: Mapping[str, Planner],
+                  unplanned: Callable[[Any], RowRequest]) -> list[RowRequest]:
+    """Each model's rows of `batch` (those whose `chosen` value is its name) planned by its own planner, in one
+    batch per model, tagged with the model's name; every other row gets `unplanned(its chosen value)`."""
+    requests: list[RowRequest | None] = [None] * batch.num_rows
+    for name, planner in planners.items():
+        rows = [i for i, value in enumerate(chosen) if value == name]
+        if rows:
+            for row, request in zip(rows, planner(batch.take(pa.array(rows, pa.int64())))):
+                request.model = name
+                requests[row] = request
+    return [unplanned(value) if request is None else request for request, value in zip(requests, chosen)]
 
 
 class ModelRouter:

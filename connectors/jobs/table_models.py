@@ -24,7 +24,7 @@ from batchllm.connectors.constraints import require_compiles
 from batchllm.connectors.jobs.identity import require_chat_template
 from batchllm.connectors.jobs.job import JobResult, JobSettings, Planner, RowRequest, cap_max_tokens, run_sharded_job
 from batchllm.connectors.jobs.manifest import Manifest
-from batchllm.connectors.jobs.model_router import ModelRouter, models_identity
+from batchllm.connectors.jobs.model_router import ModelRouter, models_identity, plan_by_model
 from batchllm.connectors.jobs.parquet_job import table_planner
 from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource
@@ -81,21 +81,12 @@ def _routed_planner(planners: dict[str, Planner], column: str, params: SamplingP
     whose column value names no model gets that error (`params`: the ones an unplanned row carries)."""
     names = ", ".join(planners)
 
+    def unplanned(value: object) -> RowRequest:
+        what = "is null" if is_missing(value) else f"names {value!r}, which is not one of the job's models"
+        return RowRequest(EncodedPrompt(None, f"model column {column!r} {what}; the models are {names}"), params)
+
     def plan(batch: pa.RecordBatch) -> list[RowRequest]:
-        values = batch.column(column).to_pylist()
-        requests: list[RowRequest | None] = [None] * batch.num_rows
-        for name, planner in planners.items():
-            rows = [i for i, value in enumerate(values) if value == name]
-            if rows:
-                for row, request in zip(rows, planner(batch.take(pa.array(rows, pa.int64())))):
-                    request.model = name
-                    requests[row] = request
-        for row, value in enumerate(values):
-            if requests[row] is None:
-                what = "is null" if is_missing(value) else f"names {value!r}, which is not one of the job's models"
-                error = f"model column {column!r} {what}; the models are {names}"
-                requests[row] = RowRequest(EncodedPrompt(None, error), params)
-        return requests
+        return plan_by_model(batch, batch.column(column).to_pylist(), planners, unplanned)
 
     return plan
 
