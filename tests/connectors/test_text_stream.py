@@ -110,3 +110,26 @@ def test_the_first_step_runs_before_the_last_rows_are_tokenized(llm, tiny_chunks
                          **GREEDY)
     assert events.count("tokenize") == 4  # 11 rows: 2 + 3 + 3 + 3
     assert events.index("step") < len(events) - 1 - events[::-1].index("tokenize")
+
+
+def test_rows_sharing_a_prefix_are_admitted_together_across_chunks(llm, tiny_chunks, monkeypatch):
+    """Two system prompts interleaved in the input: in text order each one's rows reach the engine back to back,
+    chunk after chunk, and every row after a group's first hits the group's cached blocks."""
+    systems = ["You answer questions about rivers of the world, briefly and exactly, in one sentence. " * 3,
+               "You answer questions about mountains of the world, briefly and exactly, in one sentence. " * 3]
+    texts = [f"{systems[i % 2]}Question {i}: name one." for i in range(10)]
+    admitted = []
+    add_request = llm.engine.add_request
+
+    def recorded(request_id, token_ids, *args, **kwargs):
+        admitted.append(token_ids)
+        return add_request(request_id, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", recorded)
+    llm.generate(texts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    prefixes = [llm.tokenizer(system)["input_ids"] for system in systems]
+    groups = [next(g for g, prefix in enumerate(prefixes) if ids[:len(prefix) - 1] == prefix[:-1])
+              for ids in admitted]
+    assert groups == [1] * 5 + [0] * 5  # "mountains" sorts before "rivers"; each group's rows are contiguous
+    shared_blocks = [(len(prefix) - 1) // 16 for prefix in prefixes]
+    assert llm.stats.prefix_cache_hits >= 4 * 16 * sum(shared_blocks)
