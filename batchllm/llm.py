@@ -265,6 +265,10 @@ class LLM(PoolingCalls):
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate completions for `prompts` (strings, or token-id lists); results come in input order.
 
+        Text prompts are tokenized in chunks while the engine runs on the first ones (`batchllm/tokenize_ahead.py`).
+        With `reorder_by_prefix` they are admitted in text order (token-id prompts ahead of them, in token order),
+        so rows sharing a prefix run together.
+
         `lora_request`: the adapter of every prompt, or one per prompt (None: the base model); needs
         `enable_lora=True`. Every adapter is read and checked before generation (LoRAError names it)."""
         prompt_list = as_prompt_list(prompts)
@@ -450,8 +454,8 @@ class LLM(PoolingCalls):
             ready: Iterable[tuple[int, list[int]] | None] = (
                 (i, token_lists[i]) for i in self.admission_order(token_lists, loras))
         else:
-            # Texts are admitted in text order, which groups shared prefixes as token order does, so that order
-            # is known before they are tokenized; rows given as ids go first.
+            # Texts are ordered by their text, which groups shared prefixes as token order does, so that order is
+            # known before they are tokenized; rows given as ids sort ahead of them.
             keys = [(1, texts[i]) if token_ids is None else (0, token_ids) for i, token_ids in enumerate(token_lists)]
 
             def tokenize(rows: Sequence[int]) -> list[list[int]]:

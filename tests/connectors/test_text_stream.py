@@ -130,6 +130,6 @@ def test_rows_sharing_a_prefix_are_admitted_together_across_chunks(llm, tiny_chu
     prefixes = [llm.tokenizer(system)["input_ids"] for system in systems]
     groups = [next(g for g, prefix in enumerate(prefixes) if ids[:len(prefix) - 1] == prefix[:-1])
               for ids in admitted]
-    assert groups == [1] * 5 + [0] * 5  # "mountains" sorts before "rivers"; each group's rows are contiguous
+    assert groups in ([0] * 5 + [1] * 5, [1] * 5 + [0] * 5)  # each group's rows back to back, in any order
     shared_blocks = [(len(prefix) - 1) // 16 for prefix in prefixes]
     assert llm.stats.prefix_cache_hits >= 4 * 16 * sum(shared_blocks)
