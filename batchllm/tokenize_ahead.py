@@ -44,10 +44,12 @@ def chunk_bounds(num_rows: int) -> list[int]:
 def can_tokenize_aside(tokenizer: Any) -> bool:
     """Whether a worker thread may tokenize with `tokenizer` while the engine's thread detokenizes with it: a fast
     tokenizer whose Rust side no call writes. transformers clears a truncation or padding set on the backend
-    when a call does not ask for one, a write that would clash with a concurrent read ("Already borrowed"); a
-    slow (Python) tokenizer holds the GIL throughout, so a worker would gain nothing."""
+    when a call does not ask for one, and aligns its `encode_special_tokens` with `split_special_tokens`: writes
+    that would clash with a concurrent read ("Already borrowed"). A slow (Python) tokenizer holds the GIL
+    throughout, so a worker would gain nothing."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and backend.truncation is None and backend.padding is None
+    return (backend is not None and backend.truncation is None and backend.padding is None
+            and getattr(backend, "encode_special_tokens", False) == getattr(tokenizer, "split_special_tokens", False))
 
 
 def tokenized_ahead(rows: Sequence[T], tokenize: Callable[[Sequence[T]], Sequence[R]], busy: Callable[[], bool],
