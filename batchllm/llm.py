@@ -135,8 +135,8 @@ class LLM(PoolingCalls):
         from batchllm.model.config import ModelConfig, read_hf_config
         from batchllm.model.loader import resolve_model_path
         from batchllm.model.pooling_config import pooled_dim, resolve_pooling
-        from batchllm.model.size import model_size
         from batchllm.model.quantization import pinned_quantization
+        from batchllm.model.size import model_size
         from batchllm.model.spec_checks import check_speculative_model
         from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
 
