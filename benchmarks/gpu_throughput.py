@@ -111,7 +111,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--peer", choices=["generate_batch", "none"], default="generate_batch")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's (by model size)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: the engine's (by model size)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--also-sync", action="store_true",
                         help="also run batchllm with async_scheduling=False (the default is on for CUDA)")
@@ -164,7 +165,8 @@ def main() -> None:
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
     card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
     budget = f"-b{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
-    name = f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-seqs{args.max_num_seqs}{budget}-{card}.json"
+    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-seqs{args.max_num_seqs}{budget}"
+            f"-{card}.json")
     save_record(name, record, args.out)
 
 

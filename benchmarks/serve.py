@@ -33,8 +33,8 @@ TTFT (send to first text chunk); ITL, the gaps between consecutive text chunks, 
 divided among the tokens it carries: `tokens_per_chunk` in the record says how many that is); TPOT per request
 ((last chunk - first chunk) / (tokens - 1)); E2E; goodput: req/s of the requests with TTFT <= --slo-ttft-ms and
 TPOT <= --slo-itl-ms. Offline peer: after the server has exited (its memory is free), `LLM` in this process,
-warmed up alike (every prompt once, salted apart), then `generate` on the prompts: output tok/s, and served `inf` / offline (target: >= 0.90 for
-llama3-8b on one H200).
+warmed up alike (every prompt once, salted apart), then `generate` on the prompts: output tok/s, and served `inf` /
+offline (target: >= 0.90 for llama3-8b on one H200).
 """
 
 from __future__ import annotations
@@ -305,7 +305,8 @@ def main() -> None:
     today = str(datetime.date.today())
     record = dict(benchmark="serve", date=today, git=git_sha(), model=str(model), shape=args.shape, dtype=dtype,
                   engine_args=engine_argv, workload=args.workload, rows=args.rows, max_tokens=args.max_tokens,
-                  prompt_tokens=sum(map(len, prompts)), slo_ms={"ttft": slo[0], "tpot": slo[1]}, device=device_name, **device_info,
+                  prompt_tokens=sum(map(len, prompts)), slo_ms={"ttft": slo[0], "tpot": slo[1]}, device=device_name,
+                  **device_info,
                   load_average_at_start=load_at_start, served=served,
                   offline=peer, served_over_offline={"rate": peak_rate, "ratio": round(ratio, 3)})
     save_record(f"{today}-serve-{name}-{device_name}.json", record, args.out)
