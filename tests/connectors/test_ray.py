@@ -6,6 +6,7 @@ batch sizes and refuses bad arguments before any actor starts."""
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import subprocess
 import sys
@@ -27,13 +28,18 @@ BATCH_SIZE = 5  # several batches per replica, the last one short
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     sigterm = signal.getsignal(signal.SIGTERM)
+    # Ray puts the driver's working directory on its workers' sys.path: from the repo root, its kernels/ folder
+    # would shadow HF's `kernels` package, which transformers imports.
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray-driver"))
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
              object_store_memory=256 * 1024**2)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
+    os.chdir(cwd)
     signal.signal(signal.SIGTERM, sigterm)  # ray.init installs its own and leaves it behind
 
 
