@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from batchllm.config import SchedulerConfig
 from batchllm.engine.block_pool import BlockPool
@@ -20,7 +20,6 @@ from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.disaggregated import DisaggregatedEngineCore
 from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.kv_handoff import DecodeKVCacheManager, PrefillKVCacheManager
-from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.structured_output import StructuredOutputManager
 
 
@@ -66,7 +65,9 @@ class EnginePair:
 
 def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: SchedulerConfig,
                         detokenizer: Detokenizer, structured: StructuredOutputManager | None,
-                        async_scheduling: bool) -> tuple[DisaggregatedEngineCore, EnginePair]:
+                        async_scheduling: bool, wire_core: Callable[..., EngineCore]
+                        ) -> tuple[DisaggregatedEngineCore, EnginePair]:
+    """Both executors, each engine wired by `wire_core` (batchllm/engine_build.py) with its side's KV manager."""
     import torch
 
     from batchllm.distributed.shm_queue import create_shared_file
@@ -107,8 +108,6 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
     prefill_kv = PrefillKVCacheManager(prefill.num_blocks, block_size, caching, link, prefill.num_host_blocks)
     decode_kv = DecodeKVCacheManager(decode.num_blocks, block_size, caching, link, decode.num_host_blocks)
     no_text = Detokenizer(None, frozenset())  # the prefill engine's one sample per prompt is thrown away
-    prefill_scheduler = Scheduler(dataclasses.replace(scheduler_config), prefill_kv, no_text.check_stop)
-    prefill_core = EngineCore(prefill_scheduler, prefill, no_text, async_scheduling=True)
-    decode_core = EngineCore(Scheduler(scheduler_config, decode_kv, detokenizer.check_stop), decode, detokenizer,
-                             async_scheduling, structured)
+    prefill_core = wire_core(dataclasses.replace(scheduler_config), prefill_kv, prefill, no_text, None, True)
+    decode_core = wire_core(scheduler_config, decode_kv, decode, detokenizer, structured, async_scheduling)
     return DisaggregatedEngineCore(prefill_core, decode_core), pair

@@ -10,18 +10,11 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig, default_step_budget
-from batchllm.disaggregation import build_disaggregated, parse_layout
-from batchllm.engine.detokenizer import Detokenizer
-from batchllm.engine.engine_core import EngineCore
-from batchllm.engine.kv_cache_manager import KVCacheManager
-from batchllm.engine.scheduler import Scheduler
-from batchllm.engine.spec.config import parse_speculative_config
-from batchllm.engine.spec.speculator import Speculator
-from batchllm.engine.structured_output import StructuredOutputManager, check_backend
+from batchllm.engine_build import BuiltEngine, build_engine
+from batchllm.engine_config import EngineConfig
 from batchllm.host_gc import objects_frozen
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
-from batchllm.lora.registry import AdapterRegistry, check_lora_options
+from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_api import NO_SAMPLING, PoolingCalls, pooling_output
@@ -123,108 +116,26 @@ class LLM(PoolingCalls):
                  preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
                  disaggregated: dict[str, int] | None = None, task: str = "generate", pooling: str | None = None,
                  normalize: bool | None = None) -> None:
-        # The executor imports torch; the facade imports it only when an LLM is built, the engine never.
-        from batchllm.executor.build import (
-            build_executor,
-            check_parallel_sizes,
-            check_quantization,
-            resolve_device,
-            resolve_dtype,
-        )
-        from batchllm.executor.model_runner import RunnerConfig
-        from batchllm.model.config import ModelConfig, read_hf_config
-        from batchllm.model.loader import resolve_model_path
-        from batchllm.model.pooling_config import pooled_dim, resolve_pooling
-        from batchllm.model.quantization import pinned_quantization
-        from batchllm.model.size import model_size
-        from batchllm.model.spec_checks import check_speculative_model
-        from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
-
-        cache_config = CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, kv_cache_memory_bytes,
-                                   enable_prefix_caching, swap_space)
-        check_lora_options(enable_lora, max_loras, max_lora_rank)
-        check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
-        scheduler_config = SchedulerConfig(max_num_seqs, GENERATE_STEP_BUDGET if max_num_batched_tokens is None
-                                           else max_num_batched_tokens,
-                                           max_loras=max_loras if enable_lora else 0, preemption_mode=preemption_mode,
-                                           num_micro_batches=pipeline_parallel_size)
-        cache_config.validate()
-        scheduler_config.validate()
-        if preemption_mode == "swap" and not swap_space:
-            raise ValueError("LLM argument preemption_mode='swap' needs swap_space > 0 (GiB of host memory to swap to)")
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-            raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
-        torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, torch_device)
-        if async_scheduling not in (None, True, False):
-            raise ValueError(f"LLM argument async_scheduling must be None, True or False, got {async_scheduling!r}")
-        if async_scheduling is None:
-            async_scheduling = torch_device.type == "cuda"
-        check_backend(structured_outputs_backend, "LLM argument structured_outputs_backend")
-        spec_config = parse_speculative_config(speculative_config, "LLM argument speculative_config")
-        if pipeline_parallel_size > 1 and (spec_config is not None or enable_lora):
-            raise ValueError(f"LLM argument pipeline_parallel_size={pipeline_parallel_size} does not work with "
-                             f"{'speculative_config' if spec_config is not None else 'enable_lora=True'} yet")
-        layout = parse_layout(disaggregated)
-        if layout is not None:
-            conflicts = [name for name, used in (("tensor_parallel_size", tensor_parallel_size > 1),
-                                                 ("pipeline_parallel_size", pipeline_parallel_size > 1),
-                                                 ("speculative_config", spec_config is not None),
-                                                 ("enable_lora", enable_lora)) if used]
-            if conflicts:
-                raise ValueError(f"LLM argument disaggregated does not work with {conflicts[0]} yet")
-
+        # Every keyword as the user wrote it: EngineConfig checks them all, as it does for the CLI and the doors.
+        arguments = {name: value for name, value in locals().items() if name != "self"}
         start = time.perf_counter()
-        self.model_path = resolve_model_path(model)
-        self.task = task
-        model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
-        if max_num_batched_tokens is None:
-            scheduler_config.max_num_batched_tokens = default_step_budget(task, torch_device.type,
-                                                                          model_size(model_config).layers)
-        self.pooling_params = resolve_pooling(self.model_path, model_config, task, pooling, normalize)
-        self.embedding_dim = pooled_dim(model_config, self.pooling_params)  # a pooled vector's length
-        if self.pooling_params is not None and (layout is not None or spec_config is not None):
-            raise ValueError(f"LLM argument task={task!r} does not work with "
-                             f"{'disaggregated' if layout is not None else 'speculative_config'}")
-        kv_cache_dtype = check_quantization(self.model_path, quantization, kv_cache_dtype, torch_device, load_format)
-        if spec_config is not None:
-            check_speculative_model(spec_config, self.model_path, tensor_parallel_size)
-        # Job manifests pin these (see connectors/jobs/identity.py).
-        self.quantization = pinned_quantization(read_hf_config(self.model_path), quantization)
-        self.kv_cache_dtype = kv_cache_dtype
-        # skip_tokenizer_init: token ids in, token ids out (no text, no stop strings), e.g. random-weight shapes.
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or self.model_path,
-                                                                         trust_remote_code=trust_remote_code)
-        eos_token_ids = resolve_eos_token_ids(self.model_path, self.tokenizer)
-        # Pipelined steps carry no placeholder tokens: a request's next step waits for its token (engine_core.py).
-        runner_config = RunnerConfig(self.model_path, torch_device, torch_dtype, cache_config, scheduler_config,
-                                     max_model_len, seed, eos_token_ids, load_format, enforce_eager,
-                                     async_scheduling and pipeline_parallel_size == 1, scheduler_config.max_loras,
-                                     max_lora_rank, quantization, kv_cache_dtype, spec_config)
-        detokenizer = Detokenizer(self.tokenizer, eos_token_ids)
-        structured = None
-        if self.tokenizer is not None:
-            structured = StructuredOutputManager(self.tokenizer, model_config.vocab_size, eos_token_ids,
-                                                 structured_outputs_backend)
-        if layout is not None:
-            self.engine, self.runner = build_disaggregated(layout, runner_config, scheduler_config, detokenizer,
-                                                           structured, async_scheduling)
-        else:
-            runner = build_executor(runner_config, tensor_parallel_size, pipeline_parallel_size)
-            scheduler_config.max_model_len = runner.max_model_len
-            kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching, runner.num_host_blocks)
-            speculator = None if spec_config is None else Speculator(
-                spec_config, spec_config.overhead_for(torch_device.type), runner.max_model_len,
-                spec_config.verify_overhead_for(torch_device.type), runner.max_verify_rows)
-            scheduler = Scheduler(scheduler_config, kv_cache, detokenizer.check_stop, speculator)
-            self.engine = EngineCore(scheduler, runner, detokenizer, async_scheduling, structured,
-                                     pipeline_parallel_size)
-            self.runner = runner
+        self._attach(build_engine(EngineConfig.from_kwargs(**arguments)))
         self.load_seconds = time.perf_counter() - start
+
+    def _attach(self, built: BuiltEngine) -> None:
+        resolved = built.resolved
+        self.config = resolved.config
+        self.engine, self.runner = built.engine, built.runner
+        self.model_path, self.task = resolved.model_path, self.config.pooling.task
+        self.pooling_params, self.embedding_dim = resolved.pooling_params, resolved.embedding_dim
+        # Job manifests pin these (see connectors/jobs/identity.py).
+        self.quantization, self.kv_cache_dtype = resolved.pinned_quantization, resolved.kv_cache_dtype
+        self.tokenizer = resolved.tokenizer
+        self.reorder_by_prefix = self.config.reorder_by_prefix and self.config.cache.enable_prefix_caching
+        lora = self.config.lora
+        self._adapters = AdapterRegistry(resolved.model_config, lora.max_lora_rank, lora.enable_lora)
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0
-        self.reorder_by_prefix = reorder_by_prefix and enable_prefix_caching
-        self._adapters = AdapterRegistry(model_config, max_lora_rank, enable_lora)
         self._transfer_seconds_before = 0.0
 
     def _transfer_seconds(self) -> float:

@@ -1,4 +1,4 @@
-"""Building the executor of an `LLM`: the device, the dtype, and one model runner or a model-parallel group."""
+"""Building the executor of an `LLM`: one model runner, or a model-parallel group of worker processes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from batchllm.distributed.parallel_state import check_tensor_parallel_shape
+from batchllm.engine_config import check_parallel_sizes
 from batchllm.executor.model_runner import ModelRunner, RunnerConfig
 from batchllm.executor.multiproc_executor import MultiprocExecutor
 from batchllm.model.config import ModelConfig, read_hf_config
@@ -33,39 +34,6 @@ def build_executor(config: RunnerConfig, tensor_parallel_size: int, pipeline_par
     # Each CPU rank gets its share of this process's threads, so ranks do not oversubscribe the cores.
     num_threads = max(1, torch.get_num_threads() // world)
     return MultiprocExecutor(config, tensor_parallel_size, num_threads, pipeline_parallel_size)
-
-
-def check_parallel_sizes(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:
-    for name, value in (("tensor_parallel_size", tensor_parallel_size),
-                        ("pipeline_parallel_size", pipeline_parallel_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"LLM argument {name} must be an int >= 1, got {value!r}")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"LLM argument device={device!r} is not a torch device") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("LLM argument device='cuda' but no CUDA device is available")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLM argument device={device!r}: only 'cpu' and 'cuda' are supported")
-    return resolved
-
-
-def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if isinstance(dtype, torch.dtype) and dtype in names.values():
-        return dtype
-    if dtype not in names:
-        raise ValueError(f"LLM argument dtype={dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
-    return names[dtype]
 
 
 def check_quantization(model_path: Any, quantization: str | None, kv_cache_dtype: str, device: torch.device,

@@ -16,19 +16,17 @@ the memory left after loading, which only a run can measure, so the model's limi
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig, default_step_budget
-from batchllm.disaggregation import parse_layout
-from batchllm.engine.spec.config import parse_speculative_config
-from batchllm.engine.structured_output import StructuredOutputManager, check_backend
-from batchllm.lora.registry import AdapterRegistry, check_lora_options
+from batchllm.config import CacheConfig
+from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine_build import resolve_engine
+from batchllm.engine_config import EngineConfig
+from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
-from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
-from batchllm.model.size import model_size
+from batchllm.model.config import ModelConfig
 from batchllm.pooling_params import PoolingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 
@@ -72,94 +70,37 @@ class EnginePreview:
 
 def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> EnginePreview:
     """The checks of `LLM(model, **engine_kwargs)` up to its weights, in its order; see the module docstring."""
-    from batchllm.executor.build import check_parallel_sizes, check_quantization, resolve_device, resolve_dtype
-    from batchllm.llm import LLM
-    from batchllm.model.loader import resolve_model_path
-    from batchllm.model.pooling_config import pooled_dim, resolve_pooling
-    from batchllm.model.quantization import FP8, INT, pinned_quantization, resolve_quantization
-    from batchllm.model.registry import get_model_class
-    from batchllm.model.spec_checks import check_speculative_model
-    from batchllm.tokenizer import load_tokenizer, resolve_eos_token_ids
+    import torch
 
-    try:
-        bound = inspect.signature(LLM).bind(model, **dict(engine_kwargs or {}))
-    except TypeError as exc:
-        raise TypeError(f"LLM() {exc}") from None
-    bound.apply_defaults()
-    a = bound.arguments
-    cache_config = CacheConfig(a["block_size"], a["num_kv_blocks"], a["gpu_memory_utilization"],
-                               a["kv_cache_memory_bytes"], a["enable_prefix_caching"], a["swap_space"])
-    check_lora_options(a["enable_lora"], a["max_loras"], a["max_lora_rank"])
-    tp, pp = a["tensor_parallel_size"], a["pipeline_parallel_size"]
-    check_parallel_sizes(tp, pp)
-    max_num_batched_tokens = a["max_num_batched_tokens"]
-    scheduler_config = SchedulerConfig(a["max_num_seqs"], GENERATE_STEP_BUDGET if max_num_batched_tokens is None
-                                       else max_num_batched_tokens,
-                                       max_loras=a["max_loras"] if a["enable_lora"] else 0,
-                                       preemption_mode=a["preemption_mode"], num_micro_batches=pp)
-    cache_config.validate()
-    scheduler_config.validate()
-    if a["preemption_mode"] == "swap" and not a["swap_space"]:
-        raise ValueError("LLM argument preemption_mode='swap' needs swap_space > 0 (GiB of host memory to swap to)")
-    requested_len = a["max_model_len"]
-    if requested_len is not None and (not isinstance(requested_len, int) or requested_len < 2):
-        raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {requested_len!r}")
-    device = resolve_device(a["device"])
-    dtype = resolve_dtype(a["dtype"], device)
-    if a["async_scheduling"] not in (None, True, False):
-        raise ValueError(f"LLM argument async_scheduling must be None, True or False, got {a['async_scheduling']!r}")
-    check_backend(a["structured_outputs_backend"], "LLM argument structured_outputs_backend")
-    spec_config = parse_speculative_config(a["speculative_config"], "LLM argument speculative_config")
-    if pp > 1 and (spec_config is not None or a["enable_lora"]):
-        raise ValueError(f"LLM argument pipeline_parallel_size={pp} does not work with "
-                         f"{'speculative_config' if spec_config is not None else 'enable_lora=True'} yet")
-    layout = parse_layout(a["disaggregated"])
-    if layout is not None:
-        conflicts = [name for name, used in (("tensor_parallel_size", tp > 1), ("pipeline_parallel_size", pp > 1),
-                                             ("speculative_config", spec_config is not None),
-                                             ("enable_lora", a["enable_lora"])) if used]
-        if conflicts:
-            raise ValueError(f"LLM argument disaggregated does not work with {conflicts[0]} yet")
+    from batchllm.model.quantization import FP8, INT, resolve_quantization
 
-    model_path = resolve_model_path(model)
-    hf_config = read_hf_config(model_path)
-    get_model_class(architecture_of(hf_config))  # the loader's first check, made before it reads any weight
-    model_config = ModelConfig.from_hf_dict(hf_config)
-    if max_num_batched_tokens is None:
-        scheduler_config.max_num_batched_tokens = default_step_budget(a["task"], device.type,
-                                                                      model_size(model_config).layers)
-    pooling_params = resolve_pooling(model_path, model_config, a["task"], a["pooling"], a["normalize"])
-    if pooling_params is not None and (layout is not None or spec_config is not None):
-        raise ValueError(f"LLM argument task={a['task']!r} does not work with "
-                         f"{'disaggregated' if layout is not None else 'speculative_config'}")
-    kv_cache_dtype = check_quantization(model_path, a["quantization"], a["kv_cache_dtype"], device, a["load_format"])
-    if spec_config is not None:
-        check_speculative_model(spec_config, model_path, tp)
-    tokenizer = None if a["skip_tokenizer_init"] else load_tokenizer(a["tokenizer"] or model_path,
-                                                                     trust_remote_code=a["trust_remote_code"])
-    eos_token_ids = resolve_eos_token_ids(model_path, tokenizer)
-    structured = None if tokenizer is None else StructuredOutputManager(
-        tokenizer, model_config.vocab_size, eos_token_ids, a["structured_outputs_backend"])
-
+    kwargs = dict(engine_kwargs or {})
+    if "model" in kwargs:
+        raise TypeError("LLM() got multiple values for argument 'model'")
+    resolved = resolve_engine(EngineConfig.from_kwargs(model=model, **kwargs))
+    config, model_config = resolved.config, resolved.model_config
+    device_type, dtype = torch.device(config.model.device).type, getattr(torch, config.model.dtype)
     dtype_bytes = dtype.itemsize
-    quant = resolve_quantization(hf_config, a["quantization"])
+    quant = resolve_quantization(resolved.hf_config, config.quantization.quantization)
     linear_bits = 8 * dtype_bytes
     if quant is not None and quant.method == FP8:
         linear_bits = 8
-    elif quant is not None and quant.method == INT and device.type == "cuda":  # the CPU dequantizes on load
+    elif quant is not None and quant.method == INT and device_type == "cuda":  # the CPU dequantizes on load
         linear_bits = quant.bits
     kv_bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-                          * (1 if kv_cache_dtype == "fp8" else dtype_bytes))
-    kv_tokens = _known_kv_tokens(cache_config, device.type, kv_bytes_per_token // max(1, tp * pp))
-    model_limit = model_config.max_model_len
+                          * (1 if resolved.kv_cache_dtype == "fp8" else dtype_bytes))
+    gpus = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+    kv_tokens = _known_kv_tokens(config.cache, device_type, kv_bytes_per_token // max(1, gpus))
+    model_limit, requested_len = model_config.max_model_len, config.model.max_model_len
     if requested_len is not None and requested_len > model_limit:  # the runner's check, with its message
         raise ValueError(f"max_model_len={requested_len} exceeds the model's limit of {model_limit} positions")
     max_model_len = min(requested_len or model_limit, kv_tokens or model_limit)
-    return EnginePreview(model_path, a["task"], tokenizer, model_config, max_model_len, pooling_params,
-                         pooled_dim(model_config, pooling_params), pinned_quantization(hf_config, a["quantization"]),
-                         kv_cache_dtype, device.type, str(dtype).removeprefix("torch."), dtype_bytes, linear_bits,
-                         a["max_num_seqs"], scheduler_config.max_num_batched_tokens, kv_tokens, tp * pp, structured,
-                         AdapterRegistry(model_config, a["max_lora_rank"], a["enable_lora"]))
+    return EnginePreview(resolved.model_path, config.pooling.task, resolved.tokenizer, model_config, max_model_len,
+                         resolved.pooling_params, resolved.embedding_dim, resolved.pinned_quantization,
+                         resolved.kv_cache_dtype, device_type, config.model.dtype, dtype_bytes, linear_bits,
+                         config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, kv_tokens, gpus,
+                         resolved.structured,
+                         AdapterRegistry(model_config, config.lora.max_lora_rank, config.lora.enable_lora))
 
 
 def _known_kv_tokens(cache: CacheConfig, device_type: str, kv_bytes_per_token: int) -> int | None:

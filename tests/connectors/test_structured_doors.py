@@ -90,8 +90,10 @@ class FakeEngine:
     def has_unfinished(self):
         return False  # `stream` answers each row as it takes it
 
-    def stream(self, requests, *, max_in_flight=None):
+    def stream(self, requests, *, max_in_flight=None, stop=None):
         for item in requests:
+            if stop is not None and stop():
+                return
             if item is None:
                 continue
             key, token_ids, params, *_ = item  # a fourth element: the row's adapter (None here)

@@ -1,0 +1,190 @@
+"""`EngineConfig`: every engine setting, typed and validated once, from `LLM`'s keyword arguments.
+
+`EngineConfig.from_kwargs(**kwargs)` takes the keywords of `LLM(...)` (the CLI's flags, the table doors'
+`engine_kwargs`, the server's and Ray's settings all reach it the same way), applies the defaults, and checks
+each value and the combinations that do not work together; every error names the argument as the user wrote it.
+Nothing here reads the checkpoint: what depends on the model (its path, step budget, pooling, quantization) is
+resolved by `batchllm.engine_build.resolve_engine`. Torch is imported only to resolve `device` and `dtype`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig
+from batchllm.disaggregation import Layout, parse_layout
+from batchllm.engine.spec.config import SpeculativeConfig, parse_speculative_config
+from batchllm.engine.structured_output import check_backend
+from batchllm.lora.registry import check_lora_options
+
+# `LLM(...)`'s keywords and their defaults; `LLM.__init__` spells the same ones (tests/unit/test_engine_config.py).
+DEFAULTS: dict[str, Any] = dict(
+    model=None, device="auto", dtype="auto", max_model_len=None, block_size=16, max_num_seqs=256,
+    max_num_batched_tokens=None, gpu_memory_utilization=0.9, num_kv_blocks=None, kv_cache_memory_bytes=None,
+    enable_prefix_caching=True, reorder_by_prefix=True, seed=0, load_format="auto", enforce_eager=False,
+    tokenizer=None, skip_tokenizer_init=False, trust_remote_code=False, tensor_parallel_size=1,
+    async_scheduling=None, structured_outputs_backend="xgrammar", enable_lora=False, max_loras=1, max_lora_rank=16,
+    quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
+    pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    model: str | Path | None  # None: the default model
+    tokenizer: str | Path | None  # None: the model directory's
+    skip_tokenizer_init: bool  # token ids in, token ids out
+    trust_remote_code: bool
+    device: str  # resolved: "cpu", "cuda" or "cuda:N"
+    dtype: str  # resolved: "float32", "bfloat16" or "float16"
+    max_model_len: int | None  # None: the model's limit, or what the KV pool holds
+    seed: int
+    load_format: str  # "auto" (the checkpoint) or "dummy" (random weights of its shapes)
+    enforce_eager: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters on the device at once
+    max_lora_rank: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationOptions:
+    quantization: str | None = None  # None: whatever config.json says; "fp8" also quantizes on load
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    backend: str = "xgrammar"
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Where K/V goes besides the device pool: the host tier (`cache.swap_space` GiB, and `preemption_mode='swap'`
+    moves preempted requests there) and, disaggregated, the buffer to the decode engine."""
+
+    disaggregated: Layout | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingOptions:
+    task: str = "generate"  # or "embed", "classify", "score"
+    pooling: str | None = None  # None: what the model directory says
+    normalize: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelOptions
+    cache: CacheConfig
+    # `max_num_batched_tokens` is the user's, or 8192 until `resolve_engine` sizes it (`step_budget_given`).
+    scheduler: SchedulerConfig
+    step_budget_given: bool
+    async_scheduling: bool  # resolved: None became "on for CUDA"
+    reorder_by_prefix: bool
+    parallel: ParallelConfig
+    lora: LoRAConfig
+    speculative: SpeculativeConfig | None
+    quantization: QuantizationOptions
+    structured_outputs: StructuredOutputsConfig
+    kv_transfer: KVTransferConfig
+    pooling: PoolingOptions
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config of `LLM(**kwargs)`; raises TypeError for an unknown keyword, ValueError naming the argument
+        for a bad value or a combination that does not work."""
+        unknown = sorted(set(kwargs) - set(DEFAULTS))
+        if unknown:
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+        a = {**DEFAULTS, **kwargs}
+        cache = CacheConfig(a["block_size"], a["num_kv_blocks"], a["gpu_memory_utilization"],
+                            a["kv_cache_memory_bytes"], a["enable_prefix_caching"], a["swap_space"])
+        check_lora_options(a["enable_lora"], a["max_loras"], a["max_lora_rank"])
+        tp, pp = a["tensor_parallel_size"], a["pipeline_parallel_size"]
+        check_parallel_sizes(tp, pp)
+        budget = a["max_num_batched_tokens"]
+        scheduler = SchedulerConfig(a["max_num_seqs"], GENERATE_STEP_BUDGET if budget is None else budget,
+                                    max_loras=a["max_loras"] if a["enable_lora"] else 0,
+                                    preemption_mode=a["preemption_mode"], num_micro_batches=pp)
+        cache.validate()
+        scheduler.validate()
+        if a["preemption_mode"] == "swap" and not a["swap_space"]:
+            raise ValueError("LLM argument preemption_mode='swap' needs swap_space > 0 (GiB of host memory to swap to)")
+        max_model_len = a["max_model_len"]
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
+        device, dtype = resolve_device_and_dtype(a["device"], a["dtype"])
+        if a["async_scheduling"] not in (None, True, False):
+            raise ValueError(f"LLM argument async_scheduling must be None, True or False, "
+                             f"got {a['async_scheduling']!r}")
+        check_backend(a["structured_outputs_backend"], "LLM argument structured_outputs_backend")
+        spec = parse_speculative_config(a["speculative_config"], "LLM argument speculative_config")
+        if pp > 1 and (spec is not None or a["enable_lora"]):
+            raise ValueError(f"LLM argument pipeline_parallel_size={pp} does not work with "
+                             f"{'speculative_config' if spec is not None else 'enable_lora=True'} yet")
+        layout = parse_layout(a["disaggregated"])
+        if layout is not None:
+            conflicts = [name for name, used in (("tensor_parallel_size", tp > 1), ("pipeline_parallel_size", pp > 1),
+                                                 ("speculative_config", spec is not None),
+                                                 ("enable_lora", a["enable_lora"])) if used]
+            if conflicts:
+                raise ValueError(f"LLM argument disaggregated does not work with {conflicts[0]} yet")
+        model = ModelOptions(a["model"], a["tokenizer"], a["skip_tokenizer_init"], a["trust_remote_code"], device,
+                             dtype, max_model_len, a["seed"], a["load_format"], a["enforce_eager"])
+        return cls(model, cache, scheduler, budget is not None,
+                   device.startswith("cuda") if a["async_scheduling"] is None else a["async_scheduling"],
+                   a["reorder_by_prefix"], ParallelConfig(tp, pp),
+                   LoRAConfig(a["enable_lora"], a["max_loras"], a["max_lora_rank"]), spec,
+                   QuantizationOptions(a["quantization"], a["kv_cache_dtype"]),
+                   StructuredOutputsConfig(a["structured_outputs_backend"]), KVTransferConfig(layout),
+                   PoolingOptions(a["task"], a["pooling"], a["normalize"]))
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def check_parallel_sizes(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"LLM argument {name} must be an int >= 1, got {value!r}")
+
+
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "half": "float16"}
+
+
+def resolve_device_and_dtype(device: Any, dtype: Any) -> tuple[str, str]:
+    """("cpu" | "cuda" | "cuda:N", "float32" | "bfloat16" | "float16"); "auto" picks CUDA when present, and
+    bfloat16 on CUDA, float32 on the CPU."""
+    import torch  # only here: the config is read by processes that never run a model
+
+    if device == "auto":
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"LLM argument device={device!r} is not a torch device") from exc
+        if resolved.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("LLM argument device='cuda' but no CUDA device is available")
+        if resolved.type not in ("cpu", "cuda"):
+            raise ValueError(f"LLM argument device={device!r}: only 'cpu' and 'cuda' are supported")
+    if dtype == "auto":
+        return str(resolved), "bfloat16" if resolved.type == "cuda" else "float32"
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"LLM argument dtype={dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
+    return str(resolved), _DTYPES[name]
