@@ -65,10 +65,10 @@ def read_eagle_config(path: str | Path, method: str) -> tuple[ModelConfig, dict]
 class Eagle3Layer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaSelfAttention(config, rotary_emb)
+        self.self_attn = LlamaSelfAttention(config, rotary_emb, quant_config=None)
         self.self_attn.qkv_proj = QKVLinear(2 * config.hidden_size, config.head_dim, config.num_heads,
-                                            config.num_kv_heads, bias=config.attention_bias)
-        self.mlp = LlamaMLP(config)
+                                            config.num_kv_heads, bias=config.attention_bias, quant_config=None)
+        self.mlp = LlamaMLP(config, quant_config=None)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -81,7 +81,8 @@ class Eagle3Layer(nn.Module):
 
 class EagleHead(nn.Module):
     """`forward(token_ids, positions, features) -> next features`; `draft(features) -> target token ids`.
-    Runs inside a forward context, like the target, with its own paged KV cache."""
+    Runs inside a forward context, like the target, with its own paged KV cache. Its linear layers are
+    unquantized whatever the target's quantization: heads are published in full precision."""
 
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -101,7 +102,8 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(raw["draft_vocab_size"], dtype=torch.long))
         else:
             self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
-            self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, quant_config=None)
+                                        for _ in range(config.num_layers))
             self.layers[0].input_layernorm = nn.Identity()  # EAGLE's first layer reads fc's output unnormed
         # The target's embedding and LM head, held in a tuple so that they do not become this module's own.
         self._target: tuple[VocabEmbedding, VocabEmbedding] | None = None
@@ -158,7 +160,7 @@ def load_eagle_head(path: str | Path, method: str, target: ModelConfig, device: 
                 ids = torch.randperm(target.vocab_size, generator=generator)[:len(head.d2t)].sort().values
                 head.d2t.copy_(ids - torch.arange(len(ids)))
         else:
-            load_checkpoint_weights(head, path, config, None, ignore=("d2t", "t2d"))
+            load_checkpoint_weights(head, path, config, ignore=("d2t", "t2d"))
             if method == EAGLE3:
                 head.d2t.copy_(_read_d2t(path, len(head.d2t), target.vocab_size))
     return head.eval()

@@ -18,6 +18,7 @@ from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logi
 from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.layers.rotary import RotaryEmbedding
+from batchllm.model.quantization.config import QuantConfig
 from batchllm.model.stages import StagePlan
 
 # What a pipeline stage hands the next: the hidden states and the residual stream, both [T, H].
@@ -25,15 +26,15 @@ StageOutput = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None) -> None:
         super().__init__()
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=config.attention_bias
-        )
+        self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+                                  bias=config.attention_bias, quant_config=quant_config)
         # This rank's heads: all of them without tensor parallelism.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
-        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias,
+                                quant_config=quant_config)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -52,12 +53,12 @@ class LlamaSelfAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
-        )
-        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                               bias=config.mlp_bias, quant_config=quant_config)
+        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias,
+                                   quant_config=quant_config)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -65,10 +66,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None) -> None:
         super().__init__()
-        self.self_attn = LlamaSelfAttention(config, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaSelfAttention(config, rotary_emb, quant_config)
+        self.mlp = LlamaMLP(config, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -91,14 +92,14 @@ class HeldElsewhere(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
         super().__init__()
         pp = get_pp()
         self.stage = StagePlan(config, pp.rank, pp.size)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.stage.has_embedding else None
         # One cos/sin table shared by every layer: for long-context models it is tens of MB.
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) if self.stage.holds_layer(i)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, quant_config) if self.stage.holds_layer(i)
                                     else HeldElsewhere() for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
@@ -143,10 +144,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+        """`quant_config` (None: unquantized) is the checkpoint's, for the decoder's linear layers; the embedding
+        and the LM head are never quantized."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, quant_config)
         # Tied models read logits off the embedding table instead of holding a second copy.
         self.lm_head = (
             None if config.tie_word_embeddings or not self.model.stage.is_last or config.num_labels
@@ -175,8 +178,8 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     """A Llama-family decoder with a classification head (HF's `*ForSequenceClassification`): `score.weight`
     `[num_labels, hidden]`, no bias, read by the pooler from the last token's final hidden state (no LM head)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+        super().__init__(config, quant_config)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -16,11 +16,9 @@ from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
 from batchllm.model.layers.norm import RMSNorm
-from batchllm.model.quantization import INT, QuantConfig, building_with, check_on_load, resolve_quantization
-from batchllm.model.quantization.checkpoint import SCALE_SUFFIXES, fp8_weight, kv_scale_target
-from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
-from batchllm.model.quantization.int_checkpoint import COMPONENT_SUFFIXES, PRIMARY_SUFFIXES, Reader, int_weight
-from batchllm.model.quantization.int_packed import PACKED_PARTS, PackedInt, quantize_int_rtn
+from batchllm.model.quantization import check_on_load, resolve_quantization
+from batchllm.model.quantization.checkpoint import kv_scale_target
+from batchllm.model.quantization.unquantized import check_plain_tensor
 from batchllm.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -76,16 +74,17 @@ def load_model(
     quant = resolve_quantization(hf_config, quantization)
     check_on_load(quant, quantization, load_format)
     # Parameters are created uninitialised, directly on the device and in the target dtype.
-    with torch.device(device), _default_dtype(dtype), building_with(quant):
-        model = model_class(config)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config, quant)
     with torch.no_grad():
         if load_format == "dummy":
             fill_dummy_weights(model, seed, dtype)
         else:
-            load_checkpoint_weights(model, path, config, quant)
+            load_checkpoint_weights(model, path, config)
         for module in model.modules():
-            if hasattr(module, "finish_loading"):
-                module.finish_loading()
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_after_loading(module)
     return model.eval(), config
 
 
@@ -94,11 +93,11 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     copy_checked(param.data, loaded_weight)
 
 
-def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, quant: QuantConfig | None,
-                            ignore: tuple[str, ...] = ()) -> None:
+def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, ignore: tuple[str, ...] = ()) -> None:
     """Every `*.safetensors` tensor of `path` into `model`'s parameter of the same name (fused ones through
     `packed_modules_mapping`), checked for shape; a missing or unexpected tensor is an error, except the
-    names in `ignore`, which the caller reads itself."""
+    names in `ignore`, which the caller reads itself. A linear layer's weight goes through its `quant_method`,
+    which reads the weight's other tensors (scales, zero points) itself."""
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
     held_elsewhere = getattr(model, "held_elsewhere", None)  # pipeline parallelism: another stage's tensors
     params = dict(model.named_parameters())
@@ -124,48 +123,31 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, q
                         or (name == "lm_head.weight" and config.tie_word_embeddings)
                         or (held_elsewhere is not None and held_elsewhere(name))):
                     continue
-                if quant is not None and name.endswith(COMPONENT_SUFFIXES if quant.method == INT else SCALE_SUFFIXES):
-                    continue  # read with their weights
                 kv_scale = kv_scale_target(name)
                 if kv_scale is not None and kv_scale[0] in modules:
                     setattr(modules[kv_scale[0]], kv_scale[1], float(read(name)))
                     continue
-                if quant is not None and quant.method == INT and name.endswith(PRIMARY_SUFFIXES):
-                    try:
-                        loaded |= _load_int_weight(name, read, quant, packed, modules)
-                    except ValueError as exc:
-                        raise ValueError(f"{file.name}: {name}: {exc}") from None
-                    continue
                 target, shard_id = _param_name_for(name, packed)
-                param = params.get(target)
-                if param is None:
-                    owner = modules.get(target.rsplit(".", 1)[0])
-                    if getattr(owner, "int_quant", None) is not None:
-                        raise ValueError(f"{file.name}: {name}: is stored unquantized in a {quant.checkpoint_format} "
-                                         f"checkpoint; batchllm reads checkpoints whose decoder linear layers are all "
-                                         f"quantized (an ignore list other than lm_head is not supported)")
-                    unexpected.append(name)
-                    continue
-                scale_param = params.get(target + "_scale") if target.endswith(".weight") else None
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                module_name, _, kind = target.rpartition(".")
+                layer = modules.get(module_name)
+                method = getattr(layer, "quant_method", None)
                 try:
-                    # Checked here, against the full shape: a tensor-parallel loader only sees its slice.
+                    if method is not None and kind in method.companion_tensors:
+                        continue  # read with its weight
                     tensor = CheckpointSlice(checkpoint.get_slice(name))
-                    expected = tuple(getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
-                    if tuple(tensor.shape) != expected:
-                        raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {expected}")
-                    if scale_param is not None:
-                        # Whole, not this rank's slice: a row's scale needs the full row, and a fused
-                        # layer's shards are converted one HF tensor at a time.
-                        weight, scale = fp8_weight(name, tensor.read(), read, quant)
-                        weight_loader(param, weight, shard_id)
-                        weight_loader(scale_param, scale, shard_id)
-                        loaded.add((target + "_scale", shard_id))
-                    elif tensor.is_fp8:
-                        raise ValueError("is an FP8 tensor, but config.json has no quantization_config saying how it "
-                                         "is scaled")
-                    else:
-                        weight_loader(param, tensor, shard_id)
+                    if method is not None and kind in method.weight_tensors:
+                        parts = method.read_weight(name, tensor, read, layer.checkpoint_shapes[shard_id])
+                        for part, value in parts.items():
+                            param = getattr(layer, part)
+                            param.weight_loader(param, value, shard_id)
+                            loaded.add((f"{module_name}.{part}", shard_id))
+                        continue
+                    param = params.get(target)
+                    if param is None:
+                        unexpected.append(name)
+                        continue
+                    check_plain_tensor(tensor, getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
                 except ValueError as exc:
                     raise ValueError(f"{file.name}: {name}: {exc}") from None
                 loaded.add((target, shard_id))
@@ -177,30 +159,6 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, q
             + (f"missing tensors: {', '.join(missing)}. " if missing else "")
             + (f"unexpected tensors: {', '.join(sorted(unexpected))}." if unexpected else "")
         )
-
-
-def _load_int_weight(name: str, read: Reader, quant: QuantConfig, packed: dict[str, tuple[str, Hashable]],
-                     modules: dict[str, nn.Module]) -> set[tuple[str, Hashable]]:
-    """Convert one quantized HF linear (its primary tensor `name`) and hand its parts to our layer's loaders."""
-    target, shard_id = _param_name_for(name.rsplit(".", 1)[0] + ".weight", packed)
-    module_name = target.removesuffix(".weight")
-    layer = modules.get(module_name)
-    if getattr(layer, "int_quant", None) is None:
-        raise ValueError(f"is a quantized tensor, but {module_name} is not a quantized linear layer of this model")
-    word_rows, out_features = layer.qweight.checkpoint_shapes[shard_id]
-    weight = int_weight(name, read, quant, (out_features, word_rows * quant.pack))
-    return _load_int_parts(layer, module_name, weight, shard_id)
-
-
-def _load_int_parts(layer: nn.Module, module_name: str, weight: PackedInt, shard_id: Hashable
-                    ) -> set[tuple[str, Hashable]]:
-    loaded = set()
-    for part in PACKED_PARTS:
-        param = getattr(layer, part)
-        if param is not None:
-            param.weight_loader(param, getattr(weight, part), shard_id)
-            loaded.add((f"{module_name}.{part}", shard_id))
-    return loaded
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -241,33 +199,33 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
 def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     """normal(0, 0.02) weights and unit norms, generated per checkpoint tensor from a seed derived from its
     name, then sliced by the parameter's own loader: every tensor-parallel size (and every data-parallel
-    replica) gets the same model, and a rank only ever holds one full tensor at a time. FP8 layers get the
-    same values as the unquantized model, quantized per channel, so the two can be compared."""
+    replica) gets the same model, and a rank only ever holds one full tensor at a time. A linear layer's
+    `quant_method` quantizes the same values the unquantized model gets, so the two can be compared."""
     norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    int_parts = {id(getattr(m, part)) for m in modules.values() if getattr(m, "int_quant", None) is not None
-                 for part in PACKED_PARTS if part != "qweight"}  # filled with their qweight
-    for name, param in params.items():
+    filled: set[int] = set()  # the parameters of linear layers' weights, filled through their method
+    for module_name, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        device = next(layer.parameters()).device
+        for shard_id, shape in layer.checkpoint_shapes.items():
+            generator = _dummy_generator(device, seed, f"{module_name}.weight", shard_id)
+            full = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, _DUMMY_STD, generator=generator)
+            for part, value in method.quantize_weight(full).items():
+                param = getattr(layer, part)
+                param.weight_loader(param, value, shard_id)
+                filled.add(id(param))
+    for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
-        if name.endswith(".weight_scale") or id(param) in int_parts:
-            continue  # filled with its weight
-        if name.endswith(".qweight"):
-            _fill_dummy_int(modules[name.removesuffix(".qweight")], name.removesuffix(".qweight"), seed, dtype)
+        if id(param) in filled:
             continue
-        scale_param = params.get(name + "_scale")
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in getattr(param, "checkpoint_shapes", {None: param.shape}).items():
             generator = _dummy_generator(param.device, seed, name, shard_id)
             full = torch.empty(shape, dtype=dtype, device=param.device).normal_(0.0, _DUMMY_STD, generator=generator)
-            if scale_param is None:
-                weight_loader(param, full, shard_id)
-            else:
-                weight, scale = quantize_fp8_per_channel(full)
-                weight_loader(param, weight, shard_id)
-                weight_loader(scale_param, scale, shard_id)
+            weight_loader(param, full, shard_id)
 
 
 def _dummy_generator(device: torch.device, seed: int, name: str, shard_id: Hashable) -> torch.Generator:
@@ -275,21 +233,6 @@ def _dummy_generator(device: torch.device, seed: int, name: str, shard_id: Hasha
     generator = torch.Generator(device=device)
     generator.manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}:{shard_id}".encode()))
     return generator
-
-
-def _fill_dummy_int(layer: nn.Module, module_name: str, seed: int, dtype: torch.dtype) -> None:
-    """The unquantized model's random values (same seeds), rounded to the layer's integer grid."""
-    quant = layer.int_quant
-    for shard_id, (word_rows, out_features) in layer.qweight.checkpoint_shapes.items():
-        generator = _dummy_generator(layer.qweight.device, seed, f"{module_name}.weight", shard_id)
-        full = torch.empty(out_features, word_rows * quant.pack, dtype=dtype, device=layer.qweight.device)
-        weight = quantize_int_rtn(full.normal_(0.0, _DUMMY_STD, generator=generator), quant.bits, quant.group_size)
-        if layer.g_idx is not None:  # act-order layout, trivially ordered
-            in_features = word_rows * quant.pack
-            size = in_features if quant.group_size == -1 else quant.group_size
-            g_idx = torch.arange(in_features, dtype=torch.int32, device=full.device) // size
-            weight = PackedInt(weight.qweight, weight.scales, weight.zeros, g_idx)
-        _load_int_parts(layer, module_name, weight, shard_id)
 
 
 @contextmanager

@@ -11,14 +11,15 @@ Two kinds of quantized weights:
   GPTQModel), AWQ (AutoAWQ GEMM) and compressed-tensors `pack-quantized` checkpoints (`formats.py` parses
   their quantization_config, `int_checkpoint.py` their tensors).
 
-The layers read the configuration while the model is built (`building_with`), the way they read the
-tensor-parallel group: the model classes stay free of quantization arguments.
+The model constructor takes the resolved `QuantConfig` and passes it to each linear layer it builds, which takes
+its `QuantMethod` from `registry.py` (`method.py` is the interface; `unquantized.py`, `fp8_method.py` and
+`int_method.py` the methods; `formats.py`, `checkpoint.py` and `int_checkpoint.py` the checkpoint readers).
+This module stays free of torch: the CLI and job previews resolve configurations without loading a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from batchllm.model.quantization.config import (
@@ -38,8 +39,8 @@ from batchllm.model.quantization.config import (
 from batchllm.model.quantization.formats import checkpoint_quantization
 
 __all__ = ["AWQ", "COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_PER_TENSOR", "GPTQ", "INT", "KV_CACHE_DTYPES",
-           "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "building_with", "check_on_load",
-           "current_quantization", "pinned_quantization", "resolve_kv_cache_dtype", "resolve_quantization"]
+           "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "check_on_load", "pinned_quantization",
+           "resolve_kv_cache_dtype", "resolve_quantization"]
 
 def resolve_quantization(hf_config: Mapping[str, Any], requested: str | None) -> QuantConfig | None:
     """The quantization for `LLM(quantization=requested)` on a checkpoint with this config.json; a clear
@@ -82,20 +83,3 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
                          f"dtype) and 'fp8' (alias 'fp8_e4m3': E4M3 with per-layer scales)")
     return "auto" if kv_cache_dtype == "auto" else "fp8"
 
-
-_building: QuantConfig | None = None
-
-
-@contextmanager
-def building_with(config: QuantConfig | None) -> Iterator[None]:
-    """Layers constructed inside take `config` (see `current_quantization`)."""
-    global _building
-    previous, _building = _building, config
-    try:
-        yield
-    finally:
-        _building = previous
-
-
-def current_quantization() -> QuantConfig | None:
-    return _building

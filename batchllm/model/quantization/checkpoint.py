@@ -1,7 +1,7 @@
 """Reading FP8 checkpoint tensors: every format becomes an E4M3 weight with one float32 scale per output row.
 
-The loader asks `fp8_weight` for each weight of an FP8 linear layer, whole, with a reader for the
-checkpoint's other tensors (the scales may sit in another file). Scales themselves (`weight_scale`,
+The FP8 linear method (`fp8_method.py`) asks `fp8_weight` for each weight of an FP8 linear layer, whole, with a
+reader for the checkpoint's other tensors (the scales may sit in another file). Scales themselves (`weight_scale`,
 `weight_scale_inv`, `input_scale`) are consumed here, never loaded as parameters: activations are always
 quantized per token on the fly, so a static `input_scale` is not used. KV-cache scales go to the attention
 layers (`kv_scale_target`).
@@ -16,7 +16,6 @@ import torch
 from batchllm.model.quantization import COMPRESSED_TENSORS, FP8_BLOCK, FP8_PER_TENSOR, QuantConfig
 from batchllm.model.quantization.fp8 import FP8_DTYPE, dequantize_blocks, quantize_fp8_per_channel
 
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 # Checkpoint name endings of per-layer KV-cache scales (vLLM / HF, and older llm-compressor) → our attribute.
 _KV_SCALES = {
     "self_attn.k_scale": "k_scale", "self_attn.v_scale": "v_scale",

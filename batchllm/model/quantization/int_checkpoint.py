@@ -1,7 +1,8 @@
 """Reading integer-weight checkpoint tensors: GPTQ, AWQ and compressed-tensors packings → `PackedInt`.
 
-The loader meets each quantized linear at its primary tensor (`qweight`, or `weight_packed`) and asks
-`int_weight` for the whole HF weight, reading its other tensors through `read` (they may sit in another file).
+The integer linear method (`int_method.py`) meets each quantized linear at its primary tensor (`qweight`, or
+`weight_packed`) and asks `int_weight` for the whole HF weight, reading its other tensors through `read` (they may
+sit in another file).
 Each packing, as its producer writes it (`out = N` output features, `in = K` input features, `pack = 32 / bits`):
 
 - GPTQ: `qweight [K / pack, N]` int32 packed along K (our layout as is); `qzeros [G, N / pack]` packed along N,
@@ -17,24 +18,14 @@ Each packing, as its producer writes it (`out = N` output features, `in = K` inp
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from batchllm.kernels.reference import unpack_int
 from batchllm.model.quantization import AWQ, COMPRESSED_TENSORS, GPTQ, QuantConfig
 from batchllm.model.quantization.int_packed import PackedInt, pack_int
+from batchllm.model.quantization.method import Reader
 
-PRIMARY_SUFFIXES = (".qweight", ".weight_packed")
-COMPONENT_SUFFIXES = (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape",
-                      ".weight_g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-class Reader(Protocol):
-    """Another tensor of the checkpoint by name; ValueError naming it if absent, or None when not required."""
-
-    def __call__(self, name: str, required: bool = True) -> torch.Tensor | None: ...
 
 
 def int_weight(name: str, read: Reader, config: QuantConfig,
