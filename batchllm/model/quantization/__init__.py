@@ -32,11 +32,9 @@ from batchllm.model.quantization.config import (
     INT,
     KV_CACHE_DTYPES,
     ON_LOAD,
-    QUANTIZATION_METHODS,
-    SUPPORTED,
     QuantConfig,
 )
-from batchllm.model.quantization.formats import checkpoint_quantization
+from batchllm.model.quantization.formats import FORMATS, QUANTIZATION_METHODS, SUPPORTED, checkpoint_quantization
 
 __all__ = ["AWQ", "COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_PER_TENSOR", "GPTQ", "INT", "KV_CACHE_DTYPES",
            "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "check_on_load", "pinned_quantization",
@@ -49,25 +47,32 @@ def resolve_quantization(hf_config: Mapping[str, Any], requested: str | None) ->
         raise ValueError(f"quantization={requested!r} is not supported; supported: {SUPPORTED}")
     stored = hf_config.get("quantization_config")
     if stored is None:
-        if requested in (None, "fp8"):
-            return QuantConfig(FP8) if requested else None
         # Only random weights can be "quantized" as GPTQ etc. without a checkpoint (benchmarks): real weights
         # need the producer's calibration, so `check_on_load` refuses this for load_format="auto".
-        return QuantConfig(INT)  # 4-bit, groups of 128, symmetric
+        return None if requested is None else FORMATS[requested].unquantized_checkpoint
     quant = checkpoint_quantization(stored)
     stored_method = stored.get("quant_method")
-    if requested not in (None, stored_method) and not (requested == "fp8" and quant.method == FP8):
+    if requested not in (None, stored_method) and not _converts_to(requested, quant):
         raise ValueError(f"quantization={requested!r}, but the checkpoint's config.json says quant_method="
                          f"{stored_method!r}; pass quantization=None (detected) or {stored_method!r}")
     return quant
 
 
+def _converts_to(requested: str, quant: QuantConfig) -> bool:
+    """A quantization that converts weights on load may be named for a checkpoint already stored in its method
+    (quantization='fp8' for a compressed-tensors FP8 checkpoint)."""
+    named = FORMATS[requested]
+    return named.quantizes_on_load and named.unquantized_checkpoint.method == quant.method
+
+
 def check_on_load(quant: QuantConfig | None, requested: str | None, load_format: str) -> None:
     """Integer weights come from a quantized checkpoint (or are random, for benchmarks): never from a bf16 one."""
-    if quant is not None and quant.method == INT and quant.checkpoint_format is ON_LOAD and load_format != "dummy":
+    if (quant is not None and quant.checkpoint_format is ON_LOAD and not FORMATS[requested].quantizes_on_load
+            and load_format != "dummy"):
+        on_load = " and ".join(f"quantization={name!r}" for name, fmt in FORMATS.items() if fmt.quantizes_on_load)
         raise ValueError(f"quantization={requested!r} reads {requested} checkpoints (config.json with a "
                          f"quantization_config), and this checkpoint is not quantized; quantizing on load is "
-                         f"supported for quantization='fp8' only")
+                         f"supported for {on_load} only")
 
 
 def pinned_quantization(hf_config: Mapping[str, Any], requested: str | None) -> str | None:

@@ -1,20 +1,14 @@
-"""The quantization vocabulary: the methods users name, the checkpoint formats we read, and `QuantConfig`."""
+"""The quantization vocabulary: linear methods, the checkpoint layouts we read, and `QuantConfig`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8, INT = "fp8", "int"  # QuantConfig.method
 # checkpoint_format values
 ON_LOAD, COMPRESSED_TENSORS, FP8_PER_TENSOR, FP8_BLOCK = None, "compressed-tensors", "fp8-per-tensor", "fp8-block"
 GPTQ, AWQ = "gptq", "awq"
-SUPPORTED = ("quantization='fp8' (quantize a bf16/fp16/fp32 checkpoint on load); FP8 checkpoints: compressed-tensors "
-             "'float-quantized' (8-bit float weights, channel or tensor strategy) or HF quant_method 'fp8' (per-tensor "
-             "weight_scale or weight_block_size blocks); 4- and 8-bit integer weight-only checkpoints: GPTQ "
-             "(checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), AWQ version 'gemm' (4-bit), and "
-             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,14 @@ Each producer's keys, as written:
 - AWQ (AutoAWQ): `bits` / `w_bit`, `group_size` / `q_group_size`, `zero_point`, `version` ("gemm").
 - compressed-tensors (llm-compressor): `config_groups` of `weights` / `input_activations` schemes, a `format`
   per group or for all; `float-quantized` (FP8) or `pack-quantized` (integer, weight-only).
+
+`FORMATS` maps each `quant_method` to its reader; its keys are also the names users pass as `quantization=`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from batchllm.model.quantization.config import (
@@ -22,25 +25,35 @@ from batchllm.model.quantization.config import (
     FP8_PER_TENSOR,
     GPTQ,
     INT,
-    SUPPORTED,
     QuantConfig,
 )
+
+SUPPORTED = ("quantization='fp8' (quantize a bf16/fp16/fp32 checkpoint on load); FP8 checkpoints: compressed-tensors "
+             "'float-quantized' (8-bit float weights, channel or tensor strategy) or HF quant_method 'fp8' (per-tensor "
+             "weight_scale or weight_block_size blocks); 4- and 8-bit integer weight-only checkpoints: GPTQ "
+             "(checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), AWQ version 'gemm' (4-bit), and "
+             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not)")
 
 _INT_BITS = (4, 8)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointFormat:
+    """How batchllm reads one config.json `quant_method`, and what `quantization=<that name>` means."""
+
+    read: Callable[[Mapping[str, Any]], QuantConfig]  # its quantization_config → QuantConfig, or ValueError
+    unquantized_checkpoint: QuantConfig  # the quantization asked for on a checkpoint without a quantization_config
+    # Whether that quantization converts real weights on load; if not (it needs the producer's calibration), it
+    # serves random weights only (`load_format="dummy"`, benchmarks).
+    quantizes_on_load: bool = False
+
+
 def checkpoint_quantization(stored: Mapping[str, Any]) -> QuantConfig:
     method = stored.get("quant_method")
-    if method == "fp8":
-        return _fp8(stored)
-    if method == "gptq":
-        return _gptq(stored)
-    if method == "awq":
-        return _awq(stored)
-    if method == "compressed-tensors":
-        return _compressed_tensors(stored)
-    raise ValueError(f"the checkpoint's config.json has quantization_config.quant_method={method!r}, which batchllm "
-                     f"does not read; supported: {SUPPORTED}")
+    if not isinstance(method, str) or method not in FORMATS:
+        raise ValueError(f"the checkpoint's config.json has quantization_config.quant_method={method!r}, which "
+                         f"batchllm does not read; supported: {SUPPORTED}")
+    return FORMATS[method].read(stored)
 
 
 def _fp8(stored: Mapping[str, Any]) -> QuantConfig:
@@ -147,3 +160,13 @@ def _compressed_tensors_group(name: str, group: Mapping[str, Any], fmt: Any) -> 
         problems.append(f"{activations.get('num_bits')}-bit {activations.get('type')} activations")
     _refuse(what, problems)
     return QuantConfig(FP8, COMPRESSED_TENSORS)
+
+
+_RANDOM_INT = QuantConfig(INT)  # 4-bit, groups of 128, symmetric
+FORMATS: dict[str, CheckpointFormat] = {
+    "fp8": CheckpointFormat(_fp8, QuantConfig(FP8), quantizes_on_load=True),
+    "gptq": CheckpointFormat(_gptq, _RANDOM_INT),
+    "awq": CheckpointFormat(_awq, _RANDOM_INT),
+    "compressed-tensors": CheckpointFormat(_compressed_tensors, _RANDOM_INT),
+}
+QUANTIZATION_METHODS = tuple(FORMATS)

@@ -13,8 +13,9 @@ Recipe: add a quantization format (three files, plus tests).
    method's parts) and `quantize_weight` (random weights for `load_format="dummy"`).
 2. This file: one line in `LINEAR_METHODS`, `"<method>": <Class>`.
 3. `batchllm/model/quantization/formats.py`: a reader of the producer's `quantization_config` (config.json) that
-   returns `QuantConfig("<method>", ...)`, one line in its `READERS` table (the key is config.json's
+   returns `QuantConfig("<method>", ...)`, one line in its `FORMATS` table (the key is config.json's
    `quant_method`, which is also what users pass as `quantization=`), and a sentence in `SUPPORTED`.
+A method whose settings `QuantConfig` does not hold yet also adds fields to `config.py`.
 A new checkpoint layout of an existing method (another integer packing, another FP8 scale layout) changes only
 that method's checkpoint reader (`int_checkpoint.py`, `checkpoint.py`) and `formats.py`.
 """
