@@ -32,6 +32,9 @@ from batchllm.model.quantization.registry import linear_method
 
 
 class _Linear(nn.Module):
+    """What the linear layers share. A subclass says where this rank's part of each HF shard lies
+    (`output_part`, `input_part`), copies it (`weight_loader`) and splits LoRA deltas the same way (`lora_shard`)."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool, quant_config: QuantConfig | None,
                  full_input_size: int, full_output_sizes: dict[Hashable, int]) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ packed parts by the dequantized weight and the layer becomes an unquantized one 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from functools import partial
 
 import torch
@@ -56,7 +56,7 @@ class IntLinearMethod(QuantMethod):
         layer.g_idx_loaded = False
         loader = partial(self._load_part, layer)
 
-        def part(data: torch.Tensor, full_shape) -> nn.Parameter:
+        def part(data: torch.Tensor, full_shape: Callable[[int], tuple[int, ...]]) -> nn.Parameter:
             return loadable(data, loader, {shard: full_shape(size) for shard, size in full_output_sizes.items()})
 
         layer.qweight = part(torch.empty(input_size // quant.pack, output_size, dtype=torch.int32),
