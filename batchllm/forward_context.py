@@ -30,9 +30,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
-    # Host copies, so the CPU reference path can loop without device syncs.
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
+    # Host copies, so the CPU reference path can loop without device syncs; None where the attention backend
+    # does not read them (`AttentionBackend.needs_host_metadata`).
+    query_start_loc_cpu: list[int] | None
+    seq_lens_cpu: list[int] | None
 
 
 _current: AttentionMetadata | None = None

@@ -4,7 +4,9 @@ Model code calls the functions below and never imports an implementation directl
 for every function: the Triton kernel when the tensor is on CUDA and Triton is importable, otherwise the
 pure-torch reference of `reference.py` (the CPU path). `BATCHLLM_DISABLE_TRITON=1` forces the references
 everywhere; it is read once, on the first CUDA call. Triton is imported lazily on that first call, so
-`import batchllm` never imports it and the CPU path works without it installed.
+`import batchllm` never imports it and the CPU path works without it installed. Paged attention and the KV
+write are the exception: they take per-layer parameters and paging metadata, and go through the attention
+backends of `batchllm.model.attention`, which pick by the same rule (`triton_enabled`).
 """
 
 from __future__ import annotations
@@ -16,44 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
 
-__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "int_matmul", "paged_attention",
-           "quantize_fp8_per_token", "rms_norm", "silu_and_mul", "triton_enabled", "write_kv"]
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Write each token's K/V `[T, num_kv_heads, head_dim]` into its cache slot (negative slots are skipped);
-    FP8 caches hold `key / k_scale`, `value / v_scale`."""
-    if _use_triton(key):
-        _triton().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    else:
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Causal attention of a flat mixed batch of queries `[T, num_heads, head_dim]` over the paged KV cache
-    (FP8 caches are read as `cache * k_scale`, `cache * v_scale`)."""
-    if _use_triton(query):
-        return _triton().paged_attention(query, k_cache, v_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale)
-    return reference.paged_attention(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "int_matmul", "quantize_fp8_per_token", "rms_norm",
+           "silu_and_mul", "triton_enabled"]
 
 
 def rms_norm(
@@ -125,18 +93,15 @@ def triton_enabled() -> bool:
 def _triton() -> SimpleNamespace:
     """The Triton implementations, imported on first use (importing them imports and initialises Triton)."""
     from batchllm.kernels.activation import silu_and_mul_triton
-    from batchllm.kernels.attention import paged_attention_triton
     from batchllm.kernels.fp8 import quantize_fp8_per_token_triton
     from batchllm.kernels.int_gemm import int_matmul_triton
-    from batchllm.kernels.kv_write import write_kv_triton
     from batchllm.kernels.lora import add_lora_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
     from batchllm.kernels.rotary import apply_rotary_triton
     from batchllm.kernels.token_bitmask import apply_token_bitmask_triton
 
     return SimpleNamespace(
-        write_kv=write_kv_triton, paged_attention=paged_attention_triton, rms_norm=rms_norm_triton,
-        apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
+        rms_norm=rms_norm_triton, apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
         apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
         quantize_fp8_per_token=quantize_fp8_per_token_triton, int_matmul=int_matmul_triton,
     )

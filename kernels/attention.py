@@ -1,8 +1,5 @@
 """Triton paged attention for a flat mixed batch: decode rows, prefill chunks and prefill on cached context.
 
-(Named `attention.py`, not `paged_attention.py`: importing a submodule binds its name on the package, and a
-module `batchllm.kernels.paged_attention` would replace the dispatch function of that name.)
-
 Layouts: `query`/`out` `[num_tokens, num_heads, head_dim]` (last dim contiguous), caches
 `[num_blocks, block_size, num_kv_heads, head_dim]`, and the `AttentionMetadata` of `batchllm.forward_context`.
 Query token j of sequence i sits at absolute position `seq_lens[i] - query_len_i + j` and sees the keys at

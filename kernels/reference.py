@@ -69,6 +69,10 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat mixed batch `[T, num_heads, head_dim]` over the paged KV cache.
 
@@ -77,34 +81,38 @@ def paged_attention(
     positions `<=` its own. Heads are grouped (GQA): query head h reads KV head `h // (num_heads // num_kv_heads)`.
     Rows past `query_start_loc[-1]` (batch padding) come back as zeros. FP8 caches are read as
     `cache * k_scale` / `cache * v_scale`, in the query dtype.
+
+    The options of `batchllm.model.attention.AttentionParams`: with `sliding_window` a query sees only the keys
+    at positions `q - sliding_window < k <= q`; `logit_soft_cap` maps each scaled score s to
+    `cap * tanh(s / cap)`; `sinks [num_heads]` adds one logit per head to each softmax's denominator, with no
+    value. These take a float32 path with an explicit mask.
     """
+    if metadata.query_start_loc_cpu is None or metadata.seq_lens_cpu is None:
+        raise ValueError("the reference attention loops over the metadata's host copies (query_start_loc_cpu, "
+                         "seq_lens_cpu), which the metadata builder makes only for a backend that needs them")
     # One attention call per sequence over exactly its own keys: no padding to the longest sequence and no
-    # masking copies, which on the CPU cost far more than the per-sequence call overhead.
+    # masking copies, which on the CPU cost far more than the per-sequence call overhead. Only a sequence's own
+    # tokens are gathered, so whatever the rest of the cache holds (NaN included) is never read.
+    plain = sliding_window is None and logit_soft_cap is None and sinks is None
     output = torch.zeros_like(query)
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     for i, seq_len in enumerate(seq_lens):
         start, end = starts[i], starts[i + 1]
-        if end > start:
-            output[start:end] = _sequence_attention(query[start:end], k_cache, v_cache, metadata.block_tables[i],
-                                                    seq_len, scale, k_scale, v_scale)
+        if end <= start:
+            continue
+        keys = _gather_sequence(k_cache, metadata.block_tables[i], seq_len, k_scale, query.dtype)
+        values = _gather_sequence(v_cache, metadata.block_tables[i], seq_len, v_scale, query.dtype)
+        if plain:
+            output[start:end] = _sequence_attention(query[start:end], keys, values, scale)
+        else:
+            output[start:end] = _masked_attention(query[start:end], keys, values, scale, sliding_window,
+                                                  logit_soft_cap, sinks)
     return output
 
 
-def _sequence_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    k_scale: float,
-    v_scale: float,
-) -> torch.Tensor:
-    """One sequence's `query_len` newest tokens attending over its first `seq_len` cached tokens. Only those
-    tokens are gathered, so whatever the rest of the cache holds (NaN included) is never read."""
-    query_len = query.shape[0]
-    keys = _gather_sequence(k_cache, block_table, seq_len, k_scale, query.dtype)
-    values = _gather_sequence(v_cache, block_table, seq_len, v_scale, query.dtype)
+def _sequence_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's `query_len` newest tokens attending over its `seq_len` gathered keys and values."""
+    query_len, seq_len = query.shape[0], keys.shape[0]
     num_context = seq_len - query_len
     if query_len == 1:
         mask, is_causal = None, False  # a decode row sees every key
@@ -120,6 +128,28 @@ def _sequence_attention(
         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
     )
     return out.transpose(0, 1)
+
+
+def _masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      sliding_window: int | None, logit_soft_cap: float | None, sinks: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """`_sequence_attention` with the optional features, as an explicit float32 softmax."""
+    query_len, seq_len = query.shape[0], keys.shape[0]
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+    key_pos = torch.arange(seq_len, device=query.device)[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    group = query.shape[1] // keys.shape[1]
+    keys, values = (x.float().repeat_interleave(group, dim=1) for x in (keys, values))
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if logit_soft_cap is not None:
+        scores = logit_soft_cap * torch.tanh(scores / logit_soft_cap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, query_len, 1)], dim=-1)
+    probs = scores.softmax(dim=-1)[..., :seq_len]
+    return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
 
 
 def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from batchllm.engine.spec.config import DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA, SpeculativeConfig
+from batchllm.executor.attention_metadata import AttentionMetadataBuilder
 from batchllm.executor.drafter_base import Drafter, LookaheadRows, ObservedStep, draft_chain
 from batchllm.executor.eagle_drafter import EagleDrafter
 from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -39,14 +40,14 @@ class DraftModelDrafter(Drafter):
     def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         self.kv_cache = allocate_kv_cache(self.model, self.model_config, num_blocks, block_size, self.device, dtype)
 
-    def observe(self, step: ObservedStep, block_tables: np.ndarray, block_size: int) -> None:
+    def observe(self, step: ObservedStep, block_tables: np.ndarray, attention: AttentionMetadataBuilder) -> None:
         """Run the step's batch through the draft model, writing its K/V (no logits needed)."""
         with set_forward_context(step.metadata):
             self.model(step.input_ids, step.positions)
 
     def propose(self, rows: LookaheadRows, last_tokens: torch.Tensor, num_accepted: list[int],
-                block_tables: np.ndarray, block_size: int, hidden: torch.Tensor, hidden_rows: torch.Tensor
-                ) -> list[list[int]]:
+                block_tables: np.ndarray, attention: AttentionMetadataBuilder, hidden: torch.Tensor,
+                hidden_rows: torch.Tensor) -> list[list[int]]:
         positions = np.array(rows.positions, dtype=np.int64) + np.array(num_accepted, dtype=np.int64)
         tables = block_tables[np.array(rows.table_rows, dtype=np.int64)]
 
@@ -54,7 +55,7 @@ class DraftModelDrafter(Drafter):
             tokens = self.model.compute_logits(self.model(state[0], positions)).argmax(-1)
             return tokens, (tokens,)
 
-        return draft_chain(positions, tables, rows.num_drafts, block_size, self.device, (last_tokens,), step)
+        return draft_chain(positions, tables, rows.num_drafts, attention, (last_tokens,), step)
 
 
 class MedusaDrafter(Drafter):
@@ -65,8 +66,8 @@ class MedusaDrafter(Drafter):
         self.heads = load_medusa_heads(config.model, target_config, device, dtype, load_format, seed)
 
     def propose(self, rows: LookaheadRows, last_tokens: torch.Tensor, num_accepted: list[int],
-                block_tables: np.ndarray, block_size: int, hidden: torch.Tensor, hidden_rows: torch.Tensor
-                ) -> list[list[int]]:
+                block_tables: np.ndarray, attention: AttentionMetadataBuilder, hidden: torch.Tensor,
+                hidden_rows: torch.Tensor) -> list[list[int]]:
         drafts = self.heads(hidden[hidden_rows]).tolist()  # [rows, num_heads]
         return [row[:n] for row, n in zip(drafts, rows.num_drafts)]
 

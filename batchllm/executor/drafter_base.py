@@ -1,5 +1,5 @@
-"""What the model runner and its device proposers exchange: the step's batch, the rows that draft, and
-the attention metadata of the proposers' own passes."""
+"""What the model runner and its device proposers exchange: the step's batch, the rows that draft, and the
+builder of the attention metadata of the proposers' own passes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchllm.executor.attention_metadata import AttentionMetadataBuilder
 from batchllm.executor.kv_cache import KVCache
 from batchllm.forward_context import AttentionMetadata, set_forward_context
 
@@ -60,7 +61,7 @@ class Drafter:
         if self.kv_cache is not None:
             self.kv_cache.copy_blocks(copies)
 
-    def observe(self, step: ObservedStep, block_tables: np.ndarray, block_size: int) -> None:
+    def observe(self, step: ObservedStep, block_tables: np.ndarray, attention: AttentionMetadataBuilder) -> None:
         """Sees every step's batch right after the target's forward pass."""
 
     def skip(self, table_rows: np.ndarray) -> None:
@@ -70,15 +71,15 @@ class Drafter:
         """After a speculative step's sampling: the flat index of each sampled row's last accepted token."""
 
     def propose(self, rows: LookaheadRows, last_tokens: torch.Tensor, num_accepted: list[int],
-                block_tables: np.ndarray, block_size: int, hidden: torch.Tensor, hidden_rows: torch.Tensor
-                ) -> list[list[int]]:
+                block_tables: np.ndarray, attention: AttentionMetadataBuilder, hidden: torch.Tensor,
+                hidden_rows: torch.Tensor) -> list[list[int]]:
         """Drafts for each lookahead row after its `last_tokens` (device, one per row), which sits at
         `positions + num_accepted`; `hidden_rows`: the flat index of the hidden state that yielded it."""
         raise NotImplementedError
 
 
-def draft_chain(positions: np.ndarray, tables: np.ndarray, num_drafts: list[int], block_size: int,
-                device: torch.device, state: tuple[torch.Tensor, ...],
+def draft_chain(positions: np.ndarray, tables: np.ndarray, num_drafts: list[int], attention: AttentionMetadataBuilder,
+                state: tuple[torch.Tensor, ...],
                 step: Callable[[tuple[torch.Tensor, ...], torch.Tensor], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
                 ) -> list[list[int]]:
     """Greedy drafts, one pass per draft token: `step(state, positions)` runs the proposer on the rows still
@@ -89,14 +90,14 @@ def draft_chain(positions: np.ndarray, tables: np.ndarray, num_drafts: list[int]
     active = np.arange(len(positions))
     passes = []
     for _ in range(int(remaining.max())):
-        with set_forward_context(decode_metadata(positions[active], tables[active], block_size, device)):
-            tokens, state = step(state, torch.from_numpy(positions[active]).to(device))
+        with set_forward_context(attention.decode_rows(positions[active], tables[active])):
+            tokens, state = step(state, torch.from_numpy(positions[active]).to(attention.device))
         passes.append((active, tokens))
         positions[active] += 1
         remaining[active] -= 1
         keep = remaining[active] > 0
         if not keep.all():
-            kept = torch.from_numpy(np.flatnonzero(keep)).to(device)
+            kept = torch.from_numpy(np.flatnonzero(keep)).to(attention.device)
             state, active = tuple(t[kept] for t in state), active[keep]
     drafted = [[] for _ in positions]
     for active, tokens in passes:  # one read-back per pass, after all of them are queued
@@ -104,25 +105,3 @@ def draft_chain(positions: np.ndarray, tables: np.ndarray, num_drafts: list[int]
             drafted[row].append(token)
     return drafted
 
-
-def decode_metadata(positions: np.ndarray, tables: np.ndarray, block_size: int, device: torch.device
-                    ) -> AttentionMetadata:
-    """One query token per row at `positions`, K/V written into the row's own slot there."""
-    n = len(positions)
-    return flat_metadata(positions, np.ones(n, dtype=np.int64), positions + 1, tables, block_size, device)
-
-
-def flat_metadata(positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
-                  block_size: int, device: torch.device) -> AttentionMetadata:
-    """Rows of `query_lens` query tokens at the flat `positions`, each row's last at `seq_lens - 1`; every
-    token's K/V is written into its row's slot at its position."""
-    owner = np.repeat(np.arange(len(query_lens)), query_lens)
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    seq_lens = seq_lens.astype(np.int32)
-
-    def upload(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-    return AttentionMetadata(upload(slots), upload(query_start), upload(seq_lens), upload(tables.astype(np.int32)),
-                             int(query_lens.max()), int(seq_lens.max()), query_start.tolist(), seq_lens.tolist())

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from batchllm.engine.spec.config import EAGLE3, SpeculativeConfig
-from batchllm.executor.drafter_base import Drafter, LookaheadRows, ObservedStep, draft_chain, flat_metadata
+from batchllm.executor.attention_metadata import AttentionMetadataBuilder
+from batchllm.executor.drafter_base import Drafter, LookaheadRows, ObservedStep, draft_chain
 from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
 from batchllm.model.config import ModelConfig
@@ -61,7 +62,7 @@ class EagleDrafter(Drafter):
         return self._last_features
 
     @torch.inference_mode()
-    def observe(self, step: ObservedStep, block_tables: np.ndarray, block_size: int) -> None:
+    def observe(self, step: ObservedStep, block_tables: np.ndarray, attention: AttentionMetadataBuilder) -> None:
         n = step.num_tokens
         aux = None if step.aux_hidden is None else step.aux_hidden[:n]
         features = self._features = self.head.features(step.hidden[:n], aux)
@@ -81,8 +82,7 @@ class EagleDrafter(Drafter):
             owner = np.repeat(np.flatnonzero(keep), lens)
             positions = step.num_computed[owner] + (token_index - step.query_start[owner]) - 1
             tables = block_tables[step.table_rows[keep]]
-            metadata = flat_metadata(positions, lens, step.num_computed[keep] + step.num_scheduled[keep] - 1,
-                                     tables, block_size, self.device)
+            metadata = attention.rows(positions, lens, step.num_computed[keep] + step.num_scheduled[keep] - 1, tables)
             # The feature of the token before: the previous flat token, or (a row's first token) the saved one.
             inputs = features[self._upload(token_index - 1)]
             first = np.flatnonzero(token_index == step.query_start[owner])
@@ -103,8 +103,8 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, rows: LookaheadRows, last_tokens: torch.Tensor, num_accepted: list[int],
-                block_tables: np.ndarray, block_size: int, hidden: torch.Tensor, hidden_rows: torch.Tensor
-                ) -> list[list[int]]:
+                block_tables: np.ndarray, attention: AttentionMetadataBuilder, hidden: torch.Tensor,
+                hidden_rows: torch.Tensor) -> list[list[int]]:
         # The first pass is the head's entry at the last accepted token's position, reading the new token.
         positions = np.array(rows.positions, dtype=np.int64) + np.array(num_accepted, dtype=np.int64) - 1
         tables = block_tables[np.array(rows.table_rows, dtype=np.int64)]
@@ -114,5 +114,5 @@ class EagleDrafter(Drafter):
             tokens = self.head.draft(features)
             return tokens, (tokens, features)
 
-        return draft_chain(positions, tables, rows.num_drafts, block_size, self.device,
-                           (last_tokens, self._features[hidden_rows]), step)
+        return draft_chain(positions, tables, rows.num_drafts, attention, (last_tokens, self._features[hidden_rows]),
+                           step)

@@ -295,7 +295,7 @@ class ModelRunner:
                 ObservedStep(input_ids, positions, metadata, hidden, self.model.model.aux_hidden, num_tokens,
                              query_start, num_scheduled, num_computed, block_rows, np.array(new_rows),
                              np.array(num_drafts, dtype=np.int64)),
-                self._block_tables.table, self.block_size)
+                self._block_tables.table, self.inputs.attention)
         if pool_rows:
             if sampled_states:
                 raise RuntimeError("a step mixes pooling rows with sampled rows")  # an LLM has one task
@@ -356,7 +356,7 @@ class ModelRunner:
         return output
 
     def _propose(self, rows: SampledRows, sampled: SamplerOutput) -> dict[str, list[int]]:
-        return rows.propose(self.drafter, sampled, self._block_tables.table, self.block_size, self.device)
+        return rows.propose(self.drafter, sampled, self._block_tables.table, self.inputs.attention, self.device)
 
     def _add_state(self, request_id: str, new: NewRequestData) -> RequestState:
         """The state of a request the runner has not seen, or sees again after a preemption."""

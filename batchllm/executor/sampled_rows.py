@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from batchllm.engine.interfaces import ModelRunnerOutput
+from batchllm.executor.attention_metadata import AttentionMetadataBuilder
 from batchllm.executor.drafter_base import Drafter, LookaheadRows
 from batchllm.lora.request import LoRARequest
 from batchllm.model.layers.sampler import SamplerOutput
@@ -82,8 +83,8 @@ class SampledRows:
         starts = torch.from_numpy(np.cumsum(counts) - counts).to(device)
         return self.logits_indices[starts + sampled.num_accepted.to(device)]
 
-    def propose(self, drafter: Drafter, sampled: SamplerOutput, block_tables: np.ndarray, block_size: int,
-                device: torch.device) -> dict[str, list[int]]:
+    def propose(self, drafter: Drafter, sampled: SamplerOutput, block_tables: np.ndarray,
+                attention: AttentionMetadataBuilder, device: torch.device) -> dict[str, list[int]]:
         """The device proposer's drafts for the lookahead rows, after their last token (one sync: how many
         drafts each row accepted decides where its last token is)."""
         lookahead = self.lookahead
@@ -93,7 +94,7 @@ class SampledRows:
         num_accepted = [accepted[r] for r in lookahead.sampled_rows]
         last_rows = torch.from_numpy(starts[lookahead.sampled_rows] + np.array(num_accepted, dtype=np.int64))
         last_rows = last_rows.to(device)
-        drafts = drafter.propose(lookahead, sampled.token_ids[last_rows], num_accepted, block_tables, block_size,
+        drafts = drafter.propose(lookahead, sampled.token_ids[last_rows], num_accepted, block_tables, attention,
                                  self.hidden, self.logits_indices[last_rows])
         return {self.states[r][0]: d for r, d in zip(lookahead.sampled_rows, drafts)}
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from batchllm.forward_context import AttentionMetadata
-from batchllm.kernels import paged_attention, reference, write_kv
+from batchllm.kernels import reference
+from batchllm.kernels.reference import paged_attention, write_kv
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 1024

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchllm import kernels
 from batchllm.forward_context import get_attention_metadata
+from batchllm.model.attention import AttentionParams, attention_backend
 
 
 class Attention(nn.Module):
@@ -15,19 +15,24 @@ class Attention(nn.Module):
     `k_cache` and `v_cache` (`[num_blocks, block_size, num_kv_heads, head_dim]`) are plain attributes, not
     parameters or buffers, so they are never saved, loaded or moved with the model: the model runner
     allocates them once the model is loaded and assigns them to each layer. Paging metadata comes from the
-    forward context (`batchllm.forward_context`).
+    forward context (`batchllm.forward_context`); the layer's own parameters (`params`: scale, and the sliding
+    window, sinks and logit soft-cap that some families use) reach the backend with the layer, so a model
+    family sets them here and no caller's signature changes.
 
     With an FP8 cache, `k_scale` and `v_scale` are the layer's KV scales (the cache holds `k / k_scale`): the
     checkpoint's when it has them, otherwise 1.0, the default vLLM also uses (E4M3 holds ±448 with 3 mantissa
     bits, ample for the keys and values of the models we run; see README's FP8 section for the measured cost).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, logit_soft_cap: float | None = None, sinks: bool = False) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
+        self.params = AttentionParams(scale, sliding_window, logit_soft_cap, sinks)
+        # One learned logit per (this rank's) query head, loaded with the weights.
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         self.k_scale = self.v_scale = 1.0
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -36,8 +41,5 @@ class Attention(nn.Module):
         """`query [T, Hq, D]`, `key`/`value [T, Hkv, D]` of the flat batch → attention output `[T, Hq * D]`."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("Attention layer has no KV cache: the model runner must assign k_cache/v_cache first")
-        metadata = get_attention_metadata()
-        kernels.write_kv(key, value, self.k_cache, self.v_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
-        out = kernels.paged_attention(query, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale,
-                                      self.v_scale)
-        return out.flatten(1)
+        backend = attention_backend(query.device)
+        return backend.forward(self, query, key, value, get_attention_metadata()).flatten(1)

@@ -1,0 +1,31 @@
+"""Attention backends, and the one place that picks one (`attention_backend`).
+
+Adding a kernel: a module with an `AttentionBackend` subclass (see `backend.py`), and its case below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from batchllm import kernels
+from batchllm.model.attention.backend import AttentionBackend, AttentionParams
+from batchllm.model.attention.torch_backend import TORCH_BACKEND
+
+__all__ = ["AttentionBackend", "AttentionParams", "attention_backend"]
+
+
+def attention_backend(device: torch.device) -> AttentionBackend:
+    """The backend for tensors on `device`: Triton on CUDA when the kernels take Triton there (the rule of
+    `batchllm.kernels.triton_enabled`), the pure-torch reference otherwise (the CPU path)."""
+    if device.type == "cuda" and kernels.triton_enabled():
+        return _triton_backend()
+    return TORCH_BACKEND
+
+
+@functools.cache
+def _triton_backend() -> AttentionBackend:
+    from batchllm.model.attention.triton_backend import TritonAttentionBackend  # imports Triton: only when used
+
+    return TritonAttentionBackend()

@@ -1,0 +1,65 @@
+"""The one attention metadata builder, for the runner's steps (through `InputBatch.prepare`, padded or not) and
+for the drafters' passes, against slots, row starts and lengths worked out by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from batchllm.executor.input_batch import InputBatch
+
+BLOCK_SIZE = 4
+# BlockTables rows: row 0 holds blocks 7, 2, 5 and row 1 blocks 3, 9, 0.
+TABLES = np.array([[7, 2, 5], [3, 9, 0]], dtype=np.int32)
+
+
+def _inputs() -> InputBatch:
+    return InputBatch(max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=3, block_size=BLOCK_SIZE,
+                      device=torch.device("cpu"))
+
+
+def _fields(metadata) -> tuple:
+    return (metadata.slot_mapping.tolist(), metadata.query_start_loc.tolist(), metadata.seq_lens.tolist(),
+            metadata.block_tables.tolist(), metadata.max_query_len, metadata.max_seq_len,
+            metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+
+
+def test_a_step_of_a_prefill_chunk_and_a_decode_row() -> None:
+    inputs = _inputs()
+    # Table row 1 computes positions 2..4, table row 0 its position 8.
+    input_ids, positions, metadata, logits = inputs.prepare(
+        [11, 12, 13, 14], np.array([3, 1]), np.array([2, 8]), TABLES, np.array([1, 0]), np.array([0, 1]))
+    assert positions.tolist() == [2, 3, 4, 8]
+    # Position p of a row is slot table[p // 4] * 4 + p % 4: 3*4+2, 3*4+3, 9*4+0; 5*4+0.
+    assert _fields(metadata) == ([14, 15, 36, 20], [0, 3, 4], [5, 9], [[3, 9, 0], [7, 2, 5]], 3, 9,
+                                 [0, 3, 4], [5, 9])
+    assert (metadata.slot_mapping.dtype, metadata.query_start_loc.dtype, metadata.seq_lens.dtype,
+            metadata.block_tables.dtype) == (torch.int64, torch.int32, torch.int32, torch.int32)
+    assert input_ids.tolist() == [11, 12, 13, 14] and logits.tolist() == [2, 3]
+
+
+def test_a_decode_step_padded_to_a_graph_size() -> None:
+    inputs = _inputs()
+    _, positions, metadata, _ = inputs.prepare(
+        [21, 22], np.array([1, 1]), np.array([4, 0]), TABLES, np.array([1, 0]), np.array([0, 1]), pad_to=4)
+    # Two padding rows of one token each: no K/V write (slot -1), one key of block 0.
+    assert positions.tolist() == [4, 0, 0, 0]
+    assert _fields(metadata) == ([36, 28, -1, -1], [0, 1, 2, 3, 4], [5, 1, 1, 1],
+                                 [[3, 9, 0], [7, 2, 5], [0, 0, 0], [0, 0, 0]], 1, 5, [0, 1, 2, 3, 4], [5, 1, 1, 1])
+
+
+def test_graph_capture_inputs_are_all_padding() -> None:
+    inputs = _inputs()
+    input_ids, positions, metadata = inputs.graph_inputs(batch_size=2, max_seq_len=12, query_len=2)
+    assert input_ids.tolist() == [0, 0, 0, 0] and positions.tolist() == [0, 1, 0, 1]
+    assert _fields(metadata)[:2] + _fields(metadata)[4:] == ([-1, -1, -1, -1], [0, 2, 4], 2, 12, [0, 2, 4], [2, 2])
+
+
+def test_drafter_rows_get_their_own_tensors() -> None:
+    builder = _inputs().attention
+    # Table row 1 drafts at positions 6 and 7 (8 tokens of context), table row 0 at position 3.
+    metadata = builder.rows(np.array([6, 7, 3]), np.array([2, 1]), np.array([8, 4]), TABLES[[1, 0]])
+    assert _fields(metadata) == ([38, 39, 31], [0, 2, 3], [8, 4], [[3, 9, 0], [7, 2, 5]], 2, 8, [0, 2, 3], [8, 4])
+    decode = builder.decode_rows(np.array([4, 0]), TABLES[[1, 0]])
+    assert _fields(decode) == ([36, 28], [0, 1, 2], [5, 1], [[3, 9, 0], [7, 2, 5]], 1, 5, [0, 1, 2], [5, 1])
+    assert metadata.slot_mapping.data_ptr() != builder.slot_mapping.device.data_ptr()
