@@ -163,6 +163,10 @@ class LLM(PoolingCalls):
         return self.engine.scheduler.config.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.config.scheduler.max_num_seqs
+
+    @property
     def stats(self) -> EngineStats:
         """Statistics of the most recent `generate` / `chat` call."""
         scheduler = self.engine.scheduler

@@ -109,7 +109,7 @@ class PoolingCalls:
         return texts, [self._fit(ids, truncate) for ids in token_lists]
 
     def _fit(self, token_ids: list[int], truncate: str | None) -> list[int]:
-        limit = self.engine.scheduler.config.max_model_len
+        limit = self.max_model_len
         if truncate is None or len(token_ids) <= limit:
             return token_ids
         return token_ids[:limit] if truncate == "right" else token_ids[-limit:]

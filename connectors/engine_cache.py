@@ -13,21 +13,23 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
+from batchllm.engine_client import EngineClient
 from batchllm.llm import LLM
 
 _lock = threading.Lock()
 _cached: tuple[tuple, LLM] | None = None
 
 
-def get_llm(model: str | Path | None = None, llm: LLM | None = None,
+def get_llm(model: str | Path | None = None, llm: EngineClient | None = None,
             engine_kwargs: Mapping[str, Any] | None = None) -> LLM:
     """`llm` itself when given; else the cached engine for (model, engine_kwargs), built on first use."""
     global _cached
     if llm is not None:
         if model is not None or engine_kwargs:
             raise ValueError("pass either llm= or model= / engine_kwargs=, not both")
-        if not isinstance(llm, LLM):
-            raise TypeError(f"llm must be a batchllm.LLM, got {type(llm).__name__}")
+        if not isinstance(llm, EngineClient):
+            raise TypeError(f"llm must be a batchllm.LLM (or another batchllm.engine_client.EngineClient), "
+                            f"got {type(llm).__name__}")
         return llm
     key = (None if model is None else str(Path(model).expanduser().resolve()),
            tuple(sorted((engine_kwargs or {}).items())))

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP application over the server's engines (`engine_client.EngineClient`: an engine process
+"""The OpenAI-compatible HTTP application over the server's engines (`engine_handle.EngineHandle`: an engine process
 each under `batchllm serve`, one per served model).
 
     POST /v1/completions, POST /v1/chat/completions   (server-sent events with "stream": true)
@@ -10,7 +10,7 @@ each under `batchllm serve`, one per served model).
 
 A request's `model` picks the engine (`served_models.py`); an unknown one is a 404 naming the served models. With
 `api_key` every /v1 route needs `Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open.
-Handlers tokenize on the event loop (quick) and hand requests to an engine client; they never call an engine. A
+Handlers tokenize on the event loop (quick) and hand requests to an engine handle; they never call an engine. A
 client that goes away aborts its request: a stream's generator aborts it when it is cancelled or closed (and the
 response's background task makes sure), a non-streaming request checks for the disconnect while it waits.
 """
@@ -33,7 +33,7 @@ from batchllm.lora.request import LoRARequest
 from batchllm.server.batch_api import mount_batch_api
 from batchllm.server.batch_runner import BatchSettings
 from batchllm.server.embeddings import mount_embeddings
-from batchllm.server.engine_client import EngineClient
+from batchllm.server.engine_handle import EngineHandle
 from batchllm.server.errors import APIError, bad_request, install_handlers, unavailable
 from batchllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from batchllm.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,10 +48,10 @@ _EMBED_SERVER = "this server embeds (--task embed): use /v1/embeddings"
 SERVED_TASKS = ("generate", "embed")
 
 
-def build_app(engines: EngineClient | ServedModels, *, api_key: str | None = None, model_name: str | None = None,
+def build_app(engines: EngineHandle | ServedModels, *, api_key: str | None = None, model_name: str | None = None,
               loras: Mapping[str, LoRARequest] | None = None, data_dir: str | Path | None = None,
               batch_settings: BatchSettings | None = None) -> FastAPI:
-    """`engines`: one engine client, or the served models (`ServedModels`: several engines, each with its adapters).
+    """`engines`: one engine handle, or the served models (`ServedModels`: several engines, each with its adapters).
     For one client, `model_name` is its name (default: its directory's name) and `loras` its adapters by the name
     a request's `model` gives (already checked with `llm.check_lora`; the engine needs enable_lora=True).
     `data_dir`: where the Batch API keeps its files (`batch_api.mount_batch_api`); None serves no Batch API.
@@ -119,7 +119,7 @@ def _generating(models: ServedModels, model: str | None):
     return served
 
 
-def _shared_metrics(engines: list[EngineClient]) -> ServerMetrics:
+def _shared_metrics(engines: list[EngineHandle]) -> ServerMetrics:
     """One set of metrics per set of engines: a second app on the same engines (another port, another key)
     shares them."""
     observers = {id(engine.observer) for engine in engines}
@@ -146,7 +146,7 @@ def api_key_checker(api_key: str | None):
     return check
 
 
-async def _answer(loop: EngineClient, request: Request, body: Any, inputs: EngineInputs, chat: bool):
+async def _answer(loop: EngineHandle, request: Request, body: Any, inputs: EngineInputs, chat: bool):
     sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
     streams = submit_all(loop, inputs.prompts, inputs.params, inputs.lora_request, incremental=body.stream, sink=sink)
     if body.stream:
@@ -163,7 +163,7 @@ async def _answer(loop: EngineClient, request: Request, body: Any, inputs: Engin
     return full_body(chat, inputs.model, outputs, inputs.top_logprobs)
 
 
-async def _events(loop: EngineClient, streams: list[RequestStream], sink: asyncio.Queue, writer: ChunkWriter,
+async def _events(loop: EngineHandle, streams: list[RequestStream], sink: asyncio.Queue, writer: ChunkWriter,
                   include_usage: bool):
     prompt_index = {stream: i for i, stream in enumerate(streams)}
     remaining = set(streams)

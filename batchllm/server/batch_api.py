@@ -81,7 +81,7 @@ def _lock_data_dir(data_dir: Path) -> int:
 def mount_batch_api(app: FastAPI, engines: Any, data_dir: Path, auth_dependency: Callable | None = None,
                     settings: BatchSettings | None = None) -> BatchService:
     """Add the Files and Batch routes to `app`, with `auth_dependency` on each; the batches run on the engines
-    (one `EngineClient`, or the `ServedModels`) through their `batch_engine()`. Starts the batch worker, which first
+    (one `EngineHandle`, or the `ServedModels`) through their `batch_engine()`. Starts the batch worker, which first
     resumes unfinished batches."""
     models = engines if isinstance(engines, ServedModels) else ServedModels.single(engines)
     settings = settings or BatchSettings()

@@ -1,15 +1,14 @@
-"""The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on an `EngineClient`.
+"""The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on an `EngineHandle`.
 
 `BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, None pauses
 admission, `(key, RequestOutput)` in completion order (`PoolingRequestOutput` for the PoolingParams items of an
 embed server's jobs), at most `max_in_flight` prompts out at once), but its
 requests go through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
 thread never touches the engine. Every other attribute (tokenizer, model_path, max_model_len, check_lora,
-quantization, kv_cache_dtype, engine.scheduler.config, ...) is the client's `llm` (the real LLM, or what the HTTP
+quantization, kv_cache_dtype, max_num_seqs, ...) is the client's `llm` (the real LLM, or what the HTTP
 process knows of it: `remote_llm.RemoteLLM`), read-only; `check_structured_outputs` compiles on the engine, where the
-engine's own compilations happen.
-
-It subclasses `LLM` only so that `get_llm`'s type check accepts it; it builds no engine of its own.
+engine's own compilations happen. It implements `batchllm.engine_client.EngineClient`, which is all a job uses; it
+builds no engine of its own.
 
 Cancelling: when `stop_event` is set, the stream admits nothing more; the requests already out finish and are
 yielded (the job saves them), then the stream ends. With `abort_on_stop=True` those are aborted instead and
@@ -21,10 +20,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from batchllm.llm import LLM
+from batchllm.admission import admission_order
+from batchllm.lora.request import LoRARequest
 from batchllm.request_source import RequestSource
 from batchllm.server.admitted import was_aborted
 from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
@@ -32,33 +32,36 @@ from batchllm.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from batchllm.outputs import RequestOutput
-    from batchllm.server.engine_client import EngineClient
+    from batchllm.server.engine_handle import EngineHandle
 
 K = TypeVar("K")
 _POLL_SECONDS = 1.0  # how often a blocked stream looks at its stop event and at the loop's health
 
 
-class BatchEngine(LLM):
-    def __init__(self, loop: EngineClient, stop_event: threading.Event | None = None,
-                 abort_on_stop: bool = False) -> None:  # no super().__init__(): the loop's LLM does the work
+class BatchEngine:
+    def __init__(self, loop: EngineHandle, stop_event: threading.Event | None = None,
+                 abort_on_stop: bool = False) -> None:
         self._loop = loop
-        self._llm = loop.llm
+        llm = self._llm = loop.llm
+        self.tokenizer, self.model_path, self.task = llm.tokenizer, llm.model_path, llm.task
+        self.pooling_params, self.embedding_dim = llm.pooling_params, llm.embedding_dim
+        self.quantization, self.kv_cache_dtype = llm.quantization, llm.kv_cache_dtype
+        self.max_model_len, self.max_num_seqs = llm.max_model_len, llm.max_num_seqs
         self.stop_event = stop_event
         self.abort_on_stop = abort_on_stop
         self._in_flight: dict[RequestStream, Any] = {}  # the current stream's requests out
 
-    def __getattr__(self, name: str) -> Any:  # only for what this object does not define itself
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self._llm, name)
-
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         self._loop.check_structured_outputs(params)
 
-    def generate(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("a BatchEngine only streams (BatchEngine.stream): the engine belongs to the server")
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        self._llm.check_lora(lora_request)
 
-    chat = beam_search = generate
+    def admission_order(self, token_lists: Sequence[Any], loras: Sequence[LoRARequest | None] | None = None
+                        ) -> list[int]:
+        """`LLM.admission_order`: rows sharing a prefix (or an adapter) go out together (the server's engine caches
+        prefixes unless built with enable_prefix_caching=False, which an engine in this process reports)."""
+        return admission_order(token_lists, loras, getattr(self._llm, "reorder_by_prefix", True))
 
     def has_unfinished(self) -> bool:
         """`LLM.has_unfinished` for a stream's source: whether rows of the stream are out (it may pause only then)."""

@@ -2,7 +2,7 @@
 
 A batch's job writes `batches/<id>/output.jsonl` with its manifest and lock beside it (`run_jsonl_job`): every
 request line gets exactly one answer line, and running the job again resumes it, so a batch that a restart
-finds unfinished simply runs its job again. The job's engine is the server's (`EngineClient.batch_engine`), whose
+finds unfinished simply runs its job again. The job's engine is the server's (`EngineHandle.batch_engine`), whose
 rows are admitted behind live traffic. On a server of several models each line runs on the model its `body.model`
 names, one job per model (`batch_groups.py`).
 
@@ -161,7 +161,7 @@ class BatchRunner:
             engine.abort_on_stop = self._closing
             self._current_engines.append(engine)
         settings = self.settings
-        max_in_flight = settings.max_in_flight or engine.engine.scheduler.config.max_num_seqs
+        max_in_flight = settings.max_in_flight or engine.max_num_seqs
         loras = {name: str(lora.lora_path) for name, lora in served.adapters.items()}
         result = run_jsonl_job(group.input, group.output, llm=engine, use_tqdm=False,
                                rows_per_shard=record.rows_per_shard, flush_seconds=settings.flush_seconds,

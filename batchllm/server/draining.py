@@ -2,7 +2,7 @@
 everything at once.
 
 First signal: new requests get 503 (and /health 503) while the requests in flight get up to `grace_seconds`; at the
-deadline every engine is stopped (`EngineClient.stop`: its requests are aborted at the next step boundary, and an
+deadline every engine is stopped (`EngineHandle.stop`: its requests are aborted at the next step boundary, and an
 engine process whose step overruns is terminated, then killed), so the streams still open end with finish_reason
 "abort", and the server closes. Second signal: the engine processes are killed and this process exits at once with
 status 128 + the signal's number. Nothing prints a traceback on either path: the HTTP server runs in the main thread,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from batchllm.host_gc import objects_frozen
 from batchllm.server.admitted import LoopObserver
-from batchllm.server.engine_client import EngineClient
+from batchllm.server.engine_handle import EngineHandle
 from batchllm.server.engine_driver import EngineDriver
 from batchllm.server.engine_protocol import BATCH, LIVE, Stop
 from batchllm.server.request_stream import EngineDead, ServerShuttingDown
@@ -37,7 +37,7 @@ class _Call:
         self.fn, self.future = fn, concurrent.futures.Future()
 
 
-class EngineLoop(EngineClient):
+class EngineLoop(EngineHandle):
     def __init__(self, llm: Any, *, observer: LoopObserver | None = None,
                  batch_waiting_limit: int | None = None, start: bool = True) -> None:
         """`start`: run the loop in a new thread now; False: the caller runs it (`run()`)."""

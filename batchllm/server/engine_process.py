@@ -23,7 +23,7 @@ from typing import Any
 
 from batchllm.connectors.replicas.channel import spawn_child
 from batchllm.server.admitted import LoopObserver
-from batchllm.server.engine_client import EngineClient
+from batchllm.server.engine_handle import EngineHandle
 from batchllm.server.engine_protocol import BuildFailed, Crashed, Ready, StepResults, Stop
 from batchllm.server.engine_worker import EngineSpec, engine_main
 from batchllm.server.remote_llm import RemoteLLM
@@ -46,7 +46,7 @@ class EngineLaunch:
     batch_waiting_limit: int | None = None
 
 
-class EngineProcess(EngineClient):
+class EngineProcess(EngineHandle):
     def __init__(self, name: str, process: BaseProcess, tasks: Connection, results: Connection, ready: Ready,
                  llm: RemoteLLM, observer: LoopObserver | None = None) -> None:
         """Made by `launch_engines`."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from batchllm.server.engine_client import EngineClient
+    from batchllm.server.engine_handle import EngineHandle
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                     80.0, 160.0, 640.0)
@@ -40,7 +40,7 @@ class ServerMetrics:
                                              "From submission to the last token of a request", registry=registry,
                                              buckets=_LATENCY_BUCKETS)
 
-    def watch(self, engines: list[EngineClient]) -> None:
+    def watch(self, engines: list[EngineHandle]) -> None:
         """The gauges: requests summed over the engines; KV-cache usage over their blocks together."""
         self.running.set_function(lambda: sum(e.snapshot.num_running for e in engines))
         self.waiting.set_function(lambda: sum(e.snapshot.num_waiting for e in engines))

@@ -1,6 +1,6 @@
 """What the HTTP process knows of an engine that runs in another process: `RemoteLLM` quacks like the parts of `LLM`
 that the routes, the Batch API and its JSONL job read (task, tokenizer, model_path, max_model_len, pooling_params,
-embedding_dim, quantization, kv_cache_dtype, engine.scheduler.config, check_lora, encode_requests). The tokenizer
+embedding_dim, quantization, kv_cache_dtype, max_num_seqs, check_lora, encode_requests). The tokenizer
 is loaded here, as the engine loads it: prompts are tokenized, and outputs detokenized, in the HTTP process; adapters
 are checked here too (that needs the model's config only, and the engine was built alike).
 """
@@ -8,23 +8,11 @@ are checked here too (that needs the model's config only, and the engine was bui
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from batchllm.config import SchedulerConfig
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.server.engine_protocol import EngineInfo
-
-
-@dataclass(frozen=True, slots=True)
-class _SchedulerView:
-    config: SchedulerConfig
-
-
-@dataclass(frozen=True, slots=True)
-class _EngineView:
-    scheduler: _SchedulerView
 
 
 class RemoteLLM:
@@ -37,7 +25,7 @@ class RemoteLLM:
         self.quantization = info.quantization
         self.kv_cache_dtype = info.kv_cache_dtype
         self.num_blocks = info.num_blocks
-        self.engine = _EngineView(_SchedulerView(info.scheduler_config))  # the jobs read max_num_seqs there
+        self.max_num_seqs = info.scheduler_config.max_num_seqs
         self.tokenizer = tokenizer
         self._adapters = adapters
 

@@ -12,7 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
-from batchllm.server.engine_client import EngineClient
+from batchllm.server.engine_handle import EngineHandle
 from batchllm.server.engine_protocol import LIVE
 from batchllm.server.errors import APIError, bad_request, from_validation_errors, unavailable
 from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
@@ -34,9 +34,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise from_validation_errors(exc.errors()) from None
 
 
-def submit_all(engine: EngineClient, prompts: Iterable[tuple[str | None, list[int]]], params: Any,
+def submit_all(engine: EngineHandle, prompts: Iterable[tuple[str | None, list[int]]], params: Any,
                lora_request: Any = None, **options: Any) -> list[RequestStream]:
-    """Submit each (text, token ids) at LIVE priority (`options`: `EngineClient.submit`'s); 503, with the ones
+    """Submit each (text, token ids) at LIVE priority (`options`: `EngineHandle.submit`'s); 503, with the ones
     already submitted aborted, when the engine admits no more."""
     streams: list[RequestStream] = []
     try:
@@ -48,12 +48,12 @@ def submit_all(engine: EngineClient, prompts: Iterable[tuple[str | None, list[in
     return streams
 
 
-def abort_all(engine: EngineClient, streams: Iterable[RequestStream]) -> None:
+def abort_all(engine: EngineHandle, streams: Iterable[RequestStream]) -> None:
     for stream in list(streams):
         engine.abort(stream)  # a no-op for the finished ones
 
 
-async def wait_outputs(engine: EngineClient, request: Request, streams: list[RequestStream]
+async def wait_outputs(engine: EngineHandle, request: Request, streams: list[RequestStream]
                        ) -> list[RequestOutput | PoolingRequestOutput]:
     """Each stream's final output, in order; a client that disconnects meanwhile aborts them all (499)."""
     tasks = [asyncio.ensure_future(stream.result()) for stream in streams]

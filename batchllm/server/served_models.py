@@ -19,7 +19,7 @@ from batchllm.server.request_mapping import RequestMapper
 @dataclass(slots=True)
 class ServedModel:
     name: str
-    engine: Any  # an EngineClient
+    engine: Any  # an EngineHandle
     adapters: dict[str, LoRARequest]
     mapper: RequestMapper
 
@@ -30,7 +30,7 @@ class ServedModel:
 
 class ServedModels:
     def __init__(self, models: Sequence[tuple[str, Any, Mapping[str, LoRARequest]]]) -> None:
-        """`models`: (name, engine client, adapters by name) each, the default model first."""
+        """`models`: (name, engine handle, adapters by name) each, the default model first."""
         if not models:
             raise ValueError("a server serves at least one model")
         self.models: list[ServedModel] = []

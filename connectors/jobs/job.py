@@ -174,7 +174,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
     if isinstance(llm, (ReplicaPool, ModelRouter)):
         max_in_flight = llm.default_max_in_flight
     else:
-        max_in_flight = settings.max_in_flight or 2 * llm.engine.scheduler.config.max_num_seqs
+        max_in_flight = settings.max_in_flight or 2 * llm.max_num_seqs
     max_buffered = settings.max_buffered_rows or max_in_flight + 2 * rows_per_shard
     batch_size = min(rows_per_shard, MAX_BATCH_ROWS)
     total, resume = source.total_rows, sink.resume

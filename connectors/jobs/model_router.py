@@ -114,8 +114,7 @@ class ModelRouter:
         self.engines = dict(engines)
         self.names = list(self.engines)
         distinct = list({id(engine): engine for engine in self.engines.values()}.values())
-        self.default_max_in_flight = max_in_flight or 2 * max(e.engine.scheduler.config.max_num_seqs
-                                                              for e in distinct)
+        self.default_max_in_flight = max_in_flight or 2 * max(e.max_num_seqs for e in distinct)
         # Prompts are fitted to each model's own length; this bounds the room a row's max_tokens=None may take
         # (`job.cap_max_tokens`): if the longest model leaves no more room than the cap, none does.
         self.max_model_len = max(e.max_model_len for e in distinct)

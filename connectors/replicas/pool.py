@@ -29,7 +29,6 @@ Scripts that create a pool must guard their entry point with `if __name__ == "__
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from collections import deque
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from batchllm.admission import admission_order
+from batchllm.engine_config import EngineConfig
 from batchllm.connectors.replicas.devices import Placement, plan_placements
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError, build_error
 from batchllm.connectors.replicas.messages import (
@@ -99,20 +99,20 @@ class ReplicaPool:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {size!r}")
         kwargs = dict(engine_kwargs or {})
-        max_num_seqs = kwargs.get("max_num_seqs", _llm_default("max_num_seqs"))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)  # every replica's checks, made once, here
+        max_num_seqs = self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_in_flight_per_replica = max_in_flight_per_replica or max_num_seqs + default_chunk_rows(max_num_seqs)
         self.chunk_rows = min(chunk_rows or default_chunk_rows(max_num_seqs), self.max_in_flight_per_replica)
-        self.reorder_by_prefix = bool(kwargs.get("reorder_by_prefix", _llm_default("reorder_by_prefix"))
-                                      and kwargs.get("enable_prefix_caching", _llm_default("enable_prefix_caching")))
+        self.reorder_by_prefix = config.reorder_by_prefix and config.cache.enable_prefix_caching
         self.model_path = resolve_model_path(model)  # converts the default model once, here, not in every replica
         # As an LLM reports them (job manifests pin them); the replicas check them against the checkpoint.
-        self.quantization = pinned_quantization(read_hf_config(self.model_path), kwargs.get("quantization"))
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kwargs.get("kv_cache_dtype", "auto"))
+        self.quantization = pinned_quantization(read_hf_config(self.model_path), config.quantization.quantization)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.quantization.kv_cache_dtype)
         # A pooling task's, as an LLM reports them (the map operator and the jobs ask).
-        self.task = kwargs.get("task", "generate")
+        self.task = config.pooling.task
         model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
-        self.pooling_params = resolve_pooling(self.model_path, model_config, self.task, kwargs.get("pooling"),
-                                              kwargs.get("normalize"))
+        self.pooling_params = resolve_pooling(self.model_path, model_config, self.task, config.pooling.pooling,
+                                              config.pooling.normalize)
         self.embedding_dim = pooled_dim(model_config, self.pooling_params)
         self.failures: list[ReplicaFailure] = []
         self.tokenizer: Any = None
@@ -136,7 +136,7 @@ class ReplicaPool:
 
                 self.tokenizer = load_tokenizer(kwargs.get("tokenizer") or self.model_path,
                                                 trust_remote_code=kwargs.get("trust_remote_code", False))
-            self._adapters = _adapter_registry(self.model_path, kwargs)
+            self._adapters = AdapterRegistry(model_config, config.lora.max_lora_rank, config.lora.enable_lora)
             self._wait_until_ready()
         except BaseException:
             self.close(ABORT_SECONDS)
@@ -358,17 +358,3 @@ class ReplicaPool:
 
 def default_chunk_rows(max_num_seqs: int) -> int:
     return max(8, min(256, max_num_seqs // 4))
-
-
-def _llm_default(name: str) -> Any:
-    from batchllm.llm import LLM
-
-    return inspect.signature(LLM.__init__).parameters[name].default
-
-
-def _adapter_registry(model_path: Path, kwargs: Mapping[str, Any]) -> AdapterRegistry:
-    from batchllm.model.config import ModelConfig, read_hf_config
-
-    return AdapterRegistry(ModelConfig.from_hf_dict(read_hf_config(model_path)),
-                           kwargs.get("max_lora_rank", _llm_default("max_lora_rank")),
-                           kwargs.get("enable_lora", _llm_default("enable_lora")))

@@ -13,7 +13,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import numpy as np
@@ -75,7 +74,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.max_model_len = 2048
-        self.engine = SimpleNamespace(scheduler=SimpleNamespace(config=SimpleNamespace(max_num_seqs=8)))
+        self.max_num_seqs = 8
         self.compiler = compiler
         self.checked: list[StructuredOutputsParams] = []
         self.rows: list[SamplingParams] = []  # the params of each row that reached the engine, in order

@@ -11,6 +11,7 @@ import pytest
 
 from batchllm import LLM, SamplingParams
 from batchllm.connectors.engine_cache import get_llm
+from batchllm.engine_client import EngineClient
 from batchllm.server.app import build_app
 from batchllm.server.engine_loop import BATCH, LIVE, EngineLoop
 from batchllm.server.request_stream import EngineDead, ServerShuttingDown
@@ -60,10 +61,10 @@ def test_a_plain_thread_consumer_gets_deltas_that_add_up(llm, loop):
 
 def test_batch_engine_keeps_the_stream_contract(llm, loop):
     engine = loop.batch_engine()
-    assert isinstance(engine, LLM) and get_llm(llm=engine) is engine
+    assert isinstance(engine, EngineClient) and get_llm(llm=engine) is engine
     assert (engine.tokenizer, engine.model_path, engine.max_model_len) == (llm.tokenizer, llm.model_path,
                                                                            llm.max_model_len)
-    assert engine.engine.scheduler.config.max_num_seqs == 8
+    assert engine.max_num_seqs == 8
     pulled, done, peak = [0], [0], [0]
 
     def source():

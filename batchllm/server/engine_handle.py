@@ -28,7 +28,7 @@ from batchllm.structured_outputs import StructuredOutputsParams
 COMPILE_TIMEOUT = 300.0  # a grammar compiles in well under a second; an engine busy with a long step answers later
 
 
-class EngineClient:
+class EngineHandle:
     """`llm`: the engine's LLM, or what the HTTP side knows of it (`remote_llm.RemoteLLM`): task, tokenizer,
     model_path, max_model_len, pooling_params, ..."""
 
