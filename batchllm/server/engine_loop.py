@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from batchllm.host_gc import objects_frozen
 from batchllm.server.admitted import LoopObserver
-from batchllm.server.engine_handle import EngineHandle
 from batchllm.server.engine_driver import EngineDriver
+from batchllm.server.engine_handle import EngineHandle
 from batchllm.server.engine_protocol import BATCH, LIVE, Stop
 from batchllm.server.request_stream import EngineDead, ServerShuttingDown
 

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from batchllm.admission import admission_order
-from batchllm.engine_config import EngineConfig
 from batchllm.connectors.replicas.devices import Placement, plan_placements
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError, build_error
 from batchllm.connectors.replicas.messages import (
@@ -61,6 +60,7 @@ from batchllm.connectors.replicas.process import (
     start_replica,
 )
 from batchllm.connectors.replicas.replica import ReplicaSpec
+from batchllm.engine_config import EngineConfig
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import RequestOutput
