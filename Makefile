@@ -33,8 +33,9 @@ demo: venv
 
 # pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where kernels/ (installed as
 # batchllm.kernels) shadows HF's `kernels` package, which transformers imports. pyproject.toml sets importlib mode.
+# --durations: the slowest tests, printed last (the suite must stay under 20 minutes on a 2-core CI machine).
 test: venv
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
 
 bench: venv
 	$(PY) benchmarks/throughput.py
