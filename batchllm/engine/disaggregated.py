@@ -61,7 +61,7 @@ class DisaggregatedEngineCore:
         if pending is None:
             return self.decode.abort(request_id)
         if self.prefill.abort(request_id) is None:
-            self.prefill_kv.cancel(request_id)
+            self.prefill_kv.sender.cancel(request_id)
         request = Request(request_id, pending.prompt_token_ids, pending.params, lora_request=pending.lora_request)
         request.status, request.finished_time = RequestStatus.FINISHED_ABORTED, time.perf_counter()
         return request
@@ -70,20 +70,14 @@ class DisaggregatedEngineCore:
         return bool(self._prefilling) or self.prefill.has_unfinished() or self.decode.has_unfinished()
 
     def step(self) -> list[FinishedRequest]:
-        if self.prefill.has_unfinished() or self.prefill_kv.has_pending():
+        if self.prefill.has_unfinished() or self.prefill_kv.sender.has_pending():
             for ended in self.prefill.step():
                 if ended.request.error is not None:  # rejected by the prefill engine: the decode engine says why
                     self._hand_over(Handoff(ended.request.request_id, 0, None))
-            self._hand_over_sent()
-        return self.decode.step()
-
-    def _hand_over_sent(self) -> None:
-        """Pass on the prompts whose K/V copies ran in a step the prefill engine has applied."""
-        in_flight = {id(so.link_transfers) for so in self.prefill.in_flight_outputs() if so.link_transfers}
-        batches = self.prefill_kv.batches
-        while batches and (batches[0][0] is None or id(batches[0][0]) not in in_flight):
-            for handoff in batches.pop(0)[1]:
+            # The prompts whose K/V copies ran in a step the prefill engine has applied.
+            for handoff in self.prefill_kv.sender.take_sent(self.prefill.in_flight_outputs()):
                 self._hand_over(handoff)
+        return self.decode.step()
 
     def _hand_over(self, handoff: Handoff) -> None:
         pending = self._prefilling.pop(handoff.request_id, None)
@@ -99,5 +93,5 @@ class DisaggregatedEngineCore:
         if handoff.slots is None:
             self.decode_kv.handoff.recomputed += handoff.num_tokens > 0
         else:
-            self.decode_kv.expect(handoff)
+            self.decode_kv.receiver.expect(handoff)
 

@@ -79,8 +79,9 @@ class GrammarBitmask:
 
 @dataclass(slots=True)
 class BlockTransfers:
-    """A step's copies between the device pool and the host tier (engine/host_tier.py), as block-id pairs. The
-    runner runs every offload, then every load, then the step's copy-on-write copies and forward pass."""
+    """A step's copies between the device pool and another pool (the host tier's, engine/host_tier.py, or the P/D
+    link's buffer, engine/kv_handoff.py), as block-id pairs: both connectors' metadata. The runner runs every
+    offload, then every load, then the step's copy-on-write copies and forward pass."""
 
     offloads: list[tuple[int, int]]  # (device block, host block)
     loads: list[tuple[int, int]]  # (host block, device block)
@@ -94,11 +95,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Copy-on-write: copy KV block src to dst (all layers) before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Copies between the device pool and the host tier, before the copy-on-write ones (engine/host_tier.py).
-    transfers: BlockTransfers | None = None
-    # Disaggregated prefill / decode: copies between the device pool and the buffer the two engines share
-    # (engine/kv_handoff.py), as `transfers`: the prefill engine's offloads, the decode engine's loads.
-    link_transfers: BlockTransfers | None = None
+    # The KV connectors' work for the step (engine/kv_connector.py), each connector's under its name, opaque to all
+    # but its worker side (executor/kv_connector.py), which runs it before the copy-on-write copies. None: no work.
+    kv_connector_metadata: dict[str, object] | None = None
     # Sampled requests whose tokens a grammar constrains. With `grammar` None the runner runs the forward pass
     # and waits for the bitmask (`AwaitingGrammar`): the engine computes it once the previous step is applied.
     grammar_request_ids: list[str] = field(default_factory=list)
@@ -112,7 +111,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do: no request and no K/V copy (a swap-out can empty a step of requests)."""
-        return not self.requests and self.transfers is None and self.link_transfers is None
+        return not self.requests and self.kv_connector_metadata is None
 
 
 @dataclass(slots=True)

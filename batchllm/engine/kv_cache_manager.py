@@ -8,11 +8,11 @@ Invariants:
   shares (a forked sample's last block), the block is copied to a fresh one (copy-on-write) and the copy
   is reported so the runner performs it before the step's forward pass;
 - prefix-cache hits cover full blocks only and never the request's last token, whose logits are needed;
-- with a host tier (host_tier.py) a request is in at most one place: on the device (`_blocks`) or swapped
-  out (`_swapped`, the host blocks holding its first `num_computed_tokens` tokens' K/V);
-- K/V loaded from the host tier in a step is read from the next step on: the copies run while the step
-  computes (executor/kv_transfer.py). A request whose blocks a step loads, or that hits blocks the step loads
-  for another, is `loading`: the scheduler computes nothing of it in that step.
+- with KV connectors (kv_connector.py: the host tier, the P/D link) a request is in at most one place: on the
+  device (`_blocks`) or held by a connector (swapped out, or computed by another engine);
+- K/V a connector loads in a step is read from the next step on: the copies run while the step computes
+  (executor/kv_transfer.py). A request whose blocks a step loads, or that hits blocks the step loads for another,
+  is `loading`: the scheduler computes nothing of it in that step.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from batchllm.engine.block_hash import extend_block_hashes
 from batchllm.engine.block_pool import BlockPool, KVCacheBlock
-from batchllm.engine.host_tier import HostTier, HostTierStats
-from batchllm.engine.interfaces import BlockTransfers
+from batchllm.engine.host_tier import HostTier
+from batchllm.engine.kv_connector import KVConnector
 from batchllm.engine.request import Request
 
 
@@ -46,29 +46,34 @@ class BlockAllocation:
 
 @dataclass(slots=True)
 class CachedPrefix:
-    """A prompt's longest cached prefix: full blocks found on the device, then the ones after them found only in
-    the host tier (their K/V is copied back into fresh device blocks)."""
+    """A prompt's longest cached prefix: full blocks found on the device, then the ones after them that a connector
+    holds (the host tier's: their K/V is copied into fresh device blocks)."""
 
     device: list[KVCacheBlock]
-    host: list[KVCacheBlock]
+    num_external_blocks: int = 0
+    connector: KVConnector | None = None
 
     @property
     def num_blocks(self) -> int:
-        return len(self.device) + len(self.host)
+        return len(self.device) + self.num_external_blocks
 
 
-_NO_PREFIX = CachedPrefix([], [])
+_NO_PREFIX = CachedPrefix([])
 _UNCHANGED = BlockAllocation([])  # shared, never mutated: the request's block table stays as it is
 
 
 class KVCacheManager:
+    """`num_host_blocks`: a host tier of that many blocks (0: none), the first of `connectors`; a subclass may
+    add more (kv_handoff.py)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  num_host_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.host = HostTier(num_host_blocks, enable_caching) if num_host_blocks else None
-        self.pool = BlockPool(num_blocks, enable_caching, None if self.host is None else self.host.spill)
+        self.host = HostTier(num_host_blocks, enable_caching, block_size) if num_host_blocks else None
+        self.connectors: list[KVConnector] = [] if self.host is None else [self.host]
+        self.pool = BlockPool(num_blocks, enable_caching, self._record_eviction)
+        self._evictions: list[tuple[int, bytes, bool]] = []  # (block id, hash, reused), until the allocation ends
         self._blocks: dict[str, list[KVCacheBlock]] = {}
-        self._swapped: dict[str, list[KVCacheBlock]] = {}  # request id → its host blocks, while swapped out
         self._loading: set[str] = set()  # requests that wait for this step's loads
         self._landing: set[int] = set()  # device blocks this step's loads fill (indexed already: others may hit)
         self._num_hashed_blocks: dict[str, int] = {}
@@ -79,8 +84,8 @@ class KVCacheManager:
     def reset_stats(self) -> None:
         self.peak_used_blocks = self.pool.num_used_blocks
         self.stats = PrefixCacheStats()
-        if self.host is not None:
-            self.host.stats = HostTierStats()
+        for connector in self.connectors:
+            connector.reset_stats()
 
     def begin_step(self) -> None:
         """A new step: the last step's loads land before its forward pass, so what they fill can be read."""
@@ -107,14 +112,11 @@ class KVCacheManager:
             if block is None:
                 break
             device.append(block)
-        host: list[KVCacheBlock] = []
-        if self.host is not None:
-            for block_hash in hashes[len(device):]:
-                block = self.host.lookup(block_hash)
-                if block is None:
-                    break
-                host.append(block)
-        return CachedPrefix(device, host) if device or host else _NO_PREFIX
+        for connector in self.connectors:
+            num_tokens = connector.get_num_new_matched_tokens(request, len(device) * self.block_size)
+            if num_tokens:
+                return CachedPrefix(device, cdiv(num_tokens, self.block_size), connector)
+        return CachedPrefix(device) if device else _NO_PREFIX
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached: CachedPrefix = _NO_PREFIX) -> BlockAllocation | None:
@@ -136,7 +138,7 @@ class KVCacheManager:
         end = computed + num_new_tokens
         first_write = computed // self.block_size
         needs_copy = first_write < len(owned) and owned[first_write].ref_cnt > 1
-        # The host hits need device blocks too: fresh ones, the first allocated, which their loads fill.
+        # A connector's blocks need device blocks too: fresh ones, the first allocated, which its loads fill.
         num_new_blocks = max(0, cdiv(end, self.block_size) - len(owned) - len(cached.device)) + needs_copy
         # Touching a cached block that sits in the free queue takes it out of the free count too.
         num_revived = sum(1 for block in cached.device if block.ref_cnt == 0)
@@ -144,22 +146,19 @@ class KVCacheManager:
             if not owned:
                 del self._blocks[request.request_id]
             return None
-        if cached.host:
-            self.host.hold(cached.host)  # before the device allocation, whose evictions spill into the tier
         self.pool.touch(cached.device)
         for block in cached.device:
             block.reused = True
         owned.extend(cached.device)
         new_blocks = self.pool.allocate(num_new_blocks)
-        loading = bool(cached.host) or any(block.block_id in self._landing for block in cached.device)
-        if cached.host:
-            loaded = new_blocks[: len(cached.host)]
-            self.host.load(cached.host, loaded)
+        loading = bool(cached.num_external_blocks) or any(block.block_id in self._landing for block in cached.device)
+        if cached.num_external_blocks:
+            loaded = new_blocks[: cached.num_external_blocks]
             for block in loaded:
-                block.reused = True  # a host-tier hit: as much a reuse as a device hit
+                block.reused = True  # a hit in a connector: as much a reuse as a device hit
                 self._landing.add(block.block_id)
-            self.host.stats.loaded_blocks += len(cached.host)
-            self.host.stats.host_prefix_hits += len(cached.host) * self.block_size
+            cached.connector.update_state_after_alloc(request, loaded, cached.num_external_blocks * self.block_size)
+        self._report_evictions()
         if needs_copy:
             self._copy_on_write(owned, first_write, new_blocks.pop(0))
         owned.extend(new_blocks)
@@ -172,48 +171,43 @@ class KVCacheManager:
         return BlockAllocation([block.block_id for block in new_blocks], needs_copy)
 
     def swap_out(self, request: Request) -> bool:
-        """Preempt by swapping: move the K/V of the request's computed tokens into the host tier and free its
-        device blocks. False, changing nothing, when there is no host tier or too little room in it."""
+        """Preempt by swapping: a connector keeps the K/V of the request's computed tokens and its device blocks are
+        freed. False, changing nothing, when no connector takes it (none, or too little room)."""
         owned = self._blocks.get(request.request_id)
-        if self.host is None or owned is None:
+        if owned is None:
             return False
-        host_blocks = self.host.swap_out(owned[: cdiv(request.num_computed_tokens, self.block_size)])
-        if host_blocks is None:
+        computed = owned[: cdiv(request.num_computed_tokens, self.block_size)]
+        if not any(connector.save_preempted(request, computed) for connector in self.connectors):
             return False
         self.free(request)
-        self._swapped[request.request_id] = host_blocks
-        self.host.stats.swap_preemptions += 1
         return True
 
-    def arrived_tokens(self, request: Request) -> int:
-        """Tokens whose K/V another engine computed for this request (kv_handoff.py); 0: none."""
-        return 0
-
-    def take_link_transfers(self) -> BlockTransfers | None:
-        """The step's copies to or from another engine's buffer (kv_handoff.py); None: none."""
-        return None
-
-    def is_swapped(self, request: Request) -> bool:
-        return request.request_id in self._swapped
-
-    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        """Bring a swapped-out request back: fresh device blocks, the first filled from its host blocks by this
-        step's loads (it is `loading`), and room for `num_new_tokens` more. False, changing nothing, if the device
-        pool is too short."""
-        host_blocks = self._swapped[request.request_id]
-        end = request.num_computed_tokens + num_new_tokens
-        num_blocks = max(cdiv(end, self.block_size), len(host_blocks))
+    def allocate_held(self, request: Request, connector: KVConnector, num_held_tokens: int,
+                      num_new_tokens: int) -> bool:
+        """Admit a request whose first `num_held_tokens` tokens' K/V `connector` holds (swapped out, or computed by
+        another engine): fresh device blocks, the first filled by this step's loads (it is `loading`), and room for
+        `num_new_tokens` more. False, changing nothing, if the device pool is too short."""
+        num_blocks = cdiv(num_held_tokens + num_new_tokens, self.block_size)
         if num_blocks > self.pool.num_free_blocks:
             return False
-        del self._swapped[request.request_id]
-        self.host.hold(host_blocks)  # the step's reference replaces the request's
-        self.host.release(host_blocks)
         blocks = self._blocks[request.request_id] = self.pool.allocate(num_blocks)
-        self.host.load(host_blocks, blocks)
-        self.host.stats.swapped_in_blocks += len(host_blocks)
+        connector.update_state_after_alloc(request, blocks, num_held_tokens)
+        self._report_evictions()
         self._loading.add(request.request_id)  # its blocks are indexed once it computes, in the next step
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return True
+
+    def _record_eviction(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        self._evictions.append((block.block_id, block_hash, block.reused))
+
+    def _report_evictions(self) -> None:
+        """Tell the connectors of the evictions of the allocation that just ended. Only now: a connector that loads
+        into the allocated blocks has taken the blocks it loads from (a host tier spilling first could reuse them)."""
+        if self._evictions:
+            for connector in self.connectors:
+                for eviction in self._evictions:
+                    connector.on_evict(*eviction)
+            self._evictions.clear()
 
     def _copy_on_write(self, owned: list[KVCacheBlock], index: int, copy: KVCacheBlock) -> None:
         shared = owned[index]
@@ -255,18 +249,11 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def take_transfers(self) -> BlockTransfers | None:
-        """The step's copies between the device pool and the host tier (None: none)."""
-        return None if self.host is None else self.host.take_transfers()
-
     def block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self._blocks.get(request.request_id, ())]
 
     def free(self, request: Request) -> None:
         self._loading.discard(request.request_id)
-        swapped = self._swapped.pop(request.request_id, None)
-        if swapped is not None:
-            self.host.release(swapped[::-1])
         blocks = self._blocks.pop(request.request_id, [])
         self._num_hashed_blocks.pop(request.request_id, None)
         # Tail first: the free queue evicts from its head, so a prefix outlives its suffix.

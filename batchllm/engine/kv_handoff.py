@@ -18,13 +18,16 @@ whose forward pass waited for the loads, has been applied (one step in flight).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchllm.engine.block_pool import BlockPool
-from batchllm.engine.interfaces import BlockTransfers
+from batchllm.engine.block_pool import BlockPool, KVCacheBlock
+from batchllm.engine.interfaces import BlockTransfers, SchedulerOutput
 from batchllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from batchllm.engine.kv_connector import KVConnector
 from batchllm.engine.request import Request, RequestStatus
 
+KV_LINK = "kv_link"
 RELEASE_AFTER_STEPS = 3
 
 
@@ -42,41 +45,43 @@ class Handoff:
     slots: list[int] | None
 
 
-class PrefillKVCacheManager(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
-                 num_host_blocks: int = 0) -> None:
-        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
-        self.link = link
+class LinkSender(KVConnector):
+    """The prefill engine's side of the link. `release` frees the device blocks of a request whose end it delayed."""
+
+    name = KV_LINK
+
+    def __init__(self, link: BlockPool, block_size: int, release: Callable[[Request], None]) -> None:
+        self.link, self.block_size, self._release = link, block_size, release
         self._sends: list[tuple[int, int]] = []  # (device block, slot) for the next step
         self._ready: list[Handoff] = []  # copied by the next step
-        self._awaiting: deque[Request] = deque()  # ended, holding their blocks until enough slots are free
+        self._awaiting: deque[tuple[Request, list[int]]] = deque()  # ended, holding their blocks until slots are free
         self.batches: list[tuple[BlockTransfers | None, list[Handoff]]] = []  # taken, with the step's copies
 
-    def free(self, request: Request) -> None:
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """A prompt that ended (its one sample drawn) hands its blocks over before they are freed."""
-        if request.status is RequestStatus.FINISHED_LENGTH and self._blocks.get(request.request_id):
+        if request.status is RequestStatus.FINISHED_LENGTH and block_ids:
             if cdiv(request.num_computed_tokens, self.block_size) <= self.link.num_blocks:
-                self._awaiting.append(request)
-                return
+                self._awaiting.append((request, block_ids))
+                return True
             self._ready.append(Handoff(request.request_id, request.num_computed_tokens, None))
-        super().free(request)
+        return False
 
     def has_pending(self) -> bool:
         return bool(self._ready or self._awaiting)
 
-    def take_link_transfers(self) -> BlockTransfers | None:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BlockTransfers | None:
         """The step's copies into the buffer, for the ended prompts that slots are free for, in order; their
         blocks are freed (this step's allocations are made: the copies run before any later step's writes)."""
         while self._awaiting:
-            request = self._awaiting[0]
+            request, block_ids = self._awaiting[0]
             count = cdiv(request.num_computed_tokens, self.block_size)
             if count > self.link.num_free_blocks:
                 break
             self._awaiting.popleft()
             slots = [slot.block_id for slot in self.link.allocate(count)]
-            self._sends += [(block.block_id, slot) for block, slot in zip(self._blocks[request.request_id], slots)]
+            self._sends += list(zip(block_ids, slots))
             self._ready.append(Handoff(request.request_id, request.num_computed_tokens, slots))
-            super().free(request)
+            self._release(request)
         if not self._ready:
             return None
         transfers = BlockTransfers(self._sends, []) if self._sends else None
@@ -84,12 +89,20 @@ class PrefillKVCacheManager(KVCacheManager):
         self._sends, self._ready = [], []
         return transfers
 
+    def take_sent(self, in_flight: list[SchedulerOutput]) -> list[Handoff]:
+        """The handoffs whose copies ran in a step the engine has applied (none of `in_flight`), in order."""
+        pending = {id(so.kv_connector_metadata.get(self.name)) for so in in_flight if so.kv_connector_metadata}
+        sent: list[Handoff] = []
+        while self.batches and (self.batches[0][0] is None or id(self.batches[0][0]) not in pending):
+            sent += self.batches.pop(0)[1]
+        return sent
+
     def cancel(self, request_id: str) -> bool:
         """Drop a handoff not yet taken by a step (an abort); True if there was one."""
-        for index, request in enumerate(self._awaiting):
+        for index, (request, _) in enumerate(self._awaiting):
             if request.request_id == request_id:
                 del self._awaiting[index]
-                super().free(request)
+                self._release(request)
                 return True
         for index, handoff in enumerate(self._ready):
             if handoff.request_id == request_id:
@@ -108,63 +121,80 @@ class HandoffStats:
     recomputed: int = 0  # handed over without K/V (the buffer was full): this engine computed their prompts
 
 
-class DecodeKVCacheManager(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
-                 num_host_blocks: int = 0) -> None:
-        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+class LinkReceiver(KVConnector):
+    """The decode engine's side of the link."""
+
+    name = KV_LINK
+
+    def __init__(self, link: BlockPool) -> None:
         self.link = link
         self._arrivals: dict[str, Handoff] = {}
         self._loads: list[tuple[int, int]] = []  # (slot, device block) for this step
         self._release: deque[tuple[int, list[int]]] = deque()  # (step after which the slots are free, slots)
         self._step = 0
-        self.handoff = HandoffStats()
+        self.stats = HandoffStats()
 
     def reset_stats(self) -> None:
-        super().reset_stats()
-        self.handoff = HandoffStats()
+        self.stats = HandoffStats()
 
     def expect(self, handoff: Handoff) -> None:
         self._arrivals[handoff.request_id] = handoff
 
-    def arrived_tokens(self, request: Request) -> int:
+    def get_num_held_tokens(self, request: Request) -> int:
         handoff = self._arrivals.get(request.request_id)
         return 0 if handoff is None else handoff.num_tokens
 
-    def receive(self, request: Request, num_new_tokens: int) -> bool:
-        """Allocate the request's blocks and load the first from its slots this step (it computes from the next);
-        False, changing nothing, if the device pool is too short."""
-        handoff = self._arrivals[request.request_id]
-        num_blocks = cdiv(handoff.num_tokens + num_new_tokens, self.block_size)
-        if num_blocks > self.pool.num_free_blocks:
-            return False
-        del self._arrivals[request.request_id]
-        blocks = self._blocks[request.request_id] = self.pool.allocate(num_blocks)
+    def update_state_after_alloc(self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int) -> None:
+        """Load the first of the request's blocks from its slots this step (it computes from the next)."""
+        handoff = self._arrivals.pop(request.request_id)
         self._loads += [(slot, block.block_id) for slot, block in zip(handoff.slots, blocks)]
-        self.handoff.requests += 1
-        self.handoff.blocks += len(handoff.slots)
+        self.stats.requests += 1
+        self.stats.blocks += len(handoff.slots)
         self._release_later(handoff.slots)
-        self._loading.add(request.request_id)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
-        return True
 
     def begin_step(self) -> None:
-        super().begin_step()
         self._step += 1
         while self._release and self._release[0][0] <= self._step:
             free_slots(self.link, self._release.popleft()[1])
 
-    def take_link_transfers(self) -> BlockTransfers | None:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BlockTransfers | None:
         if not self._loads:
             return None
         transfers, self._loads = BlockTransfers([], self._loads), []
         return transfers
 
-    def free(self, request: Request) -> None:
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         handoff = self._arrivals.pop(request.request_id, None)  # aborted before its K/V was loaded
         if handoff is not None:
             self._release_later(handoff.slots)
-        super().free(request)
+        return False
 
     def _release_later(self, slots: list[int]) -> None:
         """Free the slots once the step after this one, whose forward pass waits for their loads, is applied."""
         self._release.append((self._step + RELEASE_AFTER_STEPS, slots))
+
+
+class PrefillKVCacheManager(KVCacheManager):
+    """A prefill engine's KV manager: the link's sending side after the host tier."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+        self.link = link
+        self.sender = LinkSender(link, block_size, self.free)
+        self.connectors.append(self.sender)
+
+
+class DecodeKVCacheManager(KVCacheManager):
+    """A decode engine's KV manager: the link's receiving side after the host tier."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+        self.link = link
+        self.receiver = LinkReceiver(link)
+        self.connectors.append(self.receiver)
+
+    @property
+    def handoff(self) -> HandoffStats:
+        return self.receiver.stats

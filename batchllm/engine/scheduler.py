@@ -5,7 +5,7 @@ the step's token budget: a fresh prompt, the next chunk of a long prompt, a reco
 a one-token decode are the same operation. Running requests are served first, oldest first, then waiting
 requests in FIFO order. When the KV pool runs dry the newest running request is preempted (its blocks are
 freed and it is re-queued at the front of the waiting queue to be recomputed, or, with
-`preemption_mode="swap"`, its K/V is swapped out to the host tier and back in), which always lets the
+`preemption_mode="swap"`, its K/V is swapped out to a KV connector, the host tier, and back in), which always lets the
 oldest request progress: no deadlock, since a single request never exceeds `max_model_len` and
 `max_model_len` never exceeds the pool.
 
@@ -36,6 +36,7 @@ from batchllm.engine.interfaces import (
     SchedulerOutput,
 )
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
+from batchllm.engine.kv_connector import connector_metadata
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.engine.spec.speculator import Speculator
 
@@ -73,6 +74,7 @@ class Scheduler:
             )
         self.config = config
         self.kv_cache = kv_cache
+        self.connectors = kv_cache.connectors  # kv_connector.py: the KV manager calls the block-level hooks
         self.check_stop = check_stop
         self.speculator = speculator
         self.waiting: deque[Request] = deque()
@@ -144,7 +146,7 @@ class Scheduler:
             self.running.remove(request)
         else:  # WAITING, or PREEMPTED: back in the waiting queue
             self.waiting.remove(request)
-        self.kv_cache.free(request)
+        self._free(request)
         if self.speculator is not None:
             self.speculator.forget(request)
         request.status = RequestStatus.FINISHED_ABORTED
@@ -160,6 +162,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache.begin_step()
+        for connector in self.connectors:
+            connector.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         self._preempted_this_step = False
@@ -196,7 +200,7 @@ class Scheduler:
         # A step that had to preempt admits nobody new: the pool is already too tight.
         max_seqs = self.config.max_num_seqs
         adapters = None  # the adapters of the running requests, gathered when an adapter's request waits
-        # Requests whose K/V this step loads from the host tier join `running` but compute from the next step on
+        # Requests whose K/V this step loads from a connector join `running` but compute from the next step on
         # (kv_cache_manager.py), at most a step's budget of them, so the copies run while this step computes.
         num_loading_tokens = 0
         while (not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs
@@ -230,26 +234,26 @@ class Scheduler:
         if speculative:
             self.stats.num_speculative_steps += 1
         observe = self.speculator is not None and (speculative or self.speculator.wants_observation)
-        return SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
-                               speculative=speculative, observe_drafts=observe,
-                               transfers=self.kv_cache.take_transfers(),
-                               link_transfers=self.kv_cache.take_link_transfers())
+        output = SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
+                                 speculative=speculative, observe_drafts=observe)
+        output.kv_connector_metadata = connector_metadata(self.connectors, output)
+        return output
 
     def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation | None] | None:
-        """Give a waiting request its blocks: shared with its fork parent, else from the prefix cache plus
-        fresh ones. Returns (tokens to compute, allocation), or None if it must keep waiting. A request left
-        `loading` (its K/V comes from the host tier) computes from the next step: it has no allocation then."""
+        """Give a waiting request its blocks: fresh ones under the K/V a connector holds for it, else shared with its
+        fork parent, else from the prefix cache plus fresh ones. Returns (tokens to compute, allocation), or None if
+        it must keep waiting. A request left `loading` (its K/V comes from a connector) computes from the next step:
+        it has no allocation then."""
         kv = self.kv_cache
-        if kv.is_swapped(request):  # preempted by swapping: its K/V comes back from the host tier
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            return (num_new, None) if kv.swap_in(request, num_new) else None
-        arrived = kv.arrived_tokens(request)
-        if arrived:  # disaggregated decode: a prefill engine computed its prompt's K/V
-            num_new = min(request.num_tokens - arrived, budget)
-            if not kv.receive(request, num_new):
-                return None
-            request.num_computed_tokens = arrived
-            return num_new, None
+        for connector in self.connectors:
+            # Swapped out (the host tier), or computed by a prefill engine (the P/D link).
+            num_held = connector.get_num_held_tokens(request)
+            if num_held:
+                num_new = min(request.num_tokens - num_held, budget)
+                if not kv.allocate_held(request, connector, num_held, num_new):
+                    return None
+                request.num_computed_tokens = num_held
+                return num_new, None
         parent = self._fork_parent(request)
         if parent is _WAIT:
             return None
@@ -353,6 +357,13 @@ class Scheduler:
         return ScheduledRequest(request.request_id, token_ids, start, block_ids, sample, new_data, full_table,
                                 placeholder, drafts, request.num_lookahead)
 
+    def _free(self, request: Request) -> None:
+        """Free an ended request's blocks, unless a connector keeps them (a prefill engine's, until its K/V is sent:
+        that connector frees them)."""
+        block_ids = self.kv_cache.block_ids(request) if self.connectors else []
+        if not [connector for connector in self.connectors if connector.request_finished(request, block_ids)]:
+            self.kv_cache.free(request)
+
     def _record_step(self, num_tokens: int) -> None:
         stats = self.stats
         if num_tokens:
@@ -397,7 +408,7 @@ class Scheduler:
         if finished:
             for request in finished:
                 request.finished_time = now
-                self.kv_cache.free(request)
+                self._free(request)
                 if self.speculator is not None:
                     self.speculator.forget(request)
                 del self.requests[request.request_id]

@@ -1,4 +1,5 @@
-"""The host tier's memory and the copies between it and the device KV pool (engine/host_tier.py decides them).
+"""The host tier's memory and the copies between it and the device KV pool (engine/host_tier.py decides them,
+kv_connector.py has them run).
 
 The host pool is laid out block-major: one block's K/V, every layer, is one contiguous run, so a run of
 consecutive host blocks is one DMA. On a GPU the pool is pinned, and the copies run on a stream of their own,

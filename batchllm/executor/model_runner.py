@@ -30,7 +30,7 @@ from batchllm.executor.drafter import build_drafter
 from batchllm.executor.drafter_base import LookaheadRows, ObservedStep
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache
-from batchllm.executor.kv_transfer import HostKVPool, host_blocks_for
+from batchllm.executor.kv_connector import allocate_host_tier, build_kv_connector_workers
 from batchllm.executor.lora_slots import LoRASlotManager
 from batchllm.executor.pipeline import StageLink
 from batchllm.executor.pooler import Pooler, PoolRow
@@ -123,11 +123,10 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate_kv(num_blocks, self.block_size, self.kv_dtype)
         self.num_blocks = num_blocks
-        self.host_kv = self._allocate_host_tier(config.cache.swap_space_bytes)
+        self.host_kv = allocate_host_tier(config.cache.swap_space_bytes, self.kv_cache, self.drafter, device)
         self.num_host_blocks = 0 if self.host_kv is None else self.host_kv.num_blocks
         self.host_block_bytes = 0 if self.host_kv is None else self.host_kv.bytes_per_block
-        self.kv_link = None if config.kv_link is None else HostKVPool([self.kv_cache.tensor], config.kv_link[1], device,
-                                                                      backing=config.kv_link[0])
+        self.kv_connectors = build_kv_connector_workers(self.host_kv, config.kv_link, self.kv_cache.tensor, device)
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, num_blocks)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -147,19 +146,6 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if use_graphs else None
         # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
         self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows
-
-    def _allocate_host_tier(self, swap_space_bytes: int) -> HostKVPool | None:
-        if not swap_space_bytes:
-            return None
-        caches = [self.kv_cache.tensor]
-        if self.drafter is not None and self.drafter.kv_cache is not None:
-            caches.append(self.drafter.kv_cache.tensor)  # its K/V lives in the same block ids: it moves along
-        bytes_per_block = sum(cache[:, :, 0].numel() * cache.element_size() for cache in caches)
-        num_blocks = all_reduce_min(host_blocks_for(swap_space_bytes, bytes_per_block))
-        if not num_blocks:
-            raise ValueError(f"swap_space={swap_space_bytes / (1 << 30):g} GiB holds no KV block "
-                             f"({bytes_per_block} bytes each): raise it, or 0 to turn the host tier off")
-        return HostKVPool(caches, num_blocks, self.device)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -190,16 +176,11 @@ class ModelRunner:
                 self._block_tables.remove(state.row)
                 if state.pooling is not None:
                     self.pooler.forget(request_id)
-        if self.host_kv is not None:
-            self.host_kv.wait_for_loads()
-            if so.transfers is not None:
-                self.host_kv.run(so.transfers)
-        if self.kv_link is not None:
-            self.kv_link.wait_for_loads()
-            if so.link_transfers is not None:
-                self.kv_link.run(so.link_transfers)
-                if so.link_transfers.offloads:
-                    self.kv_link.synchronize()  # the decode engine may read them once this step is applied
+        metadata = so.kv_connector_metadata or {}
+        for connector in self.kv_connectors:
+            connector.wait_for_load()
+            connector.start_load_kv(metadata.get(connector.name))
+            connector.wait_for_save(metadata.get(connector.name))
         if so.block_copies:
             self.kv_cache.copy_blocks(so.block_copies)
             if self.drafter is not None:

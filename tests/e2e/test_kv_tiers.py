@@ -106,7 +106,7 @@ def _assert_pools_free(llm: LLM) -> None:
     for name, pool in (("device", kv.pool), ("host", kv.host.pool)):
         assert pool.num_free_blocks == pool.num_blocks, f"{name} blocks leaked"
         assert all(block.ref_cnt == 0 for block in pool.blocks), f"a {name} block is still referenced"
-    assert not kv._swapped, "a swapped-out request's host blocks are still recorded"
+    assert not kv.host._swapped, "a swapped-out request's host blocks are still recorded"
 
 
 def test_swapping_greedy_outputs_equal_hf(tiered, stories, hf_greedy):

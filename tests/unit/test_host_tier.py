@@ -17,7 +17,8 @@ import pytest
 from batchllm.config import SchedulerConfig
 from batchllm.engine.block_hash import hash_block
 from batchllm.engine.engine_core import EngineCore
-from batchllm.engine.interfaces import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from batchllm.engine.host_tier import HOST_TIER
+from batchllm.engine.interfaces import BlockTransfers, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.engine.scheduler import Scheduler
@@ -26,8 +27,17 @@ from tests.unit.fake_executor import FakeExecutor, expected_continuation
 from tests.unit.test_scheduler import BLOCK, _max_tokens_stop, _NoDetokenizer, _run
 
 
+def _transfers(so: SchedulerOutput) -> BlockTransfers | None:
+    """The host tier's copies for the step (its connector metadata)."""
+    return (so.kv_connector_metadata or {}).get(HOST_TIER)
+
+
+def _swapped(kv: KVCacheManager, request: Request) -> bool:
+    return request.request_id in kv.host._swapped
+
+
 class TieredFakeExecutor(FakeExecutor):
-    """The fake executor with a host pool: it copies slots as `SchedulerOutput.transfers` says, before the step,
+    """The fake executor with a host pool: it copies slots as the host tier's metadata says, before the step,
     and checks that each step's copies are well formed."""
 
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, budget: int) -> None:
@@ -39,7 +49,7 @@ class TieredFakeExecutor(FakeExecutor):
         self.written_and_read: list[set[int]] = []
 
     def _execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
-        transfers = so.transfers
+        transfers = _transfers(so)
         if transfers is not None:
             assert transfers.offloads or transfers.loads, "an empty BlockTransfers: None was expected"
             offload_src = [d for d, _ in transfers.offloads]
@@ -81,7 +91,7 @@ def _assert_all_free(engine: EngineCore) -> None:
         assert pool.num_free_blocks == pool.num_blocks, f"{name} blocks leaked"
         assert all(block.ref_cnt == 0 for block in pool.blocks), f"{name} block still referenced"
         assert all(pool.cached[b.block_hash] is b for b in pool.blocks if b.block_hash is not None)
-    assert not kv._swapped, "a swapped-out request's host blocks are still recorded"
+    assert not kv.host._swapped, "a swapped-out request's host blocks are still recorded"
     assert not kv._blocks
 
 
@@ -99,7 +109,7 @@ def _loads_then_schedule(engine: EngineCore, executor: TieredFakeExecutor, reque
     load_steps = []
     for _ in range(50):
         so = _step(engine, executor)
-        if so.transfers is not None and so.transfers.loads:
+        if _transfers(so) is not None and _transfers(so).loads:
             load_steps.append(so)
         scheduled = [r for r in so.requests if r.request_id == request_id]
         if scheduled:
@@ -131,7 +141,7 @@ def _two_requests(num_host_blocks: int, mode: str = "swap"):
 
 def _run_to_the_preemption(engine, executor, b: Request) -> SchedulerOutput:
     for _ in range(9):
-        assert _step(engine, executor).transfers is None
+        assert _transfers(_step(engine, executor)) is None
     assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 48 and b.num_tokens == 49
     assert engine.scheduler.kv_cache.block_ids(b) == [3, 4, 5]
     so = _step(engine, executor)
@@ -152,25 +162,25 @@ def test_swap_out_and_back_in_round_trip():
 
     so = _run_to_the_preemption(engine, executor, b)
     assert b.num_computed_tokens == 48, "a swapped request keeps its computed tokens"
-    assert kv.is_swapped(b) and kv.block_ids(b) == []
+    assert _swapped(kv, b) and kv.block_ids(b) == []
     # ceil(48 / 16) = 3 device blocks, each to its own host block.
-    assert so.transfers.offloads == [(3, 0), (4, 1), (5, 2)] and so.transfers.loads == []
+    assert _transfers(so).offloads == [(3, 0), (4, 1), (5, 2)] and _transfers(so).loads == []
     assert kv.host.pool.num_free_blocks == 8 - 3
     tier = kv.host.stats
     assert (tier.swap_preemptions, tier.swapped_out_blocks, tier.swapped_in_blocks) == (1, 3, 0)
 
     for _ in range(2):  # steps 11, 12: no room for B's 4 blocks yet
         so = _step(engine, executor)
-        assert so.transfers is None and [r.request_id for r in so.requests] == ["A"]
+        assert _transfers(so) is None and [r.request_id for r in so.requests] == ["A"]
     assert b.status is RequestStatus.PREEMPTED and "A" not in engine.scheduler.requests
 
     # Step 13: B comes back, computing in the step that loads its K/V or in the next one.
     load_step, resumed = _loads_then_schedule(engine, executor, "B")
-    assert load_step.transfers.loads == [(0, 4), (1, 3), (2, 5)] and load_step.transfers.offloads == []
+    assert _transfers(load_step).loads == [(0, 4), (1, 3), (2, 5)] and _transfers(load_step).offloads == []
     assert resumed.new is not None and resumed.full_block_table
     assert resumed.block_ids == [4, 3, 5, 2]
     assert resumed.num_computed_tokens == 48 and resumed.token_ids == b.token_ids[48:49]
-    assert not kv.is_swapped(b)
+    assert not _swapped(kv, b)
     assert (tier.swap_preemptions, tier.swapped_out_blocks, tier.swapped_in_blocks) == (1, 3, 3)
     assert tier.copied_blocks == 6
 
@@ -194,13 +204,13 @@ def test_host_tier_too_small_for_the_victim_falls_back_to_recompute(num_host_blo
     engine, executor, b = _two_requests(num_host_blocks)  # B needs 3 host blocks
     kv = engine.scheduler.kv_cache
     so = _run_to_the_preemption(engine, executor, b)
-    assert b.num_computed_tokens == 0 and not kv.is_swapped(b)
-    assert so.transfers is None
+    assert b.num_computed_tokens == 0 and not _swapped(kv, b)
+    assert _transfers(so) is None
     assert kv.host.stats.swap_preemptions == 0 and kv.host.stats.swapped_out_blocks == 0
     assert kv.host.pool.num_free_blocks == num_host_blocks
     done = _run(engine)
     _check_outputs(done, {"A": PROMPT_A, "B": PROMPT_B}, 12)
-    assert all(s.transfers is None for s in executor.steps)
+    assert all(_transfers(s) is None for s in executor.steps)
     # B's prompt and its 9 tokens are computed again: 40 + 9 more prefill tokens than without the preemption.
     assert engine.scheduler.stats.num_prefill_tokens == 80 + 49
     _assert_all_free(engine)
@@ -219,13 +229,13 @@ def test_victim_shorter_than_swap_min_tokens_is_recomputed_despite_room():
         _step(engine, executor)
     assert b.num_computed_tokens == 12 < engine.scheduler.config.swap_min_tokens == 32
     so = _step(engine, executor)
-    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and not kv.is_swapped(b)
-    assert so.transfers is None
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and not _swapped(kv, b)
+    assert _transfers(so) is None
     assert kv.host.stats.swap_preemptions == 0 and kv.host.pool.num_free_blocks == 8
     done = _run(engine)
     _check_outputs(done, prompts, 8)
     assert engine.scheduler.stats.num_preemptions == 1
-    assert all(s.transfers is None for s in executor.steps)
+    assert all(_transfers(s) is None for s in executor.steps)
     _assert_all_free(engine)
 
 
@@ -233,14 +243,14 @@ def test_abort_of_a_swapped_out_request_frees_its_host_blocks():
     engine, executor, b = _two_requests(num_host_blocks=8)
     kv = engine.scheduler.kv_cache
     _run_to_the_preemption(engine, executor, b)
-    assert kv.is_swapped(b) and kv.host.pool.num_free_blocks == 5
+    assert _swapped(kv, b) and kv.host.pool.num_free_blocks == 5
     aborted = engine.scheduler.abort_request("B")
     assert aborted is b and b.status is RequestStatus.FINISHED_ABORTED
-    assert not kv._swapped and kv.host.pool.num_free_blocks == 8
+    assert not kv.host._swapped and kv.host.pool.num_free_blocks == 8
     assert b not in engine.scheduler.waiting
     done = _run(engine)
     _check_outputs(done, {"A": PROMPT_A}, 12)
-    assert all(s.transfers is None for s in executor.steps[10:]), "nothing of B's comes back"
+    assert all(_transfers(s) is None for s in executor.steps[10:]), "nothing of B's comes back"
     _assert_all_free(engine)
 
 
@@ -268,7 +278,7 @@ def test_evicted_prefix_spills_to_the_host_and_loads_back(mode):
 
     engine.add_request("P1", P1, SamplingParams(max_tokens=3))
     done |= _run(engine)
-    assert all(s.transfers is None for s in executor.steps)
+    assert all(_transfers(s) is None for s in executor.steps)
     assert kv.pool.lookup(h0).block_id == 0 and kv.pool.lookup(h1).block_id == 1
 
     first = len(executor.steps)
@@ -276,18 +286,19 @@ def test_evicted_prefix_spills_to_the_host_and_loads_back(mode):
     done |= _run(engine)
     so = executor.steps[first]
     assert so.requests[0].block_ids == [3, 2, 1, 0]
-    assert so.transfers.offloads == [(1, 0), (0, 1)] and so.transfers.loads == []
-    assert all(s.transfers is None for s in executor.steps[first + 1:])
+    assert _transfers(so).offloads == [(1, 0), (0, 1)] and _transfers(so).loads == []
+    assert all(_transfers(s) is None for s in executor.steps[first + 1:])
     assert kv.pool.lookup(h0) is None and kv.pool.lookup(h1) is None
     assert kv.host.lookup(h0).block_id == 1 and kv.host.lookup(h1).block_id == 0
     assert kv.host.stats.spilled_blocks == 2 and kv.stats.hits == 0
 
     engine.add_request("P3", P3, SamplingParams(max_tokens=3))
     cached = kv.find_cached_prefix(engine.scheduler.waiting[0])
-    assert cached.device == [] and [b.block_id for b in cached.host] == [1, 0]
+    assert cached.device == [] and cached.connector is kv.host
+    assert [b.block_id for b in kv.host._matched["P3"]] == [1, 0]
     so, p3 = _loads_then_schedule(engine, executor, "P3")
-    assert so.transfers.loads == [(1, 0), (0, 1)]
-    assert so.transfers.offloads == [(1, 2), (2, 3)]  # P2's blocks 2 and 1, evicted for P3
+    assert _transfers(so).loads == [(1, 0), (0, 1)]
+    assert _transfers(so).offloads == [(1, 2), (2, 3)]  # P2's blocks 2 and 1, evicted for P3
     # Within the step, the host blocks written (2, 3) and those read (1, 0) are distinct.
     assert p3.block_ids == [0, 1, 2] and p3.num_computed_tokens == 32 and p3.token_ids == P3[32:]
     done |= _run(engine)
@@ -339,7 +350,7 @@ def test_a_step_never_reuses_a_host_block_for_other_contents(mode):
         while engine.has_unfinished():
             count = len(executor.steps)
             done |= {f.request.request_id: f.request for f in engine.step()}
-            transfers = executor.steps[-1].transfers if len(executor.steps) > count else None
+            transfers = _transfers(executor.steps[-1]) if len(executor.steps) > count else None
             if transfers is None:
                 continue
             num_mixed += bool(transfers.offloads and transfers.loads)
@@ -360,7 +371,7 @@ def test_swap_only_steps_never_mix_offloads_and_loads():
     done = _run(engine)
     _check_outputs(done, prompts, 40)
     assert engine.scheduler.kv_cache.host.stats.swap_preemptions > 0
-    assert not any(s.transfers.offloads and s.transfers.loads for s in executor.steps if s.transfers)
+    assert not any(_transfers(s).offloads and _transfers(s).loads for s in executor.steps if _transfers(s))
     assert not any(executor.written_and_read)
     _assert_all_free(engine)
 
@@ -383,7 +394,7 @@ def test_async_swap_out_in_an_otherwise_empty_step_reaches_the_runner():
             done |= {f.request.request_id: f.request for f in engine.step()}
         except TypeError:  # the fake model summing None: slots the lost offloads never filled
             break
-    offloads = [pair for s in executor.steps if s.transfers for pair in s.transfers.offloads]
+    offloads = [pair for s in executor.steps if _transfers(s) for pair in _transfers(s).offloads]
     assert offloads == [(3, 0), (4, 1), (5, 2)], "the swap-out's offloads never reached the runner"
     assert done["A"].output_token_ids == expected_continuation(PROMPT_A, 9)
     assert done["B"].output_token_ids == expected_continuation(PROMPT_B, 12)
@@ -420,12 +431,12 @@ def test_recompute_mode_with_a_host_tier_spills_and_loads_but_never_swaps(async_
     _assert_all_free(engine)
 
 
-# ---- what a full tier keeps (HostTier alone, with device blocks standing in for evicted ones) ----------------------
+# ---- what a full tier keeps (HostTier alone, told of evicted device blocks by id) ----------------------------------
 
-def _device_block(block_id: int, reused: bool = False):
+def _device_block(block_id: int):
     from batchllm.engine.block_pool import KVCacheBlock
 
-    return KVCacheBlock(block_id, reused=reused)
+    return KVCacheBlock(block_id)
 
 
 def _full_tier():
@@ -434,8 +445,8 @@ def _full_tier():
     from batchllm.engine.host_tier import HostTier
 
     tier = HostTier(2, enable_caching=True)
-    tier.spill(_device_block(10), b"a")
-    tier.spill(_device_block(11), b"b")
+    tier.on_evict(10, b"a", reused=False)
+    tier.on_evict(11, b"b", reused=False)
     assert tier.take_transfers().offloads == [(10, 0), (11, 1)], "a tier with room takes every block"
     assert [block.block_id for block in tier.pool.free_queue] == [1, 0] and tier.pool.num_free_uncached == 0
     return tier
@@ -443,16 +454,16 @@ def _full_tier():
 
 def test_a_full_tier_takes_an_unused_block_only_at_its_second_eviction():
     tier = _full_tier()
-    tier.spill(_device_block(12), b"c")  # never hit since it was computed: likely one row's own suffix
+    tier.on_evict(12, b"c", reused=False)  # never hit since it was computed: likely one row's own suffix
     assert tier.take_transfers() is None and tier.lookup(b"b") is not None
-    tier.spill(_device_block(13), b"c")  # evicted again: it was computed twice, so it is shared after all
+    tier.on_evict(13, b"c", reused=False)  # evicted again: it was computed twice, so it is shared after all
     assert tier.take_transfers().offloads == [(13, 1)]  # in b's place, the least recently used
     assert tier.lookup(b"b") is None and tier.lookup(b"c").block_id == 1 and tier.lookup(b"a") is not None
 
 
 def test_a_full_tier_takes_a_reused_block_at_once():
     tier = _full_tier()
-    tier.spill(_device_block(12, reused=True), b"c")
+    tier.on_evict(12, b"c", reused=True)
     assert tier.take_transfers().offloads == [(12, 1)] and tier.lookup(b"b") is None
 
 
@@ -467,7 +478,7 @@ def test_a_block_loaded_back_is_the_first_a_full_tier_evicts():
     tier = _full_tier()
     assert _load(tier, b"a", 20).loads == [(0, 20)]
     # a's K/V is on the device now: a new block evicts a, the more recently used, rather than b.
-    tier.spill(_device_block(12, reused=True), b"c")
+    tier.on_evict(12, b"c", reused=True)
     assert tier.take_transfers().offloads == [(12, 0)]
     assert tier.lookup(b"a") is None and tier.lookup(b"b") is not None
 
@@ -475,9 +486,9 @@ def test_a_block_loaded_back_is_the_first_a_full_tier_evicts():
 def test_a_loaded_block_the_device_evicts_again_becomes_the_most_recent():
     tier = _full_tier()
     _load(tier, b"b", 20)
-    tier.spill(_device_block(20, reused=True), b"b")  # the device evicts its copy: the tier has it, no copy
+    tier.on_evict(20, b"b", reused=True)  # the device evicts its copy: the tier has it, no copy
     assert tier.take_transfers() is None
-    tier.spill(_device_block(12, reused=True), b"c")
+    tier.on_evict(12, b"c", reused=True)
     assert tier.take_transfers().offloads == [(12, 0)]  # a, now the least recently used, makes room
     assert tier.lookup(b"a") is None and tier.lookup(b"b").block_id == 1
 
@@ -486,8 +497,8 @@ def test_a_tier_with_room_keeps_a_loaded_block_as_recently_used():
     from batchllm.engine.host_tier import HostTier
 
     tier = HostTier(3, enable_caching=True)
-    tier.spill(_device_block(10), b"a")
-    tier.spill(_device_block(11), b"b")
+    tier.on_evict(10, b"a", reused=False)
+    tier.on_evict(11, b"b", reused=False)
     tier.take_transfers()
     _load(tier, b"b", 20)
     assert [block.block_id for block in tier.pool.free_queue] == [2, 0, 1]  # the empty block first, b last

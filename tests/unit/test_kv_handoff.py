@@ -17,7 +17,7 @@ from batchllm.engine.block_pool import BlockPool
 from batchllm.engine.disaggregated import DisaggregatedEngineCore
 from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.interfaces import ModelRunnerOutput, SchedulerOutput
-from batchllm.engine.kv_handoff import DecodeKVCacheManager, PrefillKVCacheManager
+from batchllm.engine.kv_handoff import KV_LINK, DecodeKVCacheManager, PrefillKVCacheManager
 from batchllm.engine.scheduler import Scheduler
 from batchllm.sampling_params import SamplingParams
 from tests.unit.fake_executor import FakeExecutor, expected_continuation
@@ -35,7 +35,7 @@ class LinkedFakeExecutor(FakeExecutor):
         self.received: list[tuple[int, int]] = []
 
     def _execute(self, so: SchedulerOutput, grammar) -> ModelRunnerOutput:
-        link = so.link_transfers
+        link = (so.kv_connector_metadata or {}).get(KV_LINK)
         if link is not None:
             assert not (link.offloads if self.role == "decode" else link.loads), "a copy in the wrong direction"
             for device, slot in link.offloads:
