@@ -29,7 +29,7 @@ class AttentionMetadataBuilder:
         self.device = device
         self.host_copies = attention_backend(device).needs_host_metadata
         self.slot_mapping = StagedBuffer.create((max_num_tokens,), torch.int64, device)
-        # Entry 0 is always 0: no step or padding writes it.
+        # Entry 0 is 0 from allocation on: nothing writes another value there.
         self.query_start_loc = StagedBuffer.create((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = StagedBuffer.create((max_num_seqs,), torch.int32, device)
         self.block_tables = StagedBuffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
@@ -93,7 +93,7 @@ class AttentionMetadataBuilder:
         )
 
     # The drafters' passes: fresh tensors ------------------------------------------------------------------
-    def rows(self, positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray
+    def for_rows(self, positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray
              ) -> AttentionMetadata:
         """Rows of `query_lens` query tokens at the flat `positions`, row i's last at `seq_lens[i] - 1`, its block
         table `tables[i]`; every token's K/V is written into its row's slot at its position."""
@@ -110,10 +110,10 @@ class AttentionMetadataBuilder:
                                  query_start.tolist() if self.host_copies else None,
                                  seq_lens.tolist() if self.host_copies else None)
 
-    def decode_rows(self, positions: np.ndarray, tables: np.ndarray) -> AttentionMetadata:
+    def for_decode_rows(self, positions: np.ndarray, tables: np.ndarray) -> AttentionMetadata:
         """One query token per row at `positions`, K/V written into the row's own slot there."""
         n = len(positions)
-        return self.rows(positions, np.ones(n, dtype=np.int64), positions + 1, tables)
+        return self.for_rows(positions, np.ones(n, dtype=np.int64), positions + 1, tables)
 
 
 def _slots(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int,

@@ -90,7 +90,7 @@ def draft_chain(positions: np.ndarray, tables: np.ndarray, num_drafts: list[int]
     active = np.arange(len(positions))
     passes = []
     for _ in range(int(remaining.max())):
-        with set_forward_context(attention.decode_rows(positions[active], tables[active])):
+        with set_forward_context(attention.for_decode_rows(positions[active], tables[active])):
             tokens, state = step(state, torch.from_numpy(positions[active]).to(attention.device))
         passes.append((active, tokens))
         positions[active] += 1

@@ -82,7 +82,8 @@ class EagleDrafter(Drafter):
             owner = np.repeat(np.flatnonzero(keep), lens)
             positions = step.num_computed[owner] + (token_index - step.query_start[owner]) - 1
             tables = block_tables[step.table_rows[keep]]
-            metadata = attention.rows(positions, lens, step.num_computed[keep] + step.num_scheduled[keep] - 1, tables)
+            seq_lens = step.num_computed[keep] + step.num_scheduled[keep] - 1
+            metadata = attention.for_rows(positions, lens, seq_lens, tables)
             # The feature of the token before: the previous flat token, or (a row's first token) the saved one.
             inputs = features[self._upload(token_index - 1)]
             first = np.flatnonzero(token_index == step.query_start[owner])

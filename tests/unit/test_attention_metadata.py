@@ -58,8 +58,8 @@ def test_graph_capture_inputs_are_all_padding() -> None:
 def test_drafter_rows_get_their_own_tensors() -> None:
     builder = _inputs().attention
     # Table row 1 drafts at positions 6 and 7 (8 tokens of context), table row 0 at position 3.
-    metadata = builder.rows(np.array([6, 7, 3]), np.array([2, 1]), np.array([8, 4]), TABLES[[1, 0]])
+    metadata = builder.for_rows(np.array([6, 7, 3]), np.array([2, 1]), np.array([8, 4]), TABLES[[1, 0]])
     assert _fields(metadata) == ([38, 39, 31], [0, 2, 3], [8, 4], [[3, 9, 0], [7, 2, 5]], 2, 8, [0, 2, 3], [8, 4])
-    decode = builder.decode_rows(np.array([4, 0]), TABLES[[1, 0]])
+    decode = builder.for_decode_rows(np.array([4, 0]), TABLES[[1, 0]])
     assert _fields(decode) == ([36, 28], [0, 1, 2], [5, 1], [[3, 9, 0], [7, 2, 5]], 1, 5, [0, 1, 2], [5, 1])
     assert metadata.slot_mapping.data_ptr() != builder.slot_mapping.device.data_ptr()
