@@ -5,7 +5,7 @@ the step's token budget: a fresh prompt, the next chunk of a long prompt, a reco
 a one-token decode are the same operation. Running requests are served first, oldest first, then waiting
 requests in FIFO order. When the KV pool runs dry the newest running request is preempted (its blocks are
 freed and it is re-queued at the front of the waiting queue to be recomputed, or, with
-`preemption_mode="swap"`, its K/V is swapped out to a KV connector, the host tier, and back in), which always lets the
+`preemption_mode="swap"`, its K/V is swapped out to the host tier, a KV connector, and back in), which always lets the
 oldest request progress: no deadlock, since a single request never exceeds `max_model_len` and
 `max_model_len` never exceeds the pool.
 
@@ -28,17 +28,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from batchllm.config import SchedulerConfig
-from batchllm.engine.interfaces import (
-    ModelRunnerOutput,
-    NewRequestData,
-    SampledToken,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from batchllm.engine.admission import Admission
+from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, SchedulerOutput
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import connector_metadata
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.engine.spec.speculator import Speculator
+from batchllm.engine.step_results import StepResults
 
 
 @dataclass(slots=True)
@@ -58,13 +54,14 @@ class SchedulerStats:
     num_speculative_steps: int = 0  # steps that verified drafts or drafted on the device
 
 
-_WAIT = object()  # sentinel: a forked sample waits for its parent's prompt
-
 # Returns True when the request must stop after its newest token; sets status and stop_reason.
 StopCheck = Callable[[Request], bool]
 
 
-class Scheduler:
+class Scheduler(Admission, StepResults):
+    """Schedules each step (this module); admits waiting requests (admission.py) and applies a step's results
+    (step_results.py) as its two other halves."""
+
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, check_stop: StopCheck,
                  speculator: Speculator | None = None) -> None:
         if config.max_model_len < 1 or config.max_model_len > kv_cache.capacity_tokens:
@@ -99,22 +96,6 @@ class Scheduler:
             return
         self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    def _admission_error(self, request: Request) -> str | None:
-        n = request.num_prompt_tokens
-        if n == 0:
-            return "the prompt is empty (0 tokens)"
-        if request.pooling is not None:  # nothing to generate: the prompt may fill max_model_len
-            if n > self.config.max_model_len:
-                return (f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the "
-                        f"model and by the KV pool of {self.kv_cache.capacity_tokens} tokens)")
-            return None
-        if n >= self.config.max_model_len:
-            return (
-                f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the model "
-                f"and by the KV pool of {self.kv_cache.capacity_tokens} tokens), leaving no room to generate"
-            )
-        return None
 
     def reset_stats(self) -> None:
         self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
@@ -239,61 +220,6 @@ class Scheduler:
         output.kv_connector_metadata = connector_metadata(self.connectors, output)
         return output
 
-    def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation | None] | None:
-        """Give a waiting request its blocks: fresh ones under the K/V a connector holds for it, else shared with its
-        fork parent, else from the prefix cache plus fresh ones. Returns (tokens to compute, allocation), or None if
-        it must keep waiting. A request left `loading` (its K/V comes from a connector) computes from the next step:
-        it has no allocation then."""
-        kv = self.kv_cache
-        for connector in self.connectors:
-            # Swapped out (the host tier), or computed by a prefill engine (the P/D link).
-            num_held = connector.get_num_held_tokens(request)
-            if num_held:
-                num_new = min(request.num_tokens - num_held, budget)
-                if not kv.allocate_held(request, connector, num_held, num_new):
-                    return None
-                request.num_computed_tokens = num_held
-                return num_new, None
-        parent = self._fork_parent(request)
-        if parent is _WAIT:
-            return None
-        if parent is not None:
-            # Share the parent's prompt blocks and recompute only the last prompt token, whose logits this
-            # sample needs; its write into the shared last block triggers the copy-on-write.
-            kv.fork(parent, request, request.num_prompt_tokens)
-            request.num_computed_tokens = request.num_prompt_tokens - 1
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            allocation = kv.allocate_slots(request, num_new)
-            if allocation is None:
-                kv.free(request)
-                request.num_computed_tokens = 0
-                return None
-            return num_new, allocation
-        cached = kv.find_cached_prefix(request)
-        num_cached = cached.num_blocks * kv.block_size
-        num_new = min(request.num_tokens - num_cached, budget)
-        allocation = kv.allocate_slots(request, num_new, cached)
-        if allocation is None:
-            return None
-        kv.stats.queries += request.num_tokens
-        kv.stats.hits += num_cached
-        request.num_computed_tokens = num_cached
-        return num_new, allocation
-
-    def _fork_parent(self, request: Request) -> Request | object | None:
-        """The running request whose prompt K/V this one can share, `_WAIT` if that parent is still
-        computing its prompt, None to run on its own (no parent, or the parent is no longer running)."""
-        if request.fork_of is None:
-            return None
-        parent = self.requests.get(request.fork_of)
-        if parent is None or parent.status is not RequestStatus.RUNNING:
-            return None
-        if self.kv_cache.is_loading(parent):
-            return _WAIT  # its blocks fill while this step runs
-        # Only K/V written in earlier steps can be copied before this step's forward pass.
-        ready = parent.num_computed_tokens - self._scheduled_now.get(parent.request_id, 0)
-        return parent if ready >= request.num_prompt_tokens else _WAIT
-
     def _allocate_or_preempt(self, request: Request, num_new: int, num_lookahead: int = 0) -> BlockAllocation | None:
         """Allocate blocks for `request` (and its lookahead slots), preempting the newest running requests until
         they fit. Returns None when `request` itself had to be preempted.
@@ -372,87 +298,3 @@ class Scheduler:
         stats.max_step_tokens = max(stats.max_step_tokens, num_tokens)
         stats.max_running = max(stats.max_running, len(self.running))
         stats.peak_used_blocks = self.kv_cache.peak_used_blocks
-
-    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, stop what must stop, and free the finished requests' blocks."""
-        finished: list[Request] = []
-        now = time.perf_counter()
-        requests, sampled = self.requests, runner_output.sampled
-        num_generated = 0
-        finished_while_waiting = False  # preempted while its last token was in flight: it is in `waiting`
-        for scheduled in output.requests:
-            if not scheduled.sample:
-                continue
-            request = requests.get(scheduled.request_id)
-            if request is None:
-                continue  # finished by the step before this one: this token was computed in vain
-            request.num_pending_tokens -= 1
-            was_preempted = request.status is RequestStatus.PREEMPTED
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request.pooling is not None:  # its prompt is done: the pooled vector is its whole answer
-                request.pooled = runner_output.pooled[scheduled.request_id]
-                request.status = RequestStatus.FINISHED_STOPPED
-                finished.append(request)
-                finished_while_waiting |= was_preempted
-                continue
-            if output.speculative:
-                ended, appended = self._apply_speculative(request, scheduled, runner_output)
-            else:
-                ended, appended = self._append(request, sampled[scheduled.request_id]), 1
-            num_generated += appended
-            if ended:
-                finished.append(request)
-                finished_while_waiting |= was_preempted
-        self.stats.num_generated_tokens += num_generated
-        if finished:
-            for request in finished:
-                request.finished_time = now
-                self._free(request)
-                if self.speculator is not None:
-                    self.speculator.forget(request)
-                del self.requests[request.request_id]
-                self._finished_ids.append(request.request_id)
-            self.running = [r for r in self.running if not r.status.finished]
-            if finished_while_waiting:
-                self.waiting = deque(r for r in self.waiting if not r.status.finished)
-        return finished
-
-    def _append(self, request: Request, token: SampledToken) -> bool:
-        """Append one new token; True when the request must stop after it."""
-        if not request.append_token(token):
-            request.status = RequestStatus.FINISHED_ERROR
-            request.error = f"the structured-output grammar rejected the sampled token {token.token_id}"
-            self.stats.num_errors += 1
-        elif len(request.token_ids) >= self.config.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-        return bool(request.status.finished or self.check_stop(request)
-                    or (request.matcher is not None and _grammar_ended(request)))
-
-    def _apply_speculative(self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
-                           ) -> tuple[bool, int]:
-        """Append a row's accepted drafts and its next token, stopping at the first that ends it; forget the K/V of
-        the rejected drafts. Returns (ended, tokens appended)."""
-        request_id = scheduled.request_id
-        num_drafted = len(scheduled.draft_token_ids)
-        accepted = runner_output.accepted.get(request_id, []) if num_drafted else []
-        if num_drafted:
-            self.speculator.record(request, num_drafted, len(accepted))
-            if request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens -= num_drafted - len(accepted)
-        appended = 0
-        for token in (*accepted, runner_output.sampled[request_id]):
-            appended += 1
-            if self._append(request, token):
-                return True, appended
-        if scheduled.num_lookahead and request.status is RequestStatus.RUNNING:
-            request.draft_token_ids = runner_output.draft_token_ids.get(request_id, [])
-        return False, appended
-
-
-def _grammar_ended(request: Request) -> bool:
-    """The grammar allows nothing more (it ended without an EOS token, which `check_stop` would have seen)."""
-    if request.matcher is None or not request.matcher.is_terminated:
-        return False
-    request.status = RequestStatus.FINISHED_STOPPED
-    return True

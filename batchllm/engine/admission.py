@@ -1,0 +1,98 @@
+"""Admission: which waiting requests can run at all, and where an admitted request's K/V comes from.
+
+In order: a KV connector that holds the request's whole computed context (swapped out to the host tier, or computed
+by a prefill engine), a fork parent whose prompt blocks it shares, the prefix cache (device blocks, then a
+connector's), and fresh blocks for the rest. Mixed into `Scheduler` (scheduler.py), whose state it reads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
+from batchllm.engine.kv_connector import KVConnector
+from batchllm.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from batchllm.config import SchedulerConfig
+
+_WAIT = object()  # sentinel: a forked sample waits for its parent's prompt
+
+
+class Admission:
+    config: SchedulerConfig
+    kv_cache: KVCacheManager
+    connectors: list[KVConnector]
+    requests: dict[str, Request]
+    _scheduled_now: dict[str, int]  # request id → tokens scheduled in the step being built
+
+    def _admission_error(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty (0 tokens)"
+        if request.pooling is not None:  # nothing to generate: the prompt may fill max_model_len
+            if n > self.config.max_model_len:
+                return (f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the "
+                        f"model and by the KV pool of {self.kv_cache.capacity_tokens} tokens)")
+            return None
+        if n >= self.config.max_model_len:
+            return (
+                f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len} (limited by the model "
+                f"and by the KV pool of {self.kv_cache.capacity_tokens} tokens), leaving no room to generate"
+            )
+        return None
+
+    def _admit(self, request: Request, budget: int) -> tuple[int, BlockAllocation | None] | None:
+        """Give a waiting request its blocks: fresh ones under the K/V a connector holds for it, else shared with its
+        fork parent, else from the prefix cache plus fresh ones. Returns (tokens to compute, allocation), or None if
+        it must keep waiting. A request left `loading` (its K/V comes from a connector) computes from the next step:
+        it has no allocation then."""
+        kv = self.kv_cache
+        for connector in self.connectors:
+            # Swapped out (the host tier), or computed by a prefill engine (the P/D link).
+            num_held = connector.get_num_held_tokens(request)
+            if num_held:
+                num_new = min(request.num_tokens - num_held, budget)
+                if not kv.allocate_held(request, connector, num_held, num_new):
+                    return None
+                request.num_computed_tokens = num_held
+                return num_new, None
+        parent = self._fork_parent(request)
+        if parent is _WAIT:
+            return None
+        if parent is not None:
+            # Share the parent's prompt blocks and recompute only the last prompt token, whose logits this
+            # sample needs; its write into the shared last block triggers the copy-on-write.
+            kv.fork(parent, request, request.num_prompt_tokens)
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            allocation = kv.allocate_slots(request, num_new)
+            if allocation is None:
+                kv.free(request)
+                request.num_computed_tokens = 0
+                return None
+            return num_new, allocation
+        cached = kv.find_cached_prefix(request)
+        num_cached = cached.num_blocks * kv.block_size
+        num_new = min(request.num_tokens - num_cached, budget)
+        allocation = kv.allocate_slots(request, num_new, cached)
+        if allocation is None:
+            return None
+        kv.stats.queries += request.num_tokens
+        kv.stats.hits += num_cached
+        request.num_computed_tokens = num_cached
+        return num_new, allocation
+
+    def _fork_parent(self, request: Request) -> Request | object | None:
+        """The running request whose prompt K/V this one can share, `_WAIT` if that parent is still
+        computing its prompt, None to run on its own (no parent, or the parent is no longer running)."""
+        if request.fork_of is None:
+            return None
+        parent = self.requests.get(request.fork_of)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            return None
+        if self.kv_cache.is_loading(parent):
+            return _WAIT  # its blocks fill while this step runs
+        # Only K/V written in earlier steps can be copied before this step's forward pass.
+        ready = parent.num_computed_tokens - self._scheduled_now.get(parent.request_id, 0)
+        return parent if ready >= request.num_prompt_tokens else _WAIT
