@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchllm.disaggregation import parse_layout
-from batchllm.engine.spec.config import parse_speculative_config
+from batchllm.engine.prefill_decode_build import parse_layout
+from batchllm.engine.speculative.config import parse_speculative_config
 from batchllm.structured_outputs import StructuredOutputsParams
 
 

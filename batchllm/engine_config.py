@@ -4,7 +4,7 @@
 `engine_kwargs`, the server's and Ray's settings all reach it the same way), applies the defaults, and checks
 each value and the combinations that do not work together; every error names the argument as the user wrote it.
 Nothing here reads the checkpoint: what depends on the model (its path, step budget, pooling, quantization) is
-resolved by `batchllm.engine_build.resolve_engine`. Torch is imported only to resolve `device` and `dtype`.
+resolved by `batchllm.engine.build.resolve_engine`. Torch is imported only to resolve `device` and `dtype`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig
-from batchllm.disaggregation import Layout, parse_layout
-from batchllm.engine.spec.config import SpeculativeConfig, parse_speculative_config
-from batchllm.engine.structured_output import check_backend
+from batchllm.engine.prefill_decode_build import Layout, parse_layout
+from batchllm.engine.speculative.config import SpeculativeConfig, parse_speculative_config
+from batchllm.engine.structured.manager import check_backend
 from batchllm.lora.registry import check_lora_options
 
 # `LLM(...)`'s keywords and their defaults; `LLM.__init__` spells the same ones (tests/unit/test_engine_config.py).
@@ -105,7 +105,7 @@ class EngineConfig:
     decode engine, which generates; each in a worker process of its own, on two GPUs (or sharing one, or the
     CPU). Outputs are one engine's (the decode engine samples every token). Optional `"buffer_blocks"`: the K/V
     blocks of the buffer between them. Not with tensor or pipeline parallelism, LoRA or speculative decoding.
-    See batchllm/disaggregation.py.
+    See batchllm/engine/prefill_decode_build.py.
 
     `task`: "generate" (the default), or a pooling task: "embed" (`embed()`: a vector per prompt), "classify"
     (`classify()`: a `*ForSequenceClassification` checkpoint's logits) or "score" (`score()`: a one-label
@@ -125,7 +125,7 @@ class EngineConfig:
 
     `structured_outputs_backend`: the grammar engine of structured outputs, "xgrammar" (default: the cheapest
     bitmask per step) or "llguidance" (compiles a schema 10-20x faster, for many distinct per-row schemas;
-    takes Lark grammars). See batchllm/engine/grammar_xgrammar.py for how the two differ.
+    takes Lark grammars). See batchllm/engine/structured/xgrammar_backend.py for how the two differ.
 
     `enable_lora=True`: PEFT LoRA adapters per request (`generate(..., lora_request=...)`); `max_loras` of them
     on the device at once, each of rank up to `max_lora_rank` (see batchllm/model/lora_adapter.py).
@@ -142,7 +142,7 @@ class EngineConfig:
     the CPU dequantizes them once on load. See batchllm/model/quantization/.
 
     `speculative_config`: speculative decoding, e.g. `{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_min": 2, "prompt_lookup_max": 5}` (vLLM's keys; see batchllm/engine/spec/). Outputs keep the
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}` (vLLM's keys; see batchllm/engine/speculative/). Outputs keep the
     target model's distribution exactly (greedy: the same tokens); an adaptive policy speculates only for the
     rows and depths where the expected accepted tokens pay for the verification, and turns itself off where
     nothing is accepted. `stats` reports drafted and accepted tokens, per draft position too.

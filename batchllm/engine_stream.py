@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from batchllm.host_gc import objects_frozen
+from batchllm.output_assembly import complete, completion_output, sample_params
 from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_api import NO_SAMPLING, pooling_output
 from batchllm.pooling_params import PoolingParams
-from batchllm.request_outputs import complete, completion_output, sample_params
 from batchllm.request_source import RequestSource
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from batchllm.admission import admission_order
 from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from batchllm.engine_build import BuiltEngine, build_engine
+from batchllm.engine.build import BuiltEngine, build_engine
 from batchllm.engine_config import EngineConfig
 from batchllm.engine_stream import stream_engine
 from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar

@@ -8,7 +8,7 @@ from typing import Any
 
 from batchllm.engine.kv_cache_manager import KVCacheManager
 from batchllm.engine.scheduler import SchedulerStats
-from batchllm.engine.spec.policy import SpecStats
+from batchllm.engine.speculative.policy import SpecStats
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from shapes import SHAPES, make_shape_dir
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 
 from batchllm import LLM, SamplingParams, StructuredOutputsParams
-from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine.structured.manager import StructuredOutputManager
 
 _STR, _INT = {"type": "string", "maxLength": 24}, {"type": "integer", "minimum": 0, "maximum": 1000}
 SCHEMAS = [

@@ -37,8 +37,8 @@ import xgrammar as xgr
 from llguidance import LLExecutor, LLMatcher
 from transformers import AutoTokenizer
 
-from batchllm.engine import grammar as grammar_module
-from batchllm.engine.grammar import GrammarCompiler, fill_bitmasks
+from batchllm.engine.structured import llguidance_backend as grammar_module
+from batchllm.engine.structured.llguidance_backend import GrammarCompiler, fill_bitmasks
 from batchllm.model.default_model import default_model_path
 from batchllm.structured_outputs import StructuredOutputsParams
 

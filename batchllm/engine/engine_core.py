@@ -10,7 +10,7 @@ With speculative decoding the loop waits for the step in flight before it schedu
 
 A step with grammar-constrained rows is launched in two parts: the forward pass first, then, once the
 previous step's tokens have advanced the matchers, the bitmask that its sampling needs
-(`structured_output.py`).
+(`structured/manager.py`).
 
 Pipeline parallelism (`pipeline_depth` = P stages): the loop keeps up to P steps in flight, one in each stage,
 each with requests of its own (the scheduler leaves out a request whose token is still in flight, and caps a
@@ -29,7 +29,7 @@ from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.interfaces import AwaitingGrammar, ModelRunnerOutput, PendingOutput, ReadyOutput, SchedulerOutput
 from batchllm.engine.request import Request
 from batchllm.engine.scheduler import Scheduler
-from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.lora.request import LoRARequest
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """Disaggregated prefill / decode: moving a prompt's K/V from the prefill engine to the decode engine.
 
 The two engines share a buffer of K/V blocks (executor/kv_transfer.py maps it in both processes), whose slots
-the coordinator (disaggregated.py) hands out from one `BlockPool`:
+the coordinator (prefill_decode_core.py) hands out from one `BlockPool`:
 - the prefill engine computes every prompt token but the last (its request is the prompt less its last token,
   one discarded greedy sample); when such a request ends, its blocks are copied into free slots by the next
   prefill step (offloads, run before that step's forward pass may reuse the blocks). While too few slots are

@@ -63,7 +63,7 @@ class Request:
     # Tokens sampled by steps still in flight (asynchronous scheduling), not yet in token_ids.
     num_pending_tokens: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
-    # Structured outputs: the grammar matcher (engine/grammar.py), fed every output token as it is appended.
+    # Structured outputs: the grammar matcher (engine/structured/), fed every output token as it is appended.
     matcher: Any = None
     # Speculative decoding: the drafts to verify in the next step, and (device proposers) how many to make.
     draft_token_ids: list[int] = field(default_factory=list)

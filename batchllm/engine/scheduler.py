@@ -33,7 +33,7 @@ from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, Schedul
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import connector_metadata
 from batchllm.engine.request import Request, RequestStatus
-from batchllm.engine.spec.speculator import Speculator
+from batchllm.engine.speculative.speculator import Speculator
 from batchllm.engine.step_results import StepResults
 
 

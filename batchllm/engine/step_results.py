@@ -15,7 +15,7 @@ from batchllm.engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from batchllm.config import SchedulerConfig
     from batchllm.engine.scheduler import SchedulerStats
-    from batchllm.engine.spec.speculator import Speculator
+    from batchllm.engine.speculative.speculator import Speculator
 
 
 class StepResults:

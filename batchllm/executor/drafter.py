@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchllm.engine.spec.config import DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA, SpeculativeConfig
+from batchllm.engine.speculative.config import DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA, SpeculativeConfig
 from batchllm.executor.attention_metadata import AttentionMetadataBuilder
 from batchllm.executor.drafter_base import Drafter, LookaheadRows, ObservedStep, draft_chain
 from batchllm.executor.eagle_drafter import EagleDrafter

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchllm.engine.spec.config import EAGLE3, SpeculativeConfig
+from batchllm.engine.speculative.config import EAGLE3, SpeculativeConfig
 from batchllm.executor.attention_metadata import AttentionMetadataBuilder
 from batchllm.executor.drafter_base import Drafter, LookaheadRows, ObservedStep, draft_chain
 from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block

@@ -23,7 +23,7 @@ from batchllm.engine.interfaces import (
     NewRequestData,
     SchedulerOutput,
 )
-from batchllm.engine.spec.config import SpeculativeConfig
+from batchllm.engine.speculative.config import SpeculativeConfig
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.drafter import build_drafter

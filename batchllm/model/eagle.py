@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from batchllm.engine.spec.config import EAGLE3
+from batchllm.engine.speculative.config import EAGLE3
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.attention import Attention
 from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logits

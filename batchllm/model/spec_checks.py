@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from batchllm.engine.spec.config import DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA, SpeculativeConfig
+from batchllm.engine.speculative.config import DRAFT_MODEL, EAGLE, EAGLE3, MEDUSA, SpeculativeConfig
 from batchllm.model.config import ModelConfig, read_hf_config
 from batchllm.model.eagle import eagle3_aux_layers, read_eagle_config
 from batchllm.model.medusa import read_medusa_config

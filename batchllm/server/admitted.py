@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchllm.engine.detokenizer import final_text
+from batchllm.output_assembly import complete, logprob_entries
 from batchllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
-from batchllm.request_outputs import complete, logprob_entries
 from batchllm.sampling_params import SamplingParams
 from batchllm.server.engine_driver import ABORTED
 from batchllm.server.engine_protocol import Observations, SampleDelta, SampleFinish, StepResults

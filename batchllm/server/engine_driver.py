@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchllm.engine.engine_core import FinishedRequest
+from batchllm.output_assembly import sample_params
 from batchllm.outputs import PoolingRequestOutput, RequestMetrics
 from batchllm.pooling_api import NO_SAMPLING, pooling_output
 from batchllm.pooling_params import PoolingParams
-from batchllm.request_outputs import sample_params
 from batchllm.server.engine_protocol import (
     LIVE,
     Abort,

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from batchllm.config import CacheConfig
-from batchllm.engine.structured_output import StructuredOutputManager
-from batchllm.engine_build import resolve_engine
+from batchllm.engine.build import resolve_engine
+from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.engine_config import EngineConfig
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest

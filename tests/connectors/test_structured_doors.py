@@ -29,8 +29,8 @@ from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.connectors.jobs.openai_batch import sampling_params as body_params
 from batchllm.connectors.options import params_dict, resolve_options
 from batchllm.connectors.prompts import RowError
-from batchllm.engine.grammar import GrammarCompiler, GrammarError
-from batchllm.engine.structured_output import INCOMPLETE
+from batchllm.engine.structured.llguidance_backend import GrammarCompiler, GrammarError
+from batchllm.engine.structured.manager import INCOMPLETE
 from batchllm.outputs import CompletionOutput, RequestOutput
 from tests.connectors.jobs import read_shards
 

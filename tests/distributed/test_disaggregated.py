@@ -138,8 +138,8 @@ def test_refused_combinations(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_engines_on_their_gpus_equal_one_engine(checkpoint):
-    """On one GPU both engines share it, on two each has its own (disaggregation.py); the prefill engine's copies out
-    and the decode engine's copies in run on their own streams, each in its own process."""
+    """On one GPU both engines share it, on two each has its own (engine/prefill_decode_build.py); the prefill
+    engine's copies out and the decode engine's copies in run on their own streams, each in its own process."""
     prompt_list = prompts(1001) * 4
     options = dict(device="cuda", dtype="float32", num_kv_blocks=256, skip_tokenizer_init=True, seed=0)
     expected = tokens(LLM(checkpoint, **options), prompt_list)

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from batchllm import LLM, SamplingParams
-from batchllm.engine.grammar_common import GrammarError
+from batchllm.engine.structured.common import GrammarError
 from batchllm.structured_outputs import StructuredOutputsParams
 
 MAX_TOKENS = 48
 EOS = 2  # the default model's generation_config.json
-# The JSON layout the engine documents (engine/grammar_common.py): one line, as `json.dumps` writes it, in each
+# The JSON layout the engine documents (engine/structured/common.py): one line, as `json.dumps` writes it, in each
 # engine's own terms. xgrammar's strict_mode=False: properties beyond the listed ones, unless
 # additionalProperties forbids them, as llguidance (and JSON Schema) allow.
 LLGUIDANCE_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-import batchllm.engine.grammar as grammar_module
+import batchllm.engine.structured.llguidance_backend as grammar_module
 from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.request import Request, RequestStatus
-from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 from tests.unit.fake_executor import expected_continuation

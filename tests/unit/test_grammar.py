@@ -1,5 +1,6 @@
-"""The grammar engines' wrappers (batchllm.engine.grammar: llguidance, batchllm.engine.grammar_xgrammar:
-xgrammar) against independent references; most tests run on both (the `backend` fixture).
+"""The grammar engines' wrappers (batchllm.engine.structured.llguidance_backend: llguidance,
+batchllm.engine.structured.xgrammar_backend: xgrammar) against independent references; most tests run on both
+(the `backend` fixture).
 
 A matcher is driven along a random path: fill the bitmask, pick a random allowed token (seeded), accept it,
 until a token budget, then steer towards the end (EOS where allowed, else closing punctuation). The decoded
@@ -22,11 +23,12 @@ import numpy as np
 import pydantic
 import pytest
 
-from batchllm.engine import grammar as grammar_module
-from batchllm.engine.grammar_common import GrammarError
+from batchllm.engine.structured import llguidance_backend as grammar_module
+from batchllm.engine.structured.common import GrammarError
 from batchllm.structured_outputs import StructuredOutputsParams
 
-BACKENDS = {"llguidance": "batchllm.engine.grammar", "xgrammar": "batchllm.engine.grammar_xgrammar"}
+BACKENDS = {"llguidance": "batchllm.engine.structured.llguidance_backend",
+            "xgrammar": "batchllm.engine.structured.xgrammar_backend"}
 USE_LLGUIDANCE = 'pass LLM(structured_outputs_backend="llguidance")'
 
 
@@ -403,7 +405,8 @@ LLGUIDANCE_REJECTS = [
     (StructuredOutputsParams(grammar="start: missing_rule"), "unknown name"),
     (StructuredOutputsParams(grammar='root ::= "unterminated'), "Unexpected end of input"),
 ]
-# The engine's own errors, then the keywords that xgrammar would accept and ignore (grammar_xgrammar.py);
+# The engine's own errors, then the keywords that xgrammar would accept and ignore
+# (engine/structured/xgrammar_backend.py);
 # `llguidance` marks those llguidance enforces, whose message says to switch.
 XGRAMMAR_REJECTS = [
     (StructuredOutputsParams(regex="a(b"), "The parenthesis is not closed"),
@@ -543,22 +546,22 @@ def test_json_never_allows_a_raw_control_character(schema, compiler, tokenizer):
 
 def test_modules_import_neither_torch_nor_the_other_engine():
     # Load the modules with stand-in parent packages, so batchllm/__init__ (which imports torch) stays out.
-    root = Path(grammar_module.__file__).resolve().parents[2]
+    root = Path(grammar_module.__file__).resolve().parents[3]
     code = f"""
 import importlib, sys, types
 for name, path in [("batchllm", "batchllm"), ("batchllm.engine", "batchllm/engine")]:
     module = types.ModuleType(name); module.__path__ = [{str(root)!r} + "/" + path]; sys.modules[name] = module
-structured = importlib.import_module("batchllm.engine.structured_output")
+structured = importlib.import_module("batchllm.engine.structured.manager")
 manager = structured.StructuredOutputManager(None, 100, [0], backend="xgrammar")
 assert not {{"torch", "xgrammar", "llguidance", "transformers"}} & set(sys.modules), sorted(sys.modules)
-importlib.import_module("batchllm.engine.grammar")
+importlib.import_module("batchllm.engine.structured.llguidance_backend")
 assert not {{"torch", "xgrammar", "transformers"}} & set(sys.modules), sorted(sys.modules)
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_backend_names_are_checked():
-    from batchllm.engine.structured_output import GRAMMAR_BACKENDS, StructuredOutputManager
+    from batchllm.engine.structured.manager import GRAMMAR_BACKENDS, StructuredOutputManager
 
     assert set(GRAMMAR_BACKENDS) == set(BACKENDS) and GRAMMAR_BACKENDS == BACKENDS
     with pytest.raises(ValueError, match="backend must be one of 'xgrammar', 'llguidance', got 'outlines'"):

@@ -1,4 +1,4 @@
-"""Disaggregated prefill / decode through the real engine loop (engine/disaggregated.py) and KV managers
+"""Disaggregated prefill / decode through the real engine loop (engine/prefill_decode_core.py) and KV managers
 (engine/kv_handoff.py), with two fake executors (no torch) that share a slot array standing in for the buffer.
 
 The fake model derives every token from the context it reads back through the block table (fake_executor.py), so
@@ -14,10 +14,10 @@ import pytest
 
 from batchllm.config import SchedulerConfig
 from batchllm.engine.block_pool import BlockPool
-from batchllm.engine.disaggregated import DisaggregatedEngineCore
 from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.interfaces import ModelRunnerOutput, SchedulerOutput
 from batchllm.engine.kv_handoff import KV_LINK, DecodeKVCacheManager, PrefillKVCacheManager
+from batchllm.engine.prefill_decode_core import DisaggregatedEngineCore
 from batchllm.engine.scheduler import Scheduler
 from batchllm.sampling_params import SamplingParams
 from tests.unit.fake_executor import FakeExecutor, expected_continuation

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from batchllm.engine.spec.ngram import NgramProposer
-from batchllm.engine.spec.policy import SpeculationPolicy
+from batchllm.engine.speculative.ngram import NgramProposer
+from batchllm.engine.speculative.policy import SpeculationPolicy
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -109,8 +109,8 @@ def test_speculator_stays_on_through_misses_and_turns_off_after_eight():
     """The asynchronous loop keeps tokens known while drafting pays: one n-gram miss must not turn it off, eight
     in a row do, and a policy that plans nothing turns it off at once."""
     from batchllm.engine.request import Request
-    from batchllm.engine.spec.config import SpeculativeConfig
-    from batchllm.engine.spec.speculator import PROBE_INTERVAL, Speculator
+    from batchllm.engine.speculative.config import SpeculativeConfig
+    from batchllm.engine.speculative.speculator import PROBE_INTERVAL, Speculator
     from batchllm.sampling_params import SamplingParams
 
     speculator = Speculator(SpeculativeConfig("ngram", 3), overhead_tokens=8.0, max_model_len=1000)
@@ -139,8 +139,8 @@ def test_speculator_plans_nothing_past_the_rows_verification_graphs_cover():
     """On CUDA a verification step of more rows than its graphs hold runs eagerly, which no acceptance repays: the
     adaptive policy drafts for none of them; a fixed configuration (`adaptive: false`) still drafts."""
     from batchllm.engine.request import Request
-    from batchllm.engine.spec.config import SpeculativeConfig
-    from batchllm.engine.spec.speculator import Speculator
+    from batchllm.engine.speculative.config import SpeculativeConfig
+    from batchllm.engine.speculative.speculator import Speculator
     from batchllm.sampling_params import SamplingParams
 
     def rows(n: int) -> list[Request]:
@@ -169,8 +169,8 @@ def test_a_row_new_to_the_runner_gets_no_drafts():
     """A request swapped back in decodes from its first step back, but the runner meets it in that step: its row
     is laid out as a new request, without drafts to verify."""
     from batchllm.engine.request import Request
-    from batchllm.engine.spec.config import SpeculativeConfig
-    from batchllm.engine.spec.speculator import Speculator
+    from batchllm.engine.speculative.config import SpeculativeConfig
+    from batchllm.engine.speculative.speculator import Speculator
     from batchllm.sampling_params import SamplingParams
 
     speculator = Speculator(SpeculativeConfig("ngram", 3), overhead_tokens=8.0, max_model_len=1000)

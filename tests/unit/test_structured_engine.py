@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import batchllm.engine.grammar as grammar_module
+import batchllm.engine.structured.llguidance_backend as grammar_module
 from batchllm.engine.request import Request, RequestStatus
-from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 from tests.unit.fake_executor import expected_continuation, next_token

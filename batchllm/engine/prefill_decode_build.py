@@ -4,7 +4,7 @@ Two engines of the same model, each in a worker process of its own: on two GPUs,
 second for decode; on one GPU, both on it (the prefill engine takes half of `gpu_memory_utilization`, the decode
 engine what is left of it); on the CPU, two processes sharing the cores. They share a buffer of K/V blocks in
 shared memory (pinned on a GPU), through which each prompt's K/V goes from one to the other
-(engine/kv_handoff.py). The engine loop is engine/disaggregated.py.
+(engine/kv_handoff.py). The engine loop is engine/prefill_decode_core.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Callable
 from batchllm.config import SchedulerConfig
 from batchllm.engine.block_pool import BlockPool
 from batchllm.engine.detokenizer import Detokenizer
-from batchllm.engine.disaggregated import DisaggregatedEngineCore
 from batchllm.engine.engine_core import EngineCore
 from batchllm.engine.kv_handoff import DecodeKVCacheManager, PrefillKVCacheManager
-from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine.prefill_decode_core import DisaggregatedEngineCore
+from batchllm.engine.structured.manager import StructuredOutputManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
                         detokenizer: Detokenizer, structured: StructuredOutputManager | None,
                         async_scheduling: bool, wire_core: Callable[..., EngineCore]
                         ) -> tuple[DisaggregatedEngineCore, EnginePair]:
-    """Both executors, each engine wired by `wire_core` (batchllm/engine_build.py) with its side's KV manager."""
+    """Both executors, each engine wired by `wire_core` (batchllm/engine/build.py) with its side's KV manager."""
     import torch
 
     from batchllm.distributed.shm_queue import create_shared_file

@@ -3,7 +3,7 @@
 `resolve_engine` settles what depends on the checkpoint (its path, step budget, pooling, quantization, tokenizer)
 without reading a weight — `batchllm run --dry-run` stops there. `build_engine` then starts the executor and wires
 KV cache manager → scheduler → executor → `EngineCore`, in `wire_core`; a disaggregated layout calls `wire_core`
-once per engine (`batchllm/disaggregation.py`). Torch and the model layer are imported only when an engine is
+once per engine (`prefill_decode_build.py`). Torch and the model layer are imported only when an engine is
 built: the config and the engine layer do without them.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from batchllm.config import SchedulerConfig, default_step_budget
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore
-from batchllm.engine.structured_output import StructuredOutputManager
+from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.engine_config import EngineConfig
 from batchllm.pooling_params import PoolingParams
 
@@ -91,9 +91,9 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
     """Resolve `config`, load the model (in this process or in worker processes) and wire the engine."""
-    from batchllm.disaggregation import build_disaggregated
     from batchllm.engine.kv_cache_manager import KVCacheManager
-    from batchllm.engine.spec.speculator import Speculator
+    from batchllm.engine.prefill_decode_build import build_disaggregated
+    from batchllm.engine.speculative.speculator import Speculator
     from batchllm.executor.build import build_executor
 
     resolved = resolve_engine(config)

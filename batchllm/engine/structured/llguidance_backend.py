@@ -1,11 +1,11 @@
 """Constrained decoding through llguidance: compile a `StructuredOutputsParams` once, match tokens, fill bitmasks.
 
 One of the two grammar engines, `LLM(structured_outputs_backend="llguidance")`; xgrammar, the default, is
-`grammar_xgrammar.py` behind the same interface, and benchmarks/README.md says when to pick which: llguidance
+`xgrammar_backend.py` behind the same interface, and benchmarks/README.md says when to pick which: llguidance
 compiles a schema 10-20x faster (many distinct per-row schemas), takes Lark, and has no dependency (no torch:
 this module is what the engine layer may import on its own); xgrammar fills the per-step bitmask 4-12x faster.
 llguidance works on bytes over the tokenizer's vocabulary: the allowed-token bitmask of a state has bit
-`t % 32` of word `t // 32` set when token `t` may come next (`grammar_common.py`). The EOS ids are allowed
+`t % 32` of word `t // 32` set when token `t` may come next (`common.py`). The EOS ids are allowed
 exactly where the output may end; special tokens never match text. Where the grammar forces text, only its
 canonical tokenization is allowed.
 
@@ -35,7 +35,7 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
-from batchllm.engine.grammar_common import (
+from batchllm.engine.structured.common import (
     JSON_SEPARATORS,
     AcceptedTokens,
     BitmaskRows,

@@ -6,10 +6,10 @@ request alone). The matcher consumes exactly the request's output tokens, as the
 matcher state. With asynchronous scheduling the bitmask of step N+1 is filled after step N's tokens are
 applied, while step N+1's forward pass runs; the runner waits for it only to sample.
 
-The grammar engine is a backend: xgrammar (`LLM`'s default, `grammar_xgrammar.py`: the cheapest per-step bitmask)
-or llguidance (`grammar.py`: compiles 10-20x faster, takes Lark grammars), behind one interface. Its module is
-imported on the first constrained request, so an engine without any imports neither (xgrammar imports torch;
-this package does not).
+The grammar engine is a backend: xgrammar (`LLM`'s default, `xgrammar_backend.py`: the cheapest per-step bitmask)
+or llguidance (`llguidance_backend.py`: compiles 10-20x faster, takes Lark grammars), behind one interface. Its
+module is imported on the first constrained request, so an engine without any imports neither (xgrammar imports
+torch; this package does not).
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from batchllm.engine.grammar_common import GrammarError
 from batchllm.engine.interfaces import GrammarBitmask, SchedulerOutput
 from batchllm.engine.request import Request, RequestStatus
+from batchllm.engine.structured.common import GrammarError
 from batchllm.structured_outputs import StructuredOutputsParams
 
 INCOMPLETE = ("the output is incomplete: generation stopped ({reason}) before the structured-output constraint "
               "was satisfied, so it does not parse")
 # structured_outputs_backend → the module with GrammarCompiler / GrammarMatcher / fill_bitmasks over that engine.
-GRAMMAR_BACKENDS = {"xgrammar": "batchllm.engine.grammar_xgrammar", "llguidance": "batchllm.engine.grammar"}
+GRAMMAR_BACKENDS = {"xgrammar": "batchllm.engine.structured.xgrammar_backend",
+                    "llguidance": "batchllm.engine.structured.llguidance_backend"}
 
 
 def check_backend(backend: Any, argument: str = "structured_outputs_backend") -> str:

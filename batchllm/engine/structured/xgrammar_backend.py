@@ -1,9 +1,9 @@
-"""Constrained decoding through xgrammar, `LLM`'s default grammar engine, behind the interface of `grammar.py`.
+"""Constrained decoding through xgrammar, `LLM`'s default grammar engine, behind `llguidance_backend.py`'s interface.
 
 xgrammar precomputes token masks when it compiles, so the per-step bitmask fill, which is on the engine's
 critical path, costs 4-12x less per row than llguidance's (benchmarks/README.md); compiling costs 10-20x more.
-It imports torch, so the engine imports this module only for a constrained request (`structured_output.py`).
-The contract is that of `grammar.py`: bitmask rows in the layout of `grammar_common.py` (xgrammar writes that
+It imports torch, so the engine imports this module only for a constrained request (`manager.py`).
+The contract is that of `llguidance_backend.py`: bitmask rows in the layout of `common.py` (xgrammar writes that
 layout, into a torch view of our numpy array: no copy), no id the tokenizer lacks, EOS exactly where the
 grammar may end, only EOS once the grammar has ended, a refused token leaves the state as it was. xgrammar
 gets our vocabulary without the special tokens but EOS (it would match `<|im_start|>` as its text inside a
@@ -11,7 +11,7 @@ JSON string) and, for JSON, without the tokens holding a control character (none
 layout, yet xgrammar 0.2.9 lets one into a string with minLength / maxLength: invalid JSON).
 
 Kinds:
-- json: xgrammar's JSON-schema grammar in the layout of `grammar.py` (one line, `", "` and `": "`; properties
+- json: xgrammar's JSON-schema grammar in the layout of `llguidance_backend.py` (one line, `", "` and `": "`; properties
   beyond the listed ones allowed after them, unless `additionalProperties` says otherwise, as llguidance does).
   Keywords xgrammar accepts but does not enforce are rejected, so no schema is half-enforced: `not`,
   `if`/`then`/`else`, `dependentRequired`/`dependentSchemas`, `contains`, `uniqueItems`,
@@ -47,7 +47,7 @@ import numpy as np
 import torch  # xgrammar's bitmask argument is a torch tensor (xgrammar imports torch itself anyway)
 import xgrammar as xgr
 
-from batchllm.engine.grammar_common import (
+from batchllm.engine.structured.common import (
     JSON_SEPARATORS,
     AcceptedTokens,
     BitmaskRows,

@@ -20,9 +20,9 @@ the output copies its input: one miss must not cost the next steps).
 from __future__ import annotations
 
 from batchllm.engine.request import Request
-from batchllm.engine.spec.config import NGRAM, SpeculativeConfig
-from batchllm.engine.spec.ngram import NgramProposer
-from batchllm.engine.spec.policy import SpecStats, SpeculationPolicy
+from batchllm.engine.speculative.config import NGRAM, SpeculativeConfig
+from batchllm.engine.speculative.ngram import NgramProposer
+from batchllm.engine.speculative.policy import SpecStats, SpeculationPolicy
 
 PROBE_INTERVAL = 8
 
