@@ -1,8 +1,8 @@
 """batchllm: throughput-first offline LLM batch inference."""
 
-from batchllm.api import embed, generate, run_job
-from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from batchllm.llm import LLM
+from batchllm.entrypoints.api import embed, generate, run_job
+from batchllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from batchllm.entrypoints.llm import LLM
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams

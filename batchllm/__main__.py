@@ -2,6 +2,6 @@
 
 import sys
 
-from batchllm.cli import main
+from batchllm.entrypoints.cli.main import main
 
 sys.exit(main())

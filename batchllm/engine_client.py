@@ -1,7 +1,7 @@
 """`EngineClient`: what the doors (pandas / Arrow / datasets, jobs, Ray, the Batch API) use of an engine.
 
 `LLM` implements it; so do `connectors.replicas.ReplicaPool` (data-parallel replicas, each its own `LLM`) and
-`batchllm.server.batch_engine.BatchEngine` (a job on a server's engine). The doors read only these names, never the
+`entrypoints.server.batch_engine.BatchEngine` (a job on a server's engine). The doors read only these names, never the
 engine inside (`llm.engine.scheduler...`), so any of the three runs any door.
 """
 

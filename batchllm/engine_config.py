@@ -111,7 +111,7 @@ class EngineConfig:
     (`classify()`: a `*ForSequenceClassification` checkpoint's logits) or "score" (`score()`: a one-label
     cross-encoder's, or an embedding model's cosine). `pooling` ("last", "mean", "cls") and `normalize` default to
     what the model directory says (sentence-transformers' modules.json), else the last token, normalized. See
-    batchllm/pooling_api.py.
+    batchllm/entrypoints/pooling.py.
 
     `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
     step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next

@@ -18,7 +18,7 @@ Systems (`--systems`, default ids,text,pandas,job), on one LLM (engine defaults 
 of each, then run alternately `--repeats` (2) times:
 
 - `ids`: `llm.generate(token_id_lists, params)`;
-- `text`: `llm.generate(texts, params)` (tokenized while the engine runs, batchllm/tokenize_ahead.py);
+- `text`: `llm.generate(texts, params)` (tokenized while the engine runs, batchllm/entrypoints/tokenize_ahead.py);
 - `pandas`: `batchllm.generate(pd.DataFrame({"q": texts}), prompt_column="q", llm=llm, ...)`;
 - `job`: `run_parquet_job(in.parquet, out/, llm=llm, prompt_column="q", ...)`, the path of
   `batchllm run in.parquet out/` without argument parsing and model load (job defaults: 5,000 rows per shard,
@@ -179,7 +179,7 @@ def main() -> None:
     if len(tokenizer) > SHAPES[args.shape]["vocab_size"]:
         raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than the shape's vocabulary")
     texts = tokenizer.batch_decode(make_prompts(workload, rows, len(tokenizer)))
-    # The token ids the text path gives the engine, computed as it does (batchllm/llm.py, connectors/prompts.py).
+    # The token ids the text path gives the engine, computed as it does (entrypoints/llm.py, connectors/prompts.py).
     ids = tokenizer(texts)["input_ids"]
     chat_ids = []
     if any(s.startswith("chat") for s in systems):

@@ -66,7 +66,7 @@ from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from batchllm import LLM, SamplingParams
-from batchllm.cli_engine import add_engine_flags, engine_options
+from batchllm.entrypoints.cli.engine_flags import add_engine_flags, engine_options
 from batchllm.model.default_model import default_model_path
 
 READY_TIMEOUT_S = 600  # loading the model and capturing its graphs

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from batchllm.engine_client import EngineClient
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 
 _lock = threading.Lock()
 _cached: tuple[tuple, LLM] | None = None

@@ -149,8 +149,8 @@ def print_dry_run(input: str | Path, output: str | Path, **options: Any) -> int:
 
 
 def _dry_run_table(input: str | Path, output: str | Path, kind: str, options: Mapping[str, Any]) -> DryRunReport:
-    from batchllm.api import _check_shard_directory  # run_job's own check of the output's name
     from batchllm.connectors.jobs.parquet_job import _check_output  # the job's own checks, without its mkdir
+    from batchllm.entrypoints.api import _check_shard_directory  # run_job's own check of the output's name
 
     _check_shard_directory(Path(output))
     a = _arguments(run_parquet_job, input, output, options)

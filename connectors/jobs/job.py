@@ -53,11 +53,11 @@ from batchllm.connectors.prompts import EncodedPrompt
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
+from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.request import LoRARequest
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
-from batchllm.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 
 DEFAULT_ROWS_PER_SHARD = 5000  # a few MB of Parquet per shard for typical prompts; little work lost on a kill
 DEFAULT_MAX_TOKENS_CAP = 4096  # output tokens per row: long answers fit, a runaway row stops within minutes
@@ -260,7 +260,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
 
 def _plan_slice(planner: Planner, piece: pa.RecordBatch, rows: range) -> list[RowRequest]:
     """The requests of a contiguous run of a piece's rows: the piece is planned in chunks, on a worker thread
-    while the engine runs (`batchllm/tokenize_ahead.py`), so a job's first step waits only for the first chunk."""
+    while the engine runs (`entrypoints/tokenize_ahead.py`), so a job's first step waits only for the first chunk."""
     return planner(piece.slice(rows.start, len(rows)))
 
 

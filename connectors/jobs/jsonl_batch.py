@@ -62,7 +62,7 @@ from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, params_dict,
 from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 from batchllm.lora.request import LoRARequest
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from batchllm.connectors.jobs.manifest import Manifest
 from batchllm.connectors.jobs.model_router import ModelRouter, models_identity, plan_by_model
 from batchllm.connectors.options import params_dict
 from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from batchllm.config import CacheConfig
 from batchllm.connectors.jobs.identity import model_identity, quantization_identity, tokenizer_identity
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 
 if TYPE_CHECKING:  # job.py imports this module
     from batchllm.connectors.jobs.job import Planner, RowRequest

@@ -66,7 +66,7 @@ from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Templ
 from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, encode_rows
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, is_missing
 from batchllm.connectors.results import RowOutcome
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.replicas.pool import ReplicaPool
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 
 
 def check_data_parallel_size(data_parallel_size: Any, llm: Any = None) -> int:

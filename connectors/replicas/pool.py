@@ -38,7 +38,6 @@ from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from batchllm.admission import admission_order
 from batchllm.connectors.replicas.devices import Placement, plan_placements
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError, build_error
 from batchllm.connectors.replicas.messages import (
@@ -61,6 +60,7 @@ from batchllm.connectors.replicas.process import (
 )
 from batchllm.connectors.replicas.replica import ReplicaSpec
 from batchllm.engine_config import EngineConfig
+from batchllm.entrypoints.admission_order import admission_order
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import RequestOutput

@@ -73,7 +73,7 @@ def replica_main(spec: ReplicaSpec, tasks: Connection, results: Connection) -> N
 def _build_engine(spec: ReplicaSpec) -> Any:
     import torch
 
-    from batchllm.llm import LLM
+    from batchllm.entrypoints.llm import LLM
 
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)

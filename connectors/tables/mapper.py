@@ -14,10 +14,10 @@ from batchllm.connectors.progress import RowProgress
 from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, render_rows
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
+from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
-from batchllm.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 
 
 def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: MapOptions, llm: LLM | ReplicaPool,
@@ -25,7 +25,7 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
     """Generate for `num_rows` rows given by their needed columns; output columns come back in row order.
 
     The rows' prompts are rendered first, then tokenized in chunks while the engine runs on the first ones
-    (`batchllm/tokenize_ahead.py`, as `LLM.generate` does). The good rows are admitted in the engine's
+    (`batchllm/entrypoints/tokenize_ahead.py`, as `LLM.generate` does). The good rows are admitted in the engine's
     prefix-aware order of their prompt texts (`LLM.admission_order`), as `LLM.generate` admits texts; rows
     with a prompt error never reach the engine. With a `ReplicaPool` the rows are handed out in that order, so
     neighbours in it (rows sharing a prefix) mostly land on the same replica.

@@ -13,8 +13,8 @@ import pytest
 
 import batchllm
 from batchllm import SamplingParams
-from batchllm.cli import main
 from batchllm.connectors import engine_cache
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.jobs import write_parquet_input
 
 
@@ -85,7 +85,7 @@ def _run_job_arguments(monkeypatch, *flags: str) -> dict:
     def run_job(input, output, **options):
         raise _Called(options)
 
-    monkeypatch.setattr("batchllm.api.run_job", run_job)
+    monkeypatch.setattr("batchllm.entrypoints.api.run_job", run_job)
     with pytest.raises(_Called) as called:
         main(["run", "in/", "out/", "--prompt-column", "q", *flags])
     return called.value.args[0]

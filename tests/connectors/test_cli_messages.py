@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from batchllm.cli import _parser, main
 from batchllm.connectors import engine_cache
+from batchllm.entrypoints.cli.main import _parser, main
 from tests.connectors.jobs import write_parquet_input
 
 
@@ -131,8 +131,8 @@ def test_a_refused_resume_names_the_flags_that_changed(llm, tmp_path, capsys):
     ("options.sampling_params.include_stop_str_in_output", "options.sampling_params.include_stop_str_in_output"),
 ])
 def test_each_manifest_key_reads_as_its_flag(key, name):
-    from batchllm.cli_resume import changed_options_message
     from batchllm.connectors.jobs.manifest import Difference, ManifestMismatch
+    from batchllm.entrypoints.cli.resume import changed_options_message
 
     flags = _parser().parse_args(["run", "in", "out"]).flags_by_python_name
     mismatch = ManifestMismatch("", Path("m.jsonl"), [Difference(key, 1, 2)])

@@ -13,10 +13,10 @@ import psutil
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors.replicas.devices import gpu_groups
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.replicas.replica import EXIT_AFTER_ROWS_ENV
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
 

@@ -14,11 +14,11 @@ import pytest
 import transformers
 from transformers import AutoTokenizer
 
-from batchllm.cli import main
 from batchllm.connectors import engine_cache
 from batchllm.connectors.jobs.engine_preview import preview_engine
 from batchllm.connectors.jobs.run_estimate import Machine, Workload, estimate_run, machine_for
-from batchllm.llm import LLM
+from batchllm.entrypoints.cli.main import main
+from batchllm.entrypoints.llm import LLM
 from batchllm.model.config import ModelConfig
 from batchllm.model.default_model import default_model_path
 from batchllm.model.size import model_size

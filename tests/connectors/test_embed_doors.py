@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors import engine_cache
+from batchllm.entrypoints.cli.main import main
 
 DOCS = ["The river runs past the mill.", None, "", "A lighthouse keeper writes letters to the sea.", 7,
         "Short."]

@@ -10,9 +10,9 @@ import pyarrow.json as pa_json
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors.jobs import sources
 from batchllm.connectors.jobs.sources import TextTableSource, input_format_of
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import GREEDY, reference_texts
 from tests.connectors.jobs import read_shards
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors.jobs.manifest import ManifestMismatch
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import reference_texts
 from tests.connectors.jobs import read_shards, write_parquet_input
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 import batchllm
-from batchllm.cli import main
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors.jobs.atomic import write_atomically
 from batchllm.connectors.jobs.lock import OutputInUse, output_lock
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.jobs import write_parquet_input
 
 FLAGS = ["--max-tokens", "2", "--rows-per-shard", "2", "--no-progress"]

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors.jobs.manifest import ManifestMismatch
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import GREEDY, reference_texts
 from tests.connectors.jobs import read_shards, write_parquet_input
 

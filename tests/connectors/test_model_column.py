@@ -17,10 +17,10 @@ import pytest
 
 import batchllm
 from batchllm import LLM
-from batchllm.cli import _parser, main
 from batchllm.connectors.jobs import model_router
 from batchllm.connectors.jobs.job import JobInterrupted
 from batchllm.connectors.jobs.manifest import ManifestMismatch
+from batchllm.entrypoints.cli.main import _parser, main
 from batchllm.model.default_model import default_model_path
 from tests.connectors.helpers import GREEDY, reference_texts
 from tests.connectors.jobs import SUBJECTS, read_shards

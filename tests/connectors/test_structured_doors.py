@@ -23,7 +23,6 @@ import pytest
 
 import batchllm
 from batchllm import SamplingParams, StructuredOutputsParams
-from batchllm.cli import main
 from batchllm.connectors.constraints import SchemaColumn, parsed_json_text, response_format_constraint
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.connectors.jobs.openai_batch import sampling_params as body_params
@@ -31,6 +30,7 @@ from batchllm.connectors.options import params_dict, resolve_options
 from batchllm.connectors.prompts import RowError
 from batchllm.engine.structured.llguidance_backend import GrammarCompiler, GrammarError
 from batchllm.engine.structured.manager import INCOMPLETE
+from batchllm.entrypoints.cli.main import main
 from batchllm.outputs import CompletionOutput, RequestOutput
 from tests.connectors.jobs import read_shards
 

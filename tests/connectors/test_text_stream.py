@@ -1,4 +1,4 @@
-"""Text prompts tokenized while the engine runs (`batchllm/tokenize_ahead.py`), through every door: `LLM.generate`,
+"""Text prompts tokenized while the engine runs (`entrypoints/tokenize_ahead.py`), through every door: `LLM.generate`,
 `LLM.chat`, the table doors and the Parquet job. Chunks are made tiny (2, then 3 rows) so that small inputs cross
 odd chunk boundaries. References: the same prompts as token ids, each text tokenized alone by the HF tokenizer."""
 

@@ -22,8 +22,8 @@ import torch
 
 import batchllm
 from batchllm import LLM, SamplingParams
-from batchllm.cli import main
 from batchllm.connectors import engine_cache
+from batchllm.entrypoints.cli.main import main
 from batchllm.executor.multiproc_executor import WorkerDiedError
 from tests.connectors.helpers import openai_batch_texts
 from tests.distributed.test_tensor_parallel import SHAPES, gone, prompts, tokens, write_checkpoint

@@ -14,9 +14,9 @@ import pytest
 
 import batchllm
 from batchllm import LLM, SamplingParams
-from batchllm.cli import main
 from batchllm.connectors import engine_cache
 from batchllm.connectors.replicas.devices import gpu_groups
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import openai_batch_texts
 
 MAX_NEW = 16

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import batchllm
 from batchllm import LLM, SamplingParams
-from batchllm.cli import main
+from batchllm.entrypoints.cli.main import main
 from batchllm.model.default_model import default_model_path
 from batchllm.model.loader import load_model
 from tests.distributed.test_tensor_parallel import SHAPES, engine, prompts, write_checkpoint

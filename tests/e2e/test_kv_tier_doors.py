@@ -15,8 +15,8 @@ import pytest
 
 import batchllm
 from batchllm import LLM, SamplingParams
-from batchllm.cli import main
 from batchllm.connectors import engine_cache
+from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import openai_batch_texts
 from tests.distributed.test_tensor_parallel import SHAPES, engine, prompts, write_checkpoint
 

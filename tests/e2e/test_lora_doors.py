@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchllm
-from batchllm.cli import main
 from batchllm.connectors.jobs.manifest import ManifestMismatch
+from batchllm.entrypoints.cli.main import main
 from tests.e2e.conftest import MAX_NEW
 
 

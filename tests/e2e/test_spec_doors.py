@@ -17,7 +17,7 @@ import torch
 
 import batchllm
 from batchllm import LLM, SamplingParams
-from batchllm.cli import main
+from batchllm.entrypoints.cli.main import main
 from tests.distributed.test_tensor_parallel import SHAPES, engine, write_checkpoint
 from tests.e2e.conftest import QUESTIONS
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import uvicorn
 
 from batchllm import LLM
-from batchllm.server.app import build_app
-from batchllm.server.batch_runner import BatchSettings
-from batchllm.server.engine_loop import EngineLoop
+from batchllm.entrypoints.server.app import build_app
+from batchllm.entrypoints.server.batch_runner import BatchSettings
+from batchllm.entrypoints.server.engine_loop import EngineLoop
 
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2)
 

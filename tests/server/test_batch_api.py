@@ -18,12 +18,12 @@ import pytest
 from fastapi import FastAPI
 
 from batchllm import LLM, SamplingParams
-from batchllm.server.app import build_app
-from batchllm.server.batch_api import mount_batch_api
-from batchllm.server.batch_runner import BatchSettings
-from batchllm.server.batches import BatchRecord, BatchStore, RequestCounts, new_batch_id
-from batchllm.server.engine_loop import EngineLoop
-from batchllm.server.files import FileStore
+from batchllm.entrypoints.server.app import build_app
+from batchllm.entrypoints.server.batch_api import mount_batch_api
+from batchllm.entrypoints.server.batch_runner import BatchSettings
+from batchllm.entrypoints.server.batches import BatchRecord, BatchStore, RequestCounts, new_batch_id
+from batchllm.entrypoints.server.engine_loop import EngineLoop
+from batchllm.entrypoints.server.files import FileStore
 from tests.server.conftest import openai_client, serving, wait_until
 
 KEY = "batch-test-key"

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from batchllm import LLM, SamplingParams
+from batchllm.entrypoints.server.admitted import ABORTED
+from batchllm.entrypoints.server.app import build_app
+from batchllm.entrypoints.server.batch_runner import BatchSettings
+from batchllm.entrypoints.server.engine_loop import EngineLoop
+from batchllm.entrypoints.server.request_stream import EngineDead, ServerShuttingDown
 from batchllm.outputs import PoolingRequestOutput
-from batchllm.server.admitted import ABORTED
-from batchllm.server.app import build_app
-from batchllm.server.batch_runner import BatchSettings
-from batchllm.server.engine_loop import EngineLoop
-from batchllm.server.request_stream import EngineDead, ServerShuttingDown
 from tests.server.conftest import openai_client, serving, wait_until
 
 TEXTS = ["hi", "The capital of France is Paris.", "Write a short poem about lighthouses and their keepers."]

@@ -12,9 +12,9 @@ import pytest
 from batchllm import LLM, SamplingParams
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.engine_client import EngineClient
-from batchllm.server.app import build_app
-from batchllm.server.engine_loop import BATCH, LIVE, EngineLoop
-from batchllm.server.request_stream import EngineDead, ServerShuttingDown
+from batchllm.entrypoints.server.app import build_app
+from batchllm.entrypoints.server.engine_loop import BATCH, LIVE, EngineLoop
+from batchllm.entrypoints.server.request_stream import EngineDead, ServerShuttingDown
 from tests.server.conftest import serving, wait_until
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Water boils at", "The sky is"]

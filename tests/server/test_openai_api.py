@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from batchllm import LLM, SamplingParams
-from batchllm.server.app import build_app
-from batchllm.server.engine_loop import EngineLoop
+from batchllm.entrypoints.server.app import build_app
+from batchllm.entrypoints.server.engine_loop import EngineLoop
 from batchllm.structured_outputs import StructuredOutputsParams
 from tests.server.conftest import openai_client, serving, wait_until
 

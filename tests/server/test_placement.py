@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchllm.server import placement
-from batchllm.server.placement import plan_engines
+from batchllm.entrypoints.server import placement
+from batchllm.entrypoints.server.placement import plan_engines
 
 
 @pytest.fixture
@@ -55,6 +55,6 @@ def test_two_models_under_one_name_exit_2_before_any_engine_starts(tmp_path):
                                          ("/data/a=b/model", (None, "/data/a=b/model")),
                                          ("=/models/x", (None, "=/models/x"))])
 def test_a_model_flag_reads_as_a_name_and_a_path(text, parsed):
-    from batchllm.cli_types import served_model
+    from batchllm.entrypoints.cli.types import served_model
 
     assert served_model(text) == parsed

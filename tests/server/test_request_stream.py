@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from batchllm.server.request_stream import RequestStream, StreamEvent
+from batchllm.entrypoints.server.request_stream import RequestStream, StreamEvent
 
 
 def test_a_burst_of_deliveries_arrives_in_order_with_one_wake_up():

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from batchllm.connectors.adapters import adapter_requests
+from batchllm.entrypoints.server.app import build_app
+from batchllm.entrypoints.server.batch_runner import BatchSettings
+from batchllm.entrypoints.server.engine_process import EngineLaunch, launch_engines
+from batchllm.entrypoints.server.served_models import ServedModels
 from batchllm.model.default_model import default_model_path
-from batchllm.server.app import build_app
-from batchllm.server.batch_runner import BatchSettings
-from batchllm.server.engine_process import EngineLaunch, launch_engines
-from batchllm.server.served_models import ServedModels
 from tests.server.conftest import openai_client, serving, wait_until
 
 TEXT = "The capital of France is"  # a batch line's prompt is text

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from batchllm import tokenize_ahead
-from batchllm.tokenize_ahead import chunk_bounds, tokenized_ahead
+from batchllm.entrypoints.tokenize_ahead import chunk_bounds, tokenized_ahead
 
 
 def test_chunks_grow_from_a_small_first_one():

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from batchllm.entrypoints.server.engine_protocol import EngineInfo
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
-from batchllm.server.engine_protocol import EngineInfo
 
 
 class RemoteLLM:

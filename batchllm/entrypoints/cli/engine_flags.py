@@ -11,10 +11,10 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from batchllm.cli_types import disaggregated_layout, speculative_config
 from batchllm.config import PREEMPTION_MODES
 from batchllm.engine.structured.manager import GRAMMAR_BACKENDS
-from batchllm.llm import LLM
+from batchllm.entrypoints.cli.types import disaggregated_layout, speculative_config
+from batchllm.entrypoints.llm import LLM
 from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from batchllm.pooling_params import POOLING_TYPES, TASKS
 

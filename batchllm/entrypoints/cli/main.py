@@ -35,7 +35,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from batchllm.cli_engine import (
+from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
+from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
+from batchllm.entrypoints.cli.engine_flags import (
     USAGE_ERRORS,
     OneLineErrors,
     add_engine_flags,
@@ -45,12 +47,10 @@ from batchllm.cli_engine import (
     flags_by_python_name,
     with_flag_names,
 )
-from batchllm.cli_models import job_models
-from batchllm.cli_types import adapter, constraint_of, json_schema_file, served_model, token_ids
-from batchllm.connectors.jobs.job import DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_TOKENS_CAP, DEFAULT_ROWS_PER_SHARD
-from batchllm.connectors.jobs.sources import INPUT_FORMATS, input_format_of
+from batchllm.entrypoints.cli.models import job_models
+from batchllm.entrypoints.cli.types import adapter, constraint_of, json_schema_file, served_model, token_ids
+from batchllm.entrypoints.server.cli import add_serve_parser
 from batchllm.sampling_params import SamplingParams
-from batchllm.server.cli import add_serve_parser
 
 # Sampling flags → SamplingParams fields. Each defaults to SamplingParams' own, except _CLI_SAMPLING_DEFAULTS.
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
@@ -186,11 +186,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    from batchllm.api import run_job
-    from batchllm.cli_resume import changed_options_message
     from batchllm.connectors.jobs.job import JobInterrupted
     from batchllm.connectors.jobs.manifest import ManifestMismatch
     from batchllm.connectors.replicas.errors import ReplicaPoolError
+    from batchllm.entrypoints.api import run_job
+    from batchllm.entrypoints.cli.resume import changed_options_message
 
     sampling = (*_SAMPLING_FLAGS, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
     job = ("rows_per_shard", "max_in_flight", "max_tokens_cap", "flush_seconds", "retry_errors")

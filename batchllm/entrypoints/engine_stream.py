@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from batchllm.entrypoints.output_assembly import complete, completion_output, sample_params
+from batchllm.entrypoints.pooling import NO_SAMPLING, pooling_output
 from batchllm.host_gc import objects_frozen
-from batchllm.output_assembly import complete, completion_output, sample_params
 from batchllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from batchllm.pooling_api import NO_SAMPLING, pooling_output
 from batchllm.pooling_params import PoolingParams
 from batchllm.request_source import RequestSource
 
 if TYPE_CHECKING:
-    from batchllm.llm import LLM
+    from batchllm.entrypoints.llm import LLM
 
 K = TypeVar("K")
 

@@ -18,9 +18,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from batchllm.connectors.replicas.channel import EXIT_PARENT_GONE, Inbox, Outbox
+from batchllm.entrypoints.server.engine_driver import EngineDriver
+from batchllm.entrypoints.server.engine_protocol import BuildFailed, Crashed, EngineInfo, Ready, Stop
 from batchllm.host_gc import objects_frozen
-from batchllm.server.engine_driver import EngineDriver
-from batchllm.server.engine_protocol import BuildFailed, Crashed, EngineInfo, Ready, Stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ def engine_main(spec: EngineSpec, tasks: Connection, results: Connection) -> Non
 def _build(spec: EngineSpec) -> Any:
     import torch
 
-    from batchllm.llm import LLM
+    from batchllm.entrypoints.llm import LLM
 
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)

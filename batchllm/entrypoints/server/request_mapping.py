@@ -16,10 +16,10 @@ from typing import Any
 
 from batchllm.connectors.jobs.openai_batch import sampling_params
 from batchllm.connectors.prompts import PromptEncoder, RowError
+from batchllm.entrypoints.server.errors import APIError, bad_request
+from batchllm.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from batchllm.lora.request import LoRARequest
 from batchllm.sampling_params import SamplingParams
-from batchllm.server.errors import APIError, bad_request
-from batchllm.server.protocol import ChatCompletionRequest, CompletionRequest
 
 # Fields that are not sampling parameters: the batch mapping must not see them.
 _NOT_SAMPLING = {"model", "user", "stream", "stream_options", "prompt", "messages"}

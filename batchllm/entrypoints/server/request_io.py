@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from batchllm.entrypoints.server.engine_handle import EngineHandle
+from batchllm.entrypoints.server.engine_protocol import LIVE
+from batchllm.entrypoints.server.errors import APIError, bad_request, from_validation_errors, unavailable
+from batchllm.entrypoints.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
-from batchllm.server.engine_handle import EngineHandle
-from batchllm.server.engine_protocol import LIVE
-from batchllm.server.errors import APIError, bad_request, from_validation_errors, unavailable
-from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
 
 _DISCONNECT_POLL_SECONDS = 0.5
 

@@ -21,12 +21,12 @@ import threading
 from collections import deque
 from typing import Any, Callable
 
+from batchllm.entrypoints.server.admitted import LoopObserver
+from batchllm.entrypoints.server.engine_driver import EngineDriver
+from batchllm.entrypoints.server.engine_handle import EngineHandle
+from batchllm.entrypoints.server.engine_protocol import BATCH, LIVE, Stop
+from batchllm.entrypoints.server.request_stream import EngineDead, ServerShuttingDown
 from batchllm.host_gc import objects_frozen
-from batchllm.server.admitted import LoopObserver
-from batchllm.server.engine_driver import EngineDriver
-from batchllm.server.engine_handle import EngineHandle
-from batchllm.server.engine_protocol import BATCH, LIVE, Stop
-from batchllm.server.request_stream import EngineDead, ServerShuttingDown
 
 __all__ = ["BATCH", "LIVE", "EngineLoop"]
 logger = logging.getLogger(__name__)

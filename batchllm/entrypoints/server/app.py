@@ -29,19 +29,19 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from batchllm.entrypoints.server.batch_api import mount_batch_api
+from batchllm.entrypoints.server.batch_runner import BatchSettings
+from batchllm.entrypoints.server.embeddings import mount_embeddings
+from batchllm.entrypoints.server.engine_handle import EngineHandle
+from batchllm.entrypoints.server.errors import APIError, bad_request, install_handlers, unavailable
+from batchllm.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
+from batchllm.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from batchllm.entrypoints.server.request_io import abort_all, parse_body, submit_all, wait_outputs
+from batchllm.entrypoints.server.request_mapping import EngineInputs
+from batchllm.entrypoints.server.request_stream import RequestStream
+from batchllm.entrypoints.server.responses import DONE, ChunkWriter, full_body
+from batchllm.entrypoints.server.served_models import ServedModels
 from batchllm.lora.request import LoRARequest
-from batchllm.server.batch_api import mount_batch_api
-from batchllm.server.batch_runner import BatchSettings
-from batchllm.server.embeddings import mount_embeddings
-from batchllm.server.engine_handle import EngineHandle
-from batchllm.server.errors import APIError, bad_request, install_handlers, unavailable
-from batchllm.server.metrics import CONTENT_TYPE, ServerMetrics
-from batchllm.server.protocol import ChatCompletionRequest, CompletionRequest
-from batchllm.server.request_io import abort_all, parse_body, submit_all, wait_outputs
-from batchllm.server.request_mapping import EngineInputs
-from batchllm.server.request_stream import RequestStream
-from batchllm.server.responses import DONE, ChunkWriter, full_body
-from batchllm.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 _EMBED_SERVER = "this server embeds (--task embed): use /v1/embeddings"

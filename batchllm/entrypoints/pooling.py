@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from batchllm.engine.request import Request
-from batchllm.llm_inputs import Prompt, as_prompt_list, progress_bar
+from batchllm.entrypoints.llm_inputs import Prompt, as_prompt_list, progress_bar
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
 from batchllm.sampling_params import SamplingParams

@@ -7,21 +7,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from batchllm.admission import admission_order
-from batchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.engine.build import BuiltEngine, build_engine
 from batchllm.engine_config import EngineConfig
-from batchllm.engine_stream import stream_engine
-from batchllm.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
+from batchllm.entrypoints.admission_order import admission_order
+from batchllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from batchllm.entrypoints.engine_stream import stream_engine
+from batchllm.entrypoints.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
+from batchllm.entrypoints.pooling import PoolingCalls
+from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
-from batchllm.pooling_api import PoolingCalls
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 from batchllm.structured_outputs import StructuredOutputsParams
-from batchllm.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 
 Messages = list[dict[str, Any]]
 K = TypeVar("K")
@@ -114,7 +114,7 @@ class LLM(PoolingCalls):
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate completions for `prompts` (strings, or token-id lists); results come in input order.
 
-        Text prompts are tokenized in chunks while the engine runs on the first ones (`batchllm/tokenize_ahead.py`).
+        Text prompts are tokenized in chunks while the engine runs on the first ones (`tokenize_ahead.py`).
         With `reorder_by_prefix` they are admitted in text order (token-id prompts ahead of them, in token order),
         so rows sharing a prefix run together.
 
@@ -176,7 +176,7 @@ class LLM(PoolingCalls):
                 max_in_flight: int | None, stop: Callable[[], bool] | None = None
                 ) -> Iterator[tuple[K, RequestOutput | PoolingRequestOutput]]:
         """Items whose params are `PoolingParams` (this LLM's `pooling_params`, on a pooling task) are pooled and
-        come back as `PoolingRequestOutput`s (`batchllm/engine_stream.py`)."""
+        come back as `PoolingRequestOutput`s (`batchllm/entrypoints/engine_stream.py`)."""
         return stream_engine(self, requests, max_in_flight, stop)
 
     def _check_pooling_item(self, params: Any) -> None:
@@ -215,7 +215,7 @@ class LLM(PoolingCalls):
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (strings or token ids), with HF transformers' selection and stopping rules;
-        see `batchllm.beam_search`. Beams share their history's K/V through the prefix cache."""
+        see `batchllm.entrypoints.beam_search`. Beams share their history's K/V through the prefix cache."""
         def generate(token_lists: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(token_lists, step_params, use_tqdm=False)
 
@@ -231,7 +231,7 @@ class LLM(PoolingCalls):
              use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
              add_special_tokens: bool = True) -> list[RequestOutput]:
         """Every prompt through the engine; a None in `token_lists` is a text to tokenize, which happens while the
-        engine runs on the first rows (`batchllm/tokenize_ahead.py`)."""
+        engine runs on the first rows (`tokenize_ahead.py`)."""
         if self.tokenizer is None and any(p.stop_strings for p in params_list):
             raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         loras = loras or [None] * len(token_lists)
@@ -267,7 +267,7 @@ class LLM(PoolingCalls):
 
     def admission_order(self, token_lists: Sequence[Any],
                         loras: Sequence[LoRARequest | None] | None = None) -> list[int]:
-        """The order a whole batch is admitted in (`batchllm/admission.py`): by prefix (of the token lists, or of
+        """The order a whole batch is admitted in (`admission_order.py`): by prefix (of the token lists, or of
         the texts), and by adapter first. Results still come back in input order."""
         return admission_order(token_lists, loras, self.reorder_by_prefix)
 

@@ -24,12 +24,12 @@ from batchllm.connectors.jobs.openai_batch import (
     embeddings_body,
 )
 from batchllm.connectors.prompts import RowError
-from batchllm.server.admitted import ABORTED
-from batchllm.server.errors import bad_request, unavailable
-from batchllm.server.protocol import EmbeddingRequest
-from batchllm.server.request_io import parse_body, submit_all, wait_outputs
-from batchllm.server.request_mapping import RequestMapper
-from batchllm.server.served_models import ServedModels
+from batchllm.entrypoints.server.admitted import ABORTED
+from batchllm.entrypoints.server.errors import bad_request, unavailable
+from batchllm.entrypoints.server.protocol import EmbeddingRequest
+from batchllm.entrypoints.server.request_io import parse_body, submit_all, wait_outputs
+from batchllm.entrypoints.server.request_mapping import RequestMapper
+from batchllm.entrypoints.server.served_models import ServedModels
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.connectors.replicas.channel import spawn_child
-from batchllm.server.admitted import LoopObserver
-from batchllm.server.engine_handle import EngineHandle
-from batchllm.server.engine_protocol import BuildFailed, Crashed, Ready, StepResults, Stop
-from batchllm.server.engine_worker import EngineSpec, engine_main
-from batchllm.server.remote_llm import RemoteLLM
+from batchllm.entrypoints.server.admitted import LoopObserver
+from batchllm.entrypoints.server.engine_handle import EngineHandle
+from batchllm.entrypoints.server.engine_protocol import BuildFailed, Crashed, Ready, StepResults, Stop
+from batchllm.entrypoints.server.engine_worker import EngineSpec, engine_main
+from batchllm.entrypoints.server.remote_llm import RemoteLLM
 
 logger = logging.getLogger(__name__)
 STOP_SECONDS = 2.0  # after `Stop`: how long a step may take to end before the process is terminated
@@ -153,7 +153,7 @@ def _http_side_of(model_path: Path, kwargs: Mapping[str, Any]) -> tuple[Any, Any
     """The tokenizer and adapter registry the HTTP process keeps for a model, built as `LLM` builds its own."""
     import inspect
 
-    from batchllm.llm import LLM
+    from batchllm.entrypoints.llm import LLM
     from batchllm.lora.registry import AdapterRegistry
     from batchllm.model.config import ModelConfig, read_hf_config
     from batchllm.tokenizer import load_tokenizer

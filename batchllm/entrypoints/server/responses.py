@@ -16,8 +16,8 @@ import uuid
 from typing import Any
 
 from batchllm.connectors.jobs.openai_batch import chat_logprobs, response_body, text_logprobs, usage
+from batchllm.entrypoints.server.request_stream import SampleUpdate
 from batchllm.outputs import CompletionOutput, RequestOutput
-from batchllm.server.request_stream import SampleUpdate
 
 DONE = "data: [DONE]\n\n"
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchllm.engine.detokenizer import final_text
-from batchllm.output_assembly import complete, logprob_entries
+from batchllm.entrypoints.output_assembly import complete, logprob_entries
+from batchllm.entrypoints.server.engine_driver import ABORTED
+from batchllm.entrypoints.server.engine_protocol import Observations, SampleDelta, SampleFinish, StepResults
+from batchllm.entrypoints.server.request_stream import RequestStream, SampleUpdate, StreamEvent
+from batchllm.entrypoints.server.sample_progress import SampleProgress
 from batchllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
-from batchllm.server.engine_driver import ABORTED
-from batchllm.server.engine_protocol import Observations, SampleDelta, SampleFinish, StepResults
-from batchllm.server.request_stream import RequestStream, SampleUpdate, StreamEvent
-from batchllm.server.sample_progress import SampleProgress
 
 __all__ = ["ABORTED", "AdmittedRequests", "LoopObserver", "was_aborted"]
 

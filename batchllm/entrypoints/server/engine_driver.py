@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchllm.engine.engine_core import FinishedRequest
-from batchllm.output_assembly import sample_params
-from batchllm.outputs import PoolingRequestOutput, RequestMetrics
-from batchllm.pooling_api import NO_SAMPLING, pooling_output
-from batchllm.pooling_params import PoolingParams
-from batchllm.server.engine_protocol import (
+from batchllm.entrypoints.output_assembly import sample_params
+from batchllm.entrypoints.pooling import NO_SAMPLING, pooling_output
+from batchllm.entrypoints.server.engine_protocol import (
     LIVE,
     Abort,
     Compile,
@@ -32,6 +30,8 @@ from batchllm.server.engine_protocol import (
     StepResults,
     Submit,
 )
+from batchllm.outputs import PoolingRequestOutput, RequestMetrics
+from batchllm.pooling_params import PoolingParams
 
 ABORTED = "aborted"  # the error of a pooling request's output when it was aborted
 

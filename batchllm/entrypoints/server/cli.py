@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from batchllm.cli_engine import (
+from batchllm.entrypoints.cli.engine_flags import (
     USAGE_ERRORS,
     add_engine_flags,
     engine_options,
@@ -27,8 +27,8 @@ from batchllm.cli_engine import (
     flags_by_python_name,
     with_flag_names,
 )
-from batchllm.cli_types import adapter, served_model
-from batchllm.server.batch_runner import BatchSettings
+from batchllm.entrypoints.cli.types import adapter, served_model
+from batchllm.entrypoints.server.batch_runner import BatchSettings
 
 DEFAULT_DATA_DIR = "./batchllm-data"
 # A pooling task's step budget on the server, GPU and CPU (LLM's default is 32768): a long input is pooled in chunks
@@ -37,7 +37,7 @@ DEFAULT_DATA_DIR = "./batchllm-data"
 # between the chunks.
 SERVER_POOLING_BUDGET = {"gpu": 2048, "cpu": 256}
 _BATCH_DEFAULTS = BatchSettings()
-logger = logging.getLogger("batchllm.server")
+logger = logging.getLogger("batchllm.entrypoints.server")
 
 
 def _port(text: str) -> int:
@@ -112,7 +112,7 @@ def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
         import uvicorn
     except ImportError as exc:
         return fail(f"batchllm serve needs the serve extra ({exc.name} is missing): pip install 'batchllm[serve]'")
-    from batchllm.server.app import SERVED_TASKS
+    from batchllm.entrypoints.server.app import SERVED_TASKS
 
     if args.task not in SERVED_TASKS:
         return fail(f"--task {args.task} is not served: batchllm serve takes --task generate (/v1/completions, "
@@ -137,8 +137,8 @@ def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
 def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tuple[str | None, Any]]:
     """(name given by --model, engine process) per model, started in parallel; ValueError and the like for bad
     flags (the engine's own, raised where it was built)."""
-    from batchllm.server.engine_process import EngineLaunch, launch_engines
-    from batchllm.server.placement import gpu_count, plan_engines
+    from batchllm.entrypoints.server.engine_process import EngineLaunch, launch_engines
+    from batchllm.entrypoints.server.placement import gpu_count, plan_engines
 
     models = args.model or [(None, None)]
     named = [name for name, _ in models if name is not None]
@@ -158,9 +158,9 @@ def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tupl
 def _serve(uvicorn: Any, args: argparse.Namespace, engines: list[tuple[str | None, Any]],
            loras: dict[str, str]) -> int:
     from batchllm.connectors.adapters import adapter_requests
-    from batchllm.server.app import build_app
-    from batchllm.server.draining import draining_server
-    from batchllm.server.served_models import ServedModels
+    from batchllm.entrypoints.server.app import build_app
+    from batchllm.entrypoints.server.draining import draining_server
+    from batchllm.entrypoints.server.served_models import ServedModels
 
     try:
         adapters = adapter_requests(sorted(loras.items()), engines[0][1].llm) if loras else {}

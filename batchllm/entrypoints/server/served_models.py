@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.entrypoints.server.errors import APIError
+from batchllm.entrypoints.server.request_mapping import RequestMapper
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig, read_hf_config
-from batchllm.server.errors import APIError
-from batchllm.server.request_mapping import RequestMapper
 
 
 @dataclass(slots=True)

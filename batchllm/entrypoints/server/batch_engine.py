@@ -23,16 +23,16 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from batchllm.admission import admission_order
+from batchllm.entrypoints.admission_order import admission_order
+from batchllm.entrypoints.server.admitted import was_aborted
+from batchllm.entrypoints.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
 from batchllm.lora.request import LoRARequest
 from batchllm.request_source import RequestSource
-from batchllm.server.admitted import was_aborted
-from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
 from batchllm.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from batchllm.entrypoints.server.engine_handle import EngineHandle
     from batchllm.outputs import RequestOutput
-    from batchllm.server.engine_handle import EngineHandle
 
 K = TypeVar("K")
 _POLL_SECONDS = 1.0  # how often a blocked stream looks at its stop event and at the loop's health

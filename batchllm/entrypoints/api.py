@@ -12,7 +12,7 @@ from batchllm.connectors.jobs.job import JobResult
 from batchllm.connectors.options import DEFAULT_EMBEDDING_COLUMN, DEFAULT_OUTPUT_COLUMN, Template, resolve_options
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.tables.mapper import map_columns
-from batchllm.llm import LLM
+from batchllm.entrypoints.llm import LLM
 from batchllm.sampling_params import SamplingParams
 
 # (module that must already be imported for the data to be of its kind, connector module)

@@ -33,12 +33,12 @@ from typing import Any, BinaryIO
 
 from batchllm.connectors.jobs.jsonl_batch import run_jsonl_job
 from batchllm.connectors.jobs.openai_batch import parse_envelope
-from batchllm.server.batch_groups import BatchGroup, Route, group_outputs, plan_groups
-from batchllm.server.batches import UNFINISHED, BatchRecord, BatchStore, RequestCounts
-from batchllm.server.errors import APIError
-from batchllm.server.files import OUTPUT_PURPOSE, FileStore, derived_id
-from batchllm.server.request_stream import EngineDead, ServerShuttingDown
-from batchllm.server.served_models import ServedModels
+from batchllm.entrypoints.server.batch_groups import BatchGroup, Route, group_outputs, plan_groups
+from batchllm.entrypoints.server.batches import UNFINISHED, BatchRecord, BatchStore, RequestCounts
+from batchllm.entrypoints.server.errors import APIError
+from batchllm.entrypoints.server.files import OUTPUT_PURPOSE, FileStore, derived_id
+from batchllm.entrypoints.server.request_stream import EngineDead, ServerShuttingDown
+from batchllm.entrypoints.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 _MAX_REPORTED_ERRORS = 10  # validation errors listed in a failed batch's `errors`

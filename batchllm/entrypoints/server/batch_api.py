@@ -34,11 +34,17 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 
 from batchllm.connectors.jobs.openai_batch import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
-from batchllm.server.batch_runner import BatchRunner, BatchSettings
-from batchllm.server.batches import CANCELLABLE, COMPLETION_WINDOW_SECONDS, BatchRecord, BatchStore, new_batch_id
-from batchllm.server.errors import APIError, bad_request
-from batchllm.server.files import INPUT_PURPOSE, FileStore, FileTooLarge
-from batchllm.server.served_models import ServedModels
+from batchllm.entrypoints.server.batch_runner import BatchRunner, BatchSettings
+from batchllm.entrypoints.server.batches import (
+    CANCELLABLE,
+    COMPLETION_WINDOW_SECONDS,
+    BatchRecord,
+    BatchStore,
+    new_batch_id,
+)
+from batchllm.entrypoints.server.errors import APIError, bad_request
+from batchllm.entrypoints.server.files import INPUT_PURPOSE, FileStore, FileTooLarge
+from batchllm.entrypoints.server.served_models import ServedModels
 
 _GENERATE_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})

@@ -17,12 +17,12 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from batchllm.entrypoints.server.admitted import AdmittedRequests, LoopObserver, replay
+from batchllm.entrypoints.server.engine_protocol import LIVE, Abort, Compile, EngineSnapshot, StepResults, Submit
+from batchllm.entrypoints.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
 from batchllm.lora.request import LoRARequest
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
-from batchllm.server.admitted import AdmittedRequests, LoopObserver, replay
-from batchllm.server.engine_protocol import LIVE, Abort, Compile, EngineSnapshot, StepResults, Submit
-from batchllm.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
 from batchllm.structured_outputs import StructuredOutputsParams
 
 COMPILE_TIMEOUT = 300.0  # a grammar compiles in well under a second; an engine busy with a long step answers later
@@ -128,7 +128,7 @@ class EngineHandle:
 
     def batch_engine(self, stop_event: threading.Event | None = None, abort_on_stop: bool = False):
         """An `llm=` for `run_jsonl_job` whose requests run here at BATCH priority (see `batch_engine.py`)."""
-        from batchllm.server.batch_engine import BatchEngine
+        from batchllm.entrypoints.server.batch_engine import BatchEngine
 
         return BatchEngine(self, stop_event, abort_on_stop)
 
