@@ -31,13 +31,14 @@ from batchllm.connectors.constraints import parsed_text
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.options import MapOptions, resolve_options
 from batchllm.connectors.results import output_schema
+from batchllm.engine_config import DEFAULTS
 
 # resolve_options' named options; any other keyword that is not an engine option is a sampling field.
 _MAP_OPTIONS = ("prompt_column", "messages_column", "prompt_template", "chat", "sampling_params",
                 "output_column", "truncate", "schema_column", "parse_json")
 _ENGINE_OPTIONS = ("model", "engine_kwargs")
 # LLM(...)'s default max_num_seqs: the most sequences the engine runs at once.
-DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_SEQS = DEFAULTS["max_num_seqs"]
 
 
 class LLMPredictor:

@@ -6,15 +6,14 @@ Errors name the flags (`--max-num-seqs`), not the Python arguments behind them, 
 from __future__ import annotations
 
 import argparse
-import inspect
 import re
 import sys
 from typing import Any, NoReturn
 
 from batchllm.config import PREEMPTION_MODES
 from batchllm.engine.structured.manager import GRAMMAR_BACKENDS
+from batchllm.engine_config import DEFAULTS
 from batchllm.entrypoints.cli.types import disaggregated_layout, speculative_config
-from batchllm.entrypoints.llm import LLM
 from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from batchllm.pooling_params import POOLING_TYPES, TASKS
 
@@ -26,7 +25,7 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
                       "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
-ENGINE_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(LLM).parameters.items()}
+ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
                "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank",
                "num_kv_blocks": "KV-cache blocks on the device (None: sized from free memory)",

@@ -151,9 +151,7 @@ def launch_engines(launches: list[EngineLaunch], observer: LoopObserver | None =
 
 def _http_side_of(model_path: Path, kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """The tokenizer and adapter registry the HTTP process keeps for a model, built as `LLM` builds its own."""
-    import inspect
-
-    from batchllm.entrypoints.llm import LLM
+    from batchllm.engine_config import DEFAULTS
     from batchllm.lora.registry import AdapterRegistry
     from batchllm.model.config import ModelConfig, read_hf_config
     from batchllm.tokenizer import load_tokenizer
@@ -162,10 +160,9 @@ def _http_side_of(model_path: Path, kwargs: Mapping[str, Any]) -> tuple[Any, Any
     if not kwargs.get("skip_tokenizer_init", False):
         tokenizer = load_tokenizer(kwargs.get("tokenizer") or model_path,
                                    trust_remote_code=kwargs.get("trust_remote_code", False))
-    defaults = inspect.signature(LLM.__init__).parameters
     adapters = AdapterRegistry(ModelConfig.from_hf_dict(read_hf_config(model_path)),
-                               kwargs.get("max_lora_rank", defaults["max_lora_rank"].default),
-                               kwargs.get("enable_lora", defaults["enable_lora"].default))
+                               kwargs.get("max_lora_rank", DEFAULTS["max_lora_rank"]),
+                               kwargs.get("enable_lora", DEFAULTS["enable_lora"]))
     return tokenizer, adapters
 
 
