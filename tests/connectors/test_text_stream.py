@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchllm
-from batchllm import SamplingParams, tokenize_ahead
+from batchllm import SamplingParams
+from batchllm.entrypoints import tokenize_ahead
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards
 

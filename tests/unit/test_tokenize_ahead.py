@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from batchllm import tokenize_ahead
+from batchllm.entrypoints import tokenize_ahead
 from batchllm.entrypoints.tokenize_ahead import chunk_bounds, tokenized_ahead
 
 
