@@ -1,5 +1,7 @@
 """batchllm: throughput-first offline LLM batch inference."""
 
+from batchllm.engine_client import EngineClient
+from batchllm.engine_config import EngineConfig
 from batchllm.entrypoints.api import embed, generate, run_job
 from batchllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchllm.entrypoints.llm import LLM
@@ -11,5 +13,5 @@ from batchllm.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "generate", "run_job", "embed",
-           "PoolingParams", "PoolingRequestOutput"]
+           "PoolingParams", "PoolingRequestOutput", "EngineConfig", "EngineClient"]
 __version__ = "0.1.0"
