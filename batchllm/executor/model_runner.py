@@ -4,6 +4,11 @@ The runner owns the weights, the paged KV cache and per-request device-side stat
 history for penalties, seeded generator). `execute_model_async` launches a step and returns at once; the
 sampled ids stay on the device, where the next step's placeholder tokens are read from, and reach the host
 through `StepOutput` (the step's one sync, which the engine takes after launching the next step).
+
+A step, in `execute_model_async`'s order: the finished requests leave, the KV connectors' and copy-on-write copies
+run, the scheduled requests are gathered into a flat batch (step_batch.py) and uploaded, the model runs (a CUDA
+graph, a pipeline stage or eagerly), the drafter sees the step, and its rows are pooled or sampled
+(step_sampling.py).
 """
 
 from __future__ import annotations
@@ -15,36 +20,27 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
-from batchllm.distributed.parallel_state import all_reduce_min, broadcast_from_driver, get_pp, get_tp
-from batchllm.engine.interfaces import (
-    AwaitingGrammar,
-    GrammarBitmask,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from batchllm.distributed.parallel_state import all_reduce_min, get_pp, get_tp
+from batchllm.engine.interfaces import AwaitingGrammar, ModelRunnerOutput, SchedulerOutput
 from batchllm.engine.speculative.config import SpeculativeConfig
-from batchllm.executor.block_table import BlockTables
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.drafter import build_drafter
-from batchllm.executor.drafter_base import LookaheadRows, ObservedStep
+from batchllm.executor.drafter_base import ObservedStep
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache
 from batchllm.executor.kv_connector import allocate_host_tier, build_kv_connector_workers
 from batchllm.executor.lora_slots import LoRASlotManager
 from batchllm.executor.pipeline import StageLink
-from batchllm.executor.pooler import Pooler, PoolRow
+from batchllm.executor.pooler import Pooler
 from batchllm.executor.profiling import kv_pool_blocks
-from batchllm.executor.sampled_rows import RequestState, SampledRows, record_tokens
-from batchllm.executor.sampling_table import SamplingTable
+from batchllm.executor.step_batch import DeviceInputs, RequestStates, StepBatch
 from batchllm.executor.step_output import HostTokenBuffers, StepOutput
+from batchllm.executor.step_sampling import StepSampling
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
-from batchllm.lora.request import LoRARequest
 from batchllm.model.layers.lora import set_lora_batch
-from batchllm.model.layers.rejection_sampler import DraftBatch, RejectionSampler
-from batchllm.model.layers.sampler import Sampler, SamplerOutput
-from batchllm.model.layers.sampling_tensors import SamplingTensors, keeps_token_history, make_generator
+from batchllm.model.layers.rejection_sampler import RejectionSampler
+from batchllm.model.layers.sampler import Sampler
 from batchllm.model.loader import load_model
 from batchllm.model.quantization.fp8 import FP8_DTYPE
 
@@ -74,7 +70,7 @@ class RunnerConfig:
     kv_link: tuple[Path, int] | None = None
 
 
-class ModelRunner:
+class ModelRunner(StepSampling):
     """Runs the model on one device. Under tensor parallelism every rank has one, fed the same
     `SchedulerOutput`; each holds its shard of the weights and of the KV heads, and only rank 0 samples. Under
     pipeline parallelism each stage holds its layers (and their KV), takes the previous stage's activations and
@@ -132,15 +128,10 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
                                  max_blocks_per_seq, self.block_size, device)
-        self._states: dict[str, RequestState] = {}
-        self._block_tables = BlockTables(max_blocks_per_seq, 2 * self.scheduler_config.max_num_seqs)
-        self._sampling_table = SamplingTable(2 * self.scheduler_config.max_num_seqs)
+        self.requests = RequestStates(max_blocks_per_seq, self.scheduler_config.max_num_seqs, device)
         self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
         self._share_samples = config.async_scheduling and get_tp().size > 1
-        # The last step's sampled ids on the device, and the row of each request in it.
-        self._last_sampled: torch.Tensor | None = None
-        self._last_rows: dict[str, int] = {}
-        self._unread: StepOutput | None = None  # the newest step whose tokens the host has not read yet
+        self._last_sampled, self._last_rows, self._unread = None, {}, None  # see StepSampling
         # Pipeline stages run eagerly: a decode graph replays the whole model from token ids to hidden states.
         use_graphs = device.type == "cuda" and not config.enforce_eager and self.pp.size == 1
         self.graphs = self._capture_graphs() if use_graphs else None
@@ -170,12 +161,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepOutput | AwaitingGrammar:
-        for request_id in so.finished_request_ids:
-            state = self._states.pop(request_id, None)
-            if state is not None:
-                self._block_tables.remove(state.row)
-                if state.pooling is not None:
-                    self.pooler.forget(request_id)
+        """Launches the step and returns at once. A constrained step whose grammar bitmask the engine has not
+        built yet returns `AwaitingGrammar`: its forward pass is queued, its sampling waits for the bitmask."""
+        self._apply_finished(so.finished_request_ids)
+        self._move_kv(so)
+        if not so.requests:  # a step may only copy K/V (a swap-out that emptied it)
+            return self._unsampled_output()
+        batch = self.requests.gather(so, self._last_rows)
+        inputs = self._prepare(batch)
+        hidden = self._forward(inputs)
+        if hidden is None:  # a pipeline stage before the last: its activations went on to the next stage
+            return self._unsampled_output()
+        if self.drafter is not None:
+            self._observe(so.observe_drafts, batch, inputs, hidden)
+        if batch.pool_rows:
+            if batch.sampled_states:
+                raise RuntimeError("a step mixes pooling rows with sampled rows")  # an LLM has one task
+            return self._unsampled_output(pooled=self.pooler.step(hidden, batch.pool_rows))
+        if not batch.sampled_states:
+            return self._unsampled_output()
+        return self._sample(so, batch, hidden, inputs.logits_indices)
+
+    def _apply_finished(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            state = self.requests.remove(request_id)
+            if state is not None and state.pooling is not None:
+                self.pooler.forget(request_id)
+
+    def _move_kv(self, so: SchedulerOutput) -> None:
+        """The K/V copies the scheduler decided, before the forward pass reads the blocks: each connector's
+        (its metadata is what its scheduler side built for the step), then the copy-on-write copies."""
         metadata = so.kv_connector_metadata or {}
         for connector in self.kv_connectors:
             connector.wait_for_load()
@@ -185,194 +200,49 @@ class ModelRunner:
             self.kv_cache.copy_blocks(so.block_copies)
             if self.drafter is not None:
                 self.drafter.copy_blocks(so.block_copies)
-        if not so.requests:  # a step may only copy K/V (a swap-out that emptied it)
-            return StepOutput([], None, self._host_tokens.take(), _ignore)
 
-        # Runs for every request of every step: Python lists here, one conversion to arrays after the loop.
-        num_scheduled: list[int] = []
-        num_computed: list[int] = []
-        token_ids: list[int] = []
-        block_rows: list[int] = []
-        sample_rows: list[int] = []
-        sampled_states: list[tuple[str, RequestState]] = []
-        sample_positions: list[int] = []  # the position of each sampled row's first new token
-        drafts: list[list[int]] = []  # speculative steps: each sampled row's drafts
-        lookahead = LookaheadRows([], [], [], [])  # device proposers: the rows that draft after this step
-        new_rows: list[bool] = []
-        num_drafts: list[int] = []
-        placeholder_slots: list[int] = []  # flat token index ← row of the last step's samples
-        placeholder_rows: list[int] = []
-        lora_rows: list[tuple[LoRARequest, int, int]] = []  # (adapter, first flat token, tokens)
-        pool_rows: list[PoolRow] = []
-        states, block_tables, last_rows = self._states, self._block_tables, self._last_rows
-        for i, scheduled in enumerate(so.requests):
-            request_id = scheduled.request_id
-            state = states[request_id] if scheduled.new is None else self._add_state(request_id, scheduled.new)
-            if scheduled.block_ids or scheduled.full_block_table:
-                block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
-            new_tokens = scheduled.token_ids
-            if state.pooling is not None:
-                pool_rows.append(PoolRow(request_id, state.pooling, len(token_ids), scheduled.num_tokens,
-                                         scheduled.num_computed_tokens, state.num_prompt_tokens, scheduled.sample))
-            if state.lora is not None:
-                lora_rows.append((state.lora, len(token_ids), len(new_tokens) + scheduled.placeholder))
-            token_ids += new_tokens
-            if scheduled.placeholder:
-                placeholder_slots.append(len(token_ids))
-                placeholder_rows.append(last_rows[request_id])
-                token_ids.append(0)
-            token_ids += scheduled.draft_token_ids
-            new_rows.append(scheduled.new is not None)
-            num_drafts.append(len(scheduled.draft_token_ids))
-            num_scheduled.append(scheduled.num_tokens)
-            num_computed.append(scheduled.num_computed_tokens)
-            block_rows.append(state.row)
-            if scheduled.sample and state.pooling is None:
-                sample_rows.append(i)
-                sampled_states.append((request_id, state))
-                sample_positions.append(scheduled.num_computed_tokens + scheduled.num_tokens
-                                        - len(scheduled.draft_token_ids))
-                if so.speculative:
-                    drafts.append(scheduled.draft_token_ids)
-                if scheduled.num_lookahead:
-                    lookahead.sampled_rows.append(len(sample_rows) - 1)
-                    lookahead.table_rows.append(state.row)
-                    lookahead.positions.append(sample_positions[-1])
-                    lookahead.num_drafts.append(scheduled.num_lookahead)
-        num_seqs = len(num_scheduled)
-
-        lora_batch = self.lora.batch(lora_rows) if self.lora is not None else None
-        block_rows = np.array(block_rows, dtype=np.int64)
-        sample_index = np.array(sample_rows, dtype=np.int64)
-        sample_counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64) if so.speculative else None
-        num_scheduled, num_computed = np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64)
+    def _prepare(self, batch: StepBatch) -> DeviceInputs:
+        """Uploads the step into the persistent input buffers, laid out as the CUDA graph it replays, if any."""
+        lora_batch = self.lora.batch(batch.lora_rows) if self.lora is not None else None
         shape = None if self.graphs is None else self.graphs.step_shape(
-            len(token_ids), num_scheduled, num_computed, so.speculative, bool(lora_rows or placeholder_slots),
-            self.max_blocks_per_seq * self.block_size)
+            len(batch.token_ids), batch.num_scheduled, batch.num_computed, batch.drafts is not None,
+            bool(batch.lora_rows or batch.placeholder_slots), self.max_blocks_per_seq * self.block_size)
         stride = shape[1] if shape is not None and shape[1] > 1 else None  # a verification step's layout
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
-            token_ids, num_scheduled, num_computed, self._block_tables.table, block_rows, sample_index,
-            pad_to=None if shape is None else shape[0], sample_counts=sample_counts, query_stride=stride)
-        if placeholder_slots:
-            self.inputs.fill_placeholders(placeholder_slots, placeholder_rows, self._last_sampled)
-        if shape is not None and self.graphs is not None:
-            hidden = self.graphs.replay(*shape)
-        elif self.stage_link is not None:
-            previous = None if self.pp.is_first else self.stage_link.receive(input_ids.shape[0])
-            with set_forward_context(metadata):
-                hidden = self.model(input_ids, positions, previous)
-            if not self.pp.is_last:
-                self.stage_link.send(*hidden)
-                return StepOutput([], None, self._host_tokens.take(), _ignore)
-        else:
-            with set_forward_context(metadata), set_lora_batch(lora_batch):
-                hidden = self.model(input_ids, positions)
+            batch.token_ids, batch.num_scheduled, batch.num_computed, self.requests.block_tables.table,
+            batch.table_rows, batch.sample_index, pad_to=None if shape is None else shape[0],
+            sample_counts=batch.sample_counts, query_stride=stride)
+        if batch.placeholder_slots:
+            self.inputs.fill_placeholders(batch.placeholder_slots, batch.placeholder_rows, self._last_sampled)
+        return DeviceInputs(input_ids, positions, metadata, logits_indices, lora_batch, shape, stride)
+
+    def _forward(self, inputs: DeviceInputs) -> torch.Tensor | None:
+        """The step's hidden states: replayed from a CUDA graph, computed by this pipeline stage (None on a stage
+        before the last, which hands its activations to the next), or computed eagerly."""
+        if inputs.graph_shape is not None and self.graphs is not None:
+            return self.graphs.replay(*inputs.graph_shape)
+        if self.stage_link is not None:
+            previous = None if self.pp.is_first else self.stage_link.receive(inputs.input_ids.shape[0])
+            with set_forward_context(inputs.metadata):
+                hidden = self.model(inputs.input_ids, inputs.positions, previous)
+            if self.pp.is_last:
+                return hidden
+            self.stage_link.send(*hidden)
+            return None
+        with set_forward_context(inputs.metadata), set_lora_batch(inputs.lora_batch):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    def _observe(self, observe_drafts: bool, batch: StepBatch, inputs: DeviceInputs, hidden: torch.Tensor) -> None:
+        """The drafter sees the step as the target ran it, or learns that it does not (speculation is off)."""
+        if not observe_drafts:
+            self.drafter.skip(batch.table_rows)
+            return
+        stride, num_scheduled = inputs.query_stride, batch.num_scheduled
+        num_seqs = len(num_scheduled)
         query_start = np.cumsum(num_scheduled) - num_scheduled if stride is None else np.arange(num_seqs) * stride
-        num_tokens = len(token_ids) if stride is None else num_seqs * stride
-        if self.drafter is not None and not so.observe_drafts:
-            self.drafter.skip(block_rows)
-        elif self.drafter is not None:
-            self.drafter.observe(
-                ObservedStep(input_ids, positions, metadata, hidden, self.model.model.aux_hidden, num_tokens,
-                             query_start, num_scheduled, num_computed, block_rows, np.array(new_rows),
-                             np.array(num_drafts, dtype=np.int64)),
-                self._block_tables.table, self.inputs.attention)
-        if pool_rows:
-            if sampled_states:
-                raise RuntimeError("a step mixes pooling rows with sampled rows")  # an LLM has one task
-            return StepOutput([], None, self._host_tokens.take(), _ignore, pooled=self.pooler.step(hidden, pool_rows))
-        if not sampled_states:
-            return StepOutput([], None, self._host_tokens.take(), _ignore)
-        logits = self.model.compute_logits(hidden[logits_indices])
-        rows = SampledRows(sampled_states, sample_positions, drafts if so.speculative else None,
-                           lookahead if lookahead.num_drafts else None, hidden, logits_indices,
-                           block_rows[sample_index])
-        # The step's sampling tensors are built now, while the forward pass runs, even when the sampling itself
-        # must wait for a grammar bitmask: only the bitmask's upload is left for then.
-        tensors, history = (None, []) if logits is None else self._sampling_tensors(logits, rows,
-                                                                                    block_rows[sample_index])
-        if so.grammar_request_ids and so.grammar is None:
-            # The forward pass is queued on the device; sample once the engine has the bitmask.
-            return AwaitingGrammar(lambda grammar: self._sample_step(logits, rows, tensors, history, grammar))
-        return self._sample_step(logits, rows, tensors, history, so.grammar)
-
-    @torch.inference_mode()
-    def _sample_step(self, logits: torch.Tensor | None, rows: SampledRows, tensors: SamplingTensors | None,
-                     history: list[tuple[str, RequestState]], grammar: GrammarBitmask | None) -> StepOutput:
-        """`tensors` is None on tensor-parallel ranks other than 0 (no logits); `history` holds the rows whose
-        sampled tokens the runner must remember."""
-        request_ids = [request_id for request_id, _ in rows.states]
-        sampled = None  # stays None on tensor-parallel ranks other than 0
-        if logits is not None:
-            if grammar is not None:
-                row_of = {request_id: row for row, request_id in enumerate(request_ids)}
-                tensors.add_grammar([row_of[request_id] for request_id in grammar.request_ids], grammar.bitmask,
-                                    self.device)
-            if rows.drafts is None:
-                sampled = self.sampler(logits, tensors)
-            else:
-                sampled = self.rejection_sampler(logits, tensors, DraftBatch.build(rows.drafts, self.device))
-        proposals = {}
-        if self.drafter is not None and sampled is not None:
-            if rows.drafts is not None:
-                self.drafter.accepted(rows.table_rows, rows.last_accepted_index(sampled, self.device))
-            if rows.lookahead is not None:
-                proposals = self._propose(rows, sampled)
-        if rows.drafts is not None:
-            # Speculative steps are applied before the next is scheduled: it holds no placeholder.
-            self._last_sampled, self._last_rows = None, {}
-        elif self._share_samples:
-            ids = sampled.token_ids if sampled is not None else torch.empty(len(request_ids), dtype=torch.int64,
-                                                                             device=self.device)
-            self._last_sampled = broadcast_from_driver(ids)
-        elif sampled is not None:
-            self._last_sampled = sampled.token_ids
-        if rows.drafts is None:
-            self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
-        output = StepOutput(request_ids, sampled, self._host_tokens.take(),
-                            (lambda result: record_tokens(history, result)) if history else _ignore, rows.drafts,
-                            proposals)
-        if sampled is not None:
-            self._unread = output
-        return output
-
-    def _propose(self, rows: SampledRows, sampled: SamplerOutput) -> dict[str, list[int]]:
-        return rows.propose(self.drafter, sampled, self._block_tables.table, self.inputs.attention, self.device)
-
-    def _add_state(self, request_id: str, new: NewRequestData) -> RequestState:
-        """The state of a request the runner has not seen, or sees again after a preemption."""
-        state = self._states.get(request_id)
-        params = new.sampling_params
-        # A preempted request keeps its RNG stream and its table row.
-        generator = state.generator if state is not None else None
-        if generator is None and params.seed is not None:
-            generator = make_generator(params.seed, self.device)
-        row = state.row if state is not None else self._block_tables.add()
-        self._sampling_table.set(row, params)
-        prompt, output = [], []
-        if keeps_token_history(params):
-            prompt, output = new.all_token_ids[:new.num_prompt_tokens], new.all_token_ids[new.num_prompt_tokens:]
-        state = self._states[request_id] = RequestState(params, row, prompt, output, generator, new.lora_request,
-                                                        new.pooling, new.num_prompt_tokens)
-        return state
-
-    def _sampling_tensors(self, logits: torch.Tensor, rows: SampledRows, table_rows: np.ndarray,
-                          ) -> tuple[SamplingTensors, list[tuple[str, RequestState]]]:
-        """The sampling tensors of the step's logits rows (`table_rows[i]`: the SamplingTable row of sampled row
-        i; a speculating row has one logits row per draft plus one), and the (request id, state) of the rows that
-        keep their token history."""
-        owner, offset = rows.verification_rows()
-        if owner is not None:
-            table_rows = table_rows[owner]
-        columns, special_positions, any_history = self._sampling_table.gather(table_rows)
-        if self._unread is not None and any_history:
-            # Penalties and min_tokens read each row's output so far: the last step's tokens must be in.
-            self._unread.result()
-        self._unread = None
-        special, history = rows.special_rows(special_positions.tolist(), owner, offset)
-        tensors = SamplingTensors.from_columns(columns, special, logits.shape[-1], self.device, self.eos_token_ids)
-        return tensors, history
-
-
-def _ignore(result: ModelRunnerOutput) -> None:
-    pass
+        num_tokens = len(batch.token_ids) if stride is None else num_seqs * stride
+        self.drafter.observe(
+            ObservedStep(inputs.input_ids, inputs.positions, inputs.metadata, hidden, self.model.model.aux_hidden,
+                         num_tokens, query_start, num_scheduled, batch.num_computed, batch.table_rows,
+                         np.array(batch.new_rows), np.array(batch.num_drafts, dtype=np.int64)),
+            self.requests.block_tables.table, self.inputs.attention)
