@@ -33,10 +33,11 @@ class RopeScaling:
 class ModelConfig:
     """A Llama-family decoder's shape and numerics.
 
-    `max_model_len` is the longest sequence the model serves. It is `max_position_embeddings`, except for
-    sliding-window models (Mistral, or Qwen with `use_sliding_window`): we implement only full attention,
-    which equals sliding-window attention as long as no sequence is longer than the window, so the length
-    is capped to the window and results stay exact.
+    `max_model_len` is the longest sequence the model serves: `max_position_embeddings`.
+
+    `sliding_window` is the configured window (None: none, or switched off) and `sliding_window_layers` the
+    indices of the layers that use it, as HF reads them (`layer_sliding_window` gives one layer's window). The KV
+    cache still keeps every block of a windowed layer (no hybrid KV manager yet): exact, just not smaller.
     """
 
     architecture: str
@@ -58,6 +59,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
     sliding_window: int | None = None
+    sliding_window_layers: frozenset[int] = frozenset()
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the checkpoint's dtype name, e.g. "bfloat16"
@@ -76,9 +78,10 @@ class ModelConfig:
             raise ValueError(f"{architecture}: only hidden_act='silu' is supported, got {hf['hidden_act']!r}")
         hidden_size, num_heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
         max_positions = _required(hf, "max_position_embeddings")
-        sliding_window = _effective_sliding_window(hf)
         rope_theta, rope_scaling = _parse_rope(hf)
         family = causal_lm_of(architecture)  # a *ForSequenceClassification model is its family's decoder
+        num_layers = _required(hf, "num_hidden_layers")
+        sliding_window, sliding_window_layers = _sliding_window_of(hf, family, num_layers)
         is_qwen2 = family == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
@@ -86,7 +89,7 @@ class ModelConfig:
             architecture=architecture,
             hidden_size=hidden_size,
             intermediate_size=_required(hf, "intermediate_size"),
-            num_layers=_required(hf, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hidden_size // num_heads,
@@ -95,19 +98,29 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            max_model_len=min(max_positions, sliding_window) if sliding_window else max_positions,
+            max_model_len=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,  # Qwen2 biases q/k/v only
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family == "Qwen3ForCausalLM",
             sliding_window=sliding_window,
+            sliding_window_layers=sliding_window_layers,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             dtype=hf.get("dtype") or hf.get("torch_dtype"),
             num_labels=(len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels") or 2))
             if family != architecture else 0,
         )
+
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window, None for full attention. A window no shorter than `max_model_len`
+        never hides a key, so it is dropped: such a layer runs the plain kernels."""
+        window = self.sliding_window
+        if window is None or layer not in self.sliding_window_layers or window >= self.max_model_len:
+            return None
+        return window
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -140,11 +153,29 @@ def _required(hf: dict[str, Any], key: str) -> Any:
     return hf[key]
 
 
-def _effective_sliding_window(hf: dict[str, Any]) -> int | None:
-    # Qwen configs record a window even when it is switched off; Mistral has no switch.
-    if not hf.get("use_sliding_window", True):
-        return None
-    return hf.get("sliding_window")
+def _sliding_window_of(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, frozenset[int]]:
+    """The window and the layers that use it, as transformers reads them (its configuration_*.py defaults
+    included): Mistral windows every layer; Qwen2/Qwen3 only with `use_sliding_window`, then the layers that
+    `layer_types` marks `sliding_attention` or, without `layer_types`, those from `max_window_layers` on."""
+    if family == "MistralForCausalLM":
+        window = hf.get("sliding_window", 4096)
+    elif family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    else:
+        window = None  # Llama has no window
+    if window is None:
+        return None, frozenset()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json sliding_window must be a positive number of positions, got {window!r}")
+    if family == "MistralForCausalLM":
+        return window, frozenset(range(num_layers))
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        return window, frozenset(range(int(hf.get("max_window_layers", 28)), num_layers))
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config.json layer_types must name 'full_attention' or 'sliding_attention' for each of "
+                         f"the {num_layers} layers, got {layer_types!r}")
+    return window, frozenset(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model over a flat batch of tokens.
 
 The differences between the families are config flags: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-tied embeddings, RoPE scaling. Parameter names follow the HF checkpoints, except that q/k/v and gate/up
-are fused; `packed_modules_mapping` tells the loader how HF tensors map onto the fused parameters.
+tied embeddings, RoPE scaling, per-layer sliding windows (Mistral, Qwen2/Qwen3 with `use_sliding_window`).
+Parameter names follow the HF checkpoints, except that q/k/v and gate/up are fused; `packed_modules_mapping`
+tells the loader how HF tensors map onto the fused parameters.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ StageOutput = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: this layer's window (`ModelConfig.layer_sliding_window`), None for full attention."""
         super().__init__()
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
                                   bias=config.attention_bias, quant_config=quant_config)
@@ -38,7 +41,8 @@ class LlamaSelfAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=config.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=config.head_dim**-0.5,
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -66,9 +70,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaSelfAttention(config, rotary_emb, quant_config)
+        self.self_attn = LlamaSelfAttention(config, rotary_emb, quant_config, sliding_window)
         self.mlp = LlamaMLP(config, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,8 +104,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.stage.has_embedding else None
         # One cos/sin table shared by every layer: for long-context models it is tens of MB.
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, quant_config) if self.stage.holds_layer(i)
-                                    else HeldElsewhere() for i in range(config.num_layers))
+        # Windowed layers (Mistral, Qwen2 with use_sliding_window) mask keys outside their window; their KV blocks
+        # are still all kept (no hybrid KV manager yet), so memory is that of full attention.
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, quant_config, config.layer_sliding_window(i))
+            if self.stage.holds_layer(i) else HeldElsewhere() for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
         self.aux_layers: tuple[int, ...] = ()

@@ -1,0 +1,103 @@
+"""Mistral and Qwen2 sliding windows, end to end against HF transformers on tiny checkpoints it writes itself.
+
+The reference is HF `generate` with eager attention (its masks apply the window), one prompt at a time. Every
+prompt is several windows long, and the test first checks, on HF alone, that the window changes the greedy
+tokens: an engine that ignored the window (or capped the length to it, as batchllm once did) fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+from batchllm import LLM, SamplingParams
+from batchllm.model.config import ModelConfig
+from tests.unit.test_model_vs_hf import save_tiny_checkpoint
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+             max_position_embeddings=256)
+FAMILIES = {
+    # Every layer windowed.
+    "mistral": lambda **extra: MistralConfig(**SHAPE, num_hidden_layers=3, sliding_window=8, **extra),
+    # Layers 0-1 full attention, 2-3 windowed (HF: a layer uses the window from `max_window_layers` on).
+    "qwen2": lambda **extra: Qwen2Config(**SHAPE, num_hidden_layers=4, use_sliding_window=True, sliding_window=12,
+                                         max_window_layers=2, tie_word_embeddings=False, **extra),
+}
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+# The smallest blocks, so that a window spans two and the shared prefix fills four whole blocks.
+ENGINE = dict(device="cpu", skip_tokenizer_init=True, block_size=8, num_kv_blocks=64, max_num_seqs=4)
+
+
+def _prompts() -> list[list[int]]:
+    """Four prompts of 3 to 7 windows; the last two share a 33-token prefix (longer than either window)."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 128, (33,), generator=gen).tolist()
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (40, 27)] + [
+        shared + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 11)]
+
+
+def _hf_greedy(directory, prompts, **config_overrides) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                                 **config_overrides).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(checkpoint directory, HF greedy tokens of `_prompts()`), once per family."""
+    directory = tmp_path_factory.mktemp(request.param)
+    save_tiny_checkpoint(FAMILIES[request.param](), directory)
+    prompts = _prompts()
+    expected = _hf_greedy(directory, prompts)
+    # The window must matter on these prompts, or an engine ignoring it would pass.
+    off = ({"sliding_window": None} if request.param == "mistral"
+           else {"use_sliding_window": False, "layer_types": ["full_attention"] * 4})
+    assert _hf_greedy(directory, prompts, **off) != expected
+    return directory, expected
+
+
+def test_config_windows_the_layers_hf_windows(family) -> None:
+    directory, _ = family
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    hf_windows = [layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window")
+                  else hf.config.sliding_window for layer in hf.model.layers]
+    config = ModelConfig.from_dir(directory)
+    assert [config.layer_sliding_window(i) for i in range(config.num_layers)] == hf_windows
+    assert config.max_model_len == SHAPE["max_position_embeddings"]  # not capped to the window
+
+
+def test_greedy_equals_hf(family) -> None:
+    directory, expected = family
+    llm = LLM(str(directory), enable_prefix_caching=False, **ENGINE)
+    assert _greedy(llm, _prompts()) == expected
+
+
+def test_greedy_equals_hf_under_chunked_prefill(family) -> None:
+    # A 10-token budget splits every prompt into chunks that start inside an earlier chunk's window.
+    directory, expected = family
+    llm = LLM(str(directory), enable_prefix_caching=False, max_num_batched_tokens=10, **ENGINE)
+    assert _greedy(llm, _prompts()) == expected
+
+
+def test_greedy_equals_hf_with_a_cached_prefix_longer_than_the_window(family) -> None:
+    directory, expected = family
+    llm = LLM(str(directory), enable_prefix_caching=True, **ENGINE)
+    prompts = _prompts()
+    first = _greedy(llm, prompts[2:3])
+    hits_before = llm.stats.prefix_cache_hits
+    second = _greedy(llm, prompts[3:])
+    assert llm.stats.prefix_cache_hits - hits_before >= 32  # the shared prefix's whole blocks came from the cache
+    assert first + second == expected[2:]
