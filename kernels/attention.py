@@ -26,6 +26,13 @@ FP8 caches (float8_e4m3fn, per-layer scales): K/V tiles are converted in registe
 16-bit queries, one instruction per pair on Hopper where E4M3 → bfloat16 takes a detour through float32,
 and the queries and probabilities with them (float32 queries stay float32); `k_scale` folds into the score
 scale and `v_scale` into the output, so no per-element multiply.
+
+Per-layer variants (`batchllm.model.attention.AttentionParams`), each a constexpr switch so that a layer without
+it compiles to the plain kernel: a sliding window (a query at position p sees keys in `(p - window, p]`; the key
+loop starts at the tile holding the first key the query block can see, so a decode row reads only the window's
+blocks, and split-KV cuts the window, not the whole sequence), logit soft-capping (`cap * tanh(score / cap)`
+on the scaled score), and sinks (a logit per query head in the softmax denominator with no value: the running
+max and sum start from it, in slice 0 only when the keys are split).
 """
 
 from __future__ import annotations
@@ -105,6 +112,10 @@ def paged_attention_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tile: TileConfig | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of `query [T, num_heads, head_dim]`; returns `out` (allocated if not given).
 
@@ -113,6 +124,9 @@ def paged_attention_triton(
     otherwise. `tile` overrides the launch shape that `tile_config` picks (benchmarks/decode_attention.py sweeps
     it); results do not depend on it. Every launch parameter comes from tensor shapes and the metadata's host
     ints, never from device values, so the call can be captured in a CUDA graph.
+
+    `sliding_window`, `logit_soft_cap` and `sinks [num_heads]` (float32 logits) are the options of
+    `reference.paged_attention`, with the same meaning.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -125,8 +139,12 @@ def paged_attention_triton(
         return out
     if k_cache.stride() != v_cache.stride() or query.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("paged_attention_triton needs unit-stride head dims and K/V caches of one layout")
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected one logit per query head ({num_heads},)")
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, metadata.max_query_len, metadata.max_seq_len,
+        # A window bounds the keys any query reads, and so the work there is to split.
+        keys_read = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, metadata.max_query_len, keys_read,
                                        _num_sms(query.device))
     if workspace is not None:
         num_splits = min(num_splits, workspace.max_splits)
@@ -141,11 +159,15 @@ def paged_attention_triton(
         # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
     )
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
               num_seqs, num_tokens, scale * k_scale * math.log2(math.e), v_scale, query.stride(0), query.stride(1),
-              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0))
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
+              # Scores are kept in log2 units, so the cap is too: cap * tanh(s / cap) scales with s.
+              sliding_window or 0, (logit_soft_cap or 0.0) * math.log2(math.e),
+              sinks if sinks is not None else query)
     if num_splits == 1:
         _attention_kernel[grid](*common, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
                                 **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
@@ -213,15 +235,25 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def _tanh(x):
+    # Through exp2 of -2|x|, which is at most 1: no overflow for large scores (Triton has no portable tanh).
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, num_tokens, qk_scale, v_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    sliding_window, soft_cap, sinks_ptr,
     out_ptr, stride_ot, stride_oh,
     acc_ptr, max_ptr, sum_ptr, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`; see the module docstring."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
@@ -262,16 +294,27 @@ def _attention_kernel(
     q_pos = context_len + q_index  # absolute position: sees keys at positions <= q_pos
     # Keys visible to the block's last row; later keys are skipped, not just masked.
     kv_end = context_len + tl.minimum(query_len, (q_block + 1) * BLOCK_Q)
+    kv_start = 0
+    if USE_WINDOW:
+        # Keys before the block's first row's window are skipped; the loop starts on a tile boundary.
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0) // TILE_N * TILE_N
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_start
         kv_hi = kv_end
     else:
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        kv_lo = split * split_len
+        split_len = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = kv_start + split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink is a key of weight exp(sink) and value 0: start from it as the running max, sum 1.
+        # Split slices would count it once each, so only slice 0 holds it.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+        has_sink = row_ok & (split == 0)
+        m_i = tl.where(has_sink, sink, m_i)
+        l_i = tl.where(has_sink, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(kv_lo, kv_hi, TILE_N):
@@ -291,7 +334,11 @@ def _attention_kernel(
             k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
                           other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * _tanh(scores / soft_cap)
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row with nothing visible yet keeps max -inf; subtracting 0 instead avoids inf - inf = NaN.
@@ -309,7 +356,7 @@ def _attention_kernel(
 
     store_ok = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
-        # Every real row sees key 0, so l_i > 0 on the rows that are stored.
+        # Every real row sees its own key, so l_i > 0 on the rows that are stored.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_ok)
@@ -345,7 +392,7 @@ def _merge_splits_kernel(
     total = tl.load(sum_ptr + stat_ptrs, mask=split_ok, other=0.0)
     acc = tl.load(acc_ptr + token * stride_at + head * stride_ah + splits[:, None] * stride_as + dims[None, :],
                   mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
-    # Slice 0 always holds key 0, so the common max is finite.
+    # Some slice holds the row's own key, so the common max is finite.
     weight = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)

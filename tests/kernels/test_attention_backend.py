@@ -1,6 +1,6 @@
 """The attention backends behind the `Attention` layer: the torch reference honours every per-layer option
-(sliding window, logit soft-cap, sinks) against a hand-written masked softmax, and the Triton backend refuses
-the options its kernels lack, naming them."""
+(sliding window, logit soft-cap, sinks) against a hand-written masked softmax. The Triton backend, which
+implements them too, is checked against this one in test_attention_variants.py."""
 
 from __future__ import annotations
 
@@ -101,19 +101,3 @@ def test_the_cpu_takes_the_torch_backend_and_options_are_validated() -> None:
         AttentionParams(0.5, sliding_window=0)
     with pytest.raises(ValueError, match="logit_soft_cap=-1"):
         AttentionParams(0.5, logit_soft_cap=-1.0)
-
-
-@pytest.mark.parametrize("option, value", [("sliding_window", 8), ("logit_soft_cap", 30.0), ("sinks", True)])
-def test_triton_backend_refuses_options_its_kernels_lack(option: str, value) -> None:
-    pytest.importorskip("triton")
-    from batchllm.model.attention.triton_backend import TritonAttentionBackend
-
-    layer = Attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SCALE, **{option: value})
-    layer.k_cache = layer.v_cache = torch.zeros(1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    query, key = torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.zeros(1, NUM_KV_HEADS, HEAD_DIM)
-    metadata = AttentionMetadata(torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
-                                 torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1, 1,
-                                 None, None)
-    with pytest.raises(NotImplementedError, match=option):
-        TritonAttentionBackend().forward(layer, query, key, key, metadata)
-    assert not layer.k_cache.any()  # refused before writing anything

@@ -1,6 +1,6 @@
 """The Triton backend: the KV write and paged-attention kernels of `batchllm.kernels` (importing this module
-imports Triton). The kernels do not implement sliding windows, sinks or logit soft-capping yet: a layer that
-uses one fails here, naming it, rather than computing plain causal attention."""
+imports Triton). The attention kernel implements every `AttentionParams` option (sliding window, logit
+soft-cap, sinks), each compiled in only for the layers that use it."""
 
 from __future__ import annotations
 
@@ -24,11 +24,9 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         params = layer.params
-        unsupported = params.features_on()
-        if unsupported:
-            raise NotImplementedError(f"the Triton attention backend does not implement {', '.join(unsupported)} "
-                                      f"yet; set BATCHLLM_DISABLE_TRITON=1 to run the torch reference instead")
         write_kv_triton(key, value, layer.k_cache, layer.v_cache, metadata.slot_mapping, layer.k_scale,
                         layer.v_scale)
         return paged_attention_triton(query, layer.k_cache, layer.v_cache, metadata, params.scale,
-                                      k_scale=layer.k_scale, v_scale=layer.v_scale)
+                                      k_scale=layer.k_scale, v_scale=layer.v_scale,
+                                      sliding_window=params.sliding_window, logit_soft_cap=params.logit_soft_cap,
+                                      sinks=layer.sinks)
