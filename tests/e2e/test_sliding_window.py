@@ -38,17 +38,21 @@ def _prompts() -> list[list[int]]:
         shared + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 11)]
 
 
-def _hf_greedy(directory, prompts, **config_overrides) -> list[list[int]]:
+def _hf_greedy(directory, prompts, **config_overrides) -> tuple[list[list[int]], list[list[float]]]:
+    """HF's greedy tokens of each prompt, and each token's logprob."""
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
                                                  **config_overrides).eval()
-    outputs = []
+    tokens, logprobs = [], []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                 pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            new = out.sequences[0, len(prompt):]
+            step_logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+            tokens.append(new.tolist())
+            logprobs.append(step_logprobs.gather(1, new[:, None])[:, 0].tolist())
+    return tokens, logprobs
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
@@ -57,20 +61,20 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    """(checkpoint directory, HF greedy tokens of `_prompts()`), once per family."""
+    """(checkpoint directory, HF greedy tokens of `_prompts()`, their logprobs), once per family."""
     directory = tmp_path_factory.mktemp(request.param)
     save_tiny_checkpoint(FAMILIES[request.param](), directory)
     prompts = _prompts()
-    expected = _hf_greedy(directory, prompts)
+    expected, logprobs = _hf_greedy(directory, prompts)
     # The window must matter on these prompts, or an engine ignoring it would pass.
     off = ({"sliding_window": None} if request.param == "mistral"
            else {"use_sliding_window": False, "layer_types": ["full_attention"] * 4})
-    assert _hf_greedy(directory, prompts, **off) != expected
-    return directory, expected
+    assert _hf_greedy(directory, prompts, **off)[0] != expected
+    return directory, expected, logprobs
 
 
 def test_config_windows_the_layers_hf_windows(family) -> None:
-    directory, _ = family
+    directory = family[0]
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     hf_windows = [layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window")
                   else hf.config.sliding_window for layer in hf.model.layers]
@@ -79,21 +83,27 @@ def test_config_windows_the_layers_hf_windows(family) -> None:
     assert config.max_model_len == SHAPE["max_position_embeddings"]  # not capped to the window
 
 
-def test_greedy_equals_hf(family) -> None:
-    directory, expected = family
+def test_greedy_and_logprobs_equal_hf(family) -> None:
+    directory, expected, expected_logprobs = family
     llm = LLM(str(directory), enable_prefix_caching=False, **ENGINE)
-    assert _greedy(llm, _prompts()) == expected
+    with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
+    assert [o.token_ids for o in outputs] == expected
+    logprobs = [[step[token].logprob for token, step in zip(o.token_ids, o.logprobs)] for o in outputs]
+    # Float32 on both sides; only the order of the sums differs (paged and batched vs HF's dense masks): measured
+    # at most 1.5e-6 here, so 1e-4 leaves room for other BLAS builds and still catches a wrong mask.
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
 
 
 def test_greedy_equals_hf_under_chunked_prefill(family) -> None:
     # A 10-token budget splits every prompt into chunks that start inside an earlier chunk's window.
-    directory, expected = family
+    directory, expected, _ = family
     llm = LLM(str(directory), enable_prefix_caching=False, max_num_batched_tokens=10, **ENGINE)
     assert _greedy(llm, _prompts()) == expected
 
 
 def test_greedy_equals_hf_with_a_cached_prefix_longer_than_the_window(family) -> None:
-    directory, expected = family
+    directory, expected, _ = family
     llm = LLM(str(directory), enable_prefix_caching=True, **ENGINE)
     prompts = _prompts()
     first = _greedy(llm, prompts[2:3])
