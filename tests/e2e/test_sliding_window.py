@@ -111,3 +111,12 @@ def test_greedy_equals_hf_with_a_cached_prefix_longer_than_the_window(family) ->
     second = _greedy(llm, prompts[3:])
     assert llm.stats.prefix_cache_hits - hits_before >= 32  # the shared prefix's whole blocks came from the cache
     assert first + second == expected[2:]
+
+
+def test_greedy_equals_hf_under_preemption(family) -> None:
+    # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four: requests are preempted
+    # and recomputed, across their windows.
+    directory, expected, _ = family
+    llm = LLM(str(directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+    assert _greedy(llm, _prompts()) == expected
+    assert llm.stats.num_preemptions > 0
