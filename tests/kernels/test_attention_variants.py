@@ -31,6 +31,7 @@ from tests.kernels.test_triton_kernels import (  # noqa: E402
     PAD_TOKENS,
     TOLERANCE,
     Batch,
+    gpu_test,
     make_batch,
 )
 
@@ -59,7 +60,7 @@ def variant_options(name: str, num_heads: int) -> dict:
     return options
 
 
-def check_variant(batch: Batch, expected_from: Batch, options: dict, num_splits: int,
+def check_variant(batch: Batch, expected_from: Batch, options: dict, num_splits: int | None,
                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The kernel on `batch` against the float32 reference on `expected_from` (the same values, dequantized)."""
     scale = batch.query.shape[-1] ** -0.5
@@ -105,6 +106,17 @@ def test_windowed_decode_never_reads_the_blocks_before_its_window(num_splits: in
             batch.k_cache[block, pos % BLOCK_SIZE] = float("nan")
             batch.v_cache[block, pos % BLOCK_SIZE] = float("nan")
     check_variant(batch, clean, dict(sliding_window=window), num_splits)
+
+
+@gpu_test
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_gpu_gemma3_shaped_window_over_8k_contexts(num_splits: int | None) -> None:
+    """Gemma 3's local layers (window 1024, head_dim 256, 2 query heads per KV head) in bfloat16, with a soft cap
+    and sinks: decode rows at 8k context, where split-KV cuts the window, and prefill chunks that cross it."""
+    rows = [(1, 8192 - 61 * i) for i in range(64)] + [(700, 2500), (1500, 1500), (3, 1030)]
+    batch = make_batch(rows, gqa=2, head_dim=256, dtype=torch.bfloat16, seed=12, num_kv_heads=8, num_blocks=60_000)
+    options = dict(sliding_window=1024, logit_soft_cap=50.0, sinks=head_sinks(16, seed=13))
+    check_variant(batch, batch, options, num_splits)
 
 
 def test_triton_backend_passes_the_layer_options_to_the_kernel() -> None:
