@@ -96,7 +96,6 @@ def test_torch_backend_matches_a_hand_written_masked_softmax(options: dict) -> N
 def test_the_cpu_takes_the_torch_backend_and_options_are_validated() -> None:
     assert attention_backend(torch.device("cpu")).name == "torch"
     assert attention_backend(torch.device("cpu")).needs_host_metadata
-    assert AttentionParams(0.5).features_on() == []
     with pytest.raises(ValueError, match="sliding_window=0"):
         AttentionParams(0.5, sliding_window=0)
     with pytest.raises(ValueError, match="logit_soft_cap=-1"):

@@ -41,12 +41,6 @@ class AttentionParams:
         if self.logit_soft_cap is not None and not self.logit_soft_cap > 0:
             raise ValueError(f"logit_soft_cap={self.logit_soft_cap} must be positive")
 
-    def features_on(self) -> list[str]:
-        """The names of the optional features this layer uses, for backends that lack some."""
-        on = {"sliding_window": self.sliding_window is not None, "logit_soft_cap": self.logit_soft_cap is not None,
-              "sinks": self.sinks}
-        return [name for name, used in on.items() if used]
-
 
 class AttentionBackend(ABC):
     """An implementation of paged attention over a flat mixed batch (decode rows, prefill chunks)."""
