@@ -123,8 +123,8 @@ def test_a_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expected, mon
     for them, and every row still comes back once, in place, with the facade's text or its own error."""
     import threading
 
-    from batchllm.entrypoints import tokenize_ahead
     from batchllm.connectors import prompts as prompts_module
+    from batchllm.entrypoints import tokenize_ahead
 
     monkeypatch.setattr(tokenize_ahead, "FIRST_CHUNK_ROWS", 2)
     monkeypatch.setattr(tokenize_ahead, "MAX_CHUNK_ROWS", 2)
@@ -157,8 +157,8 @@ def test_a_table_is_tokenized_in_chunks_while_the_engine_runs(llm, expected, mon
 def test_a_tokenizer_that_transformers_mutates_per_call_is_not_shared_with_a_worker(llm, expected, monkeypatch):
     """With truncation set on the Rust tokenizer, a call clears it (a write): the rows are tokenized at once, on
     the caller's thread, so no worker writes while the engine detokenizes."""
-    from batchllm.entrypoints import tokenize_ahead
     from batchllm.connectors import prompts as prompts_module
+    from batchllm.entrypoints import tokenize_ahead
 
     monkeypatch.setattr(tokenize_ahead, "FIRST_CHUNK_ROWS", 1)  # streamed, the rows would go one by one
     monkeypatch.setattr(tokenize_ahead, "MAX_CHUNK_ROWS", 1)
