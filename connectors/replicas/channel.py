@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import sys
 import threading
@@ -112,3 +113,13 @@ class Outbox:
                 results.send(message)
             except OSError:  # the parent is gone
                 os._exit(EXIT_PARENT_GONE)
+
+
+def picklable_error(exc: BaseException) -> BaseException | None:
+    """`exc` if it survives a trip through the pipe to the parent (an exception holding a lock or a socket does
+    not), else None: the parent then reports the traceback text alone."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+    return exc

@@ -13,7 +13,6 @@ task pipe reaches EOF without a `Stop`, or its parent process id changes.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import traceback
 from collections import deque
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
-from batchllm.connectors.replicas.channel import EXIT_PARENT_GONE, Inbox, Outbox
+from batchllm.connectors.replicas.channel import EXIT_PARENT_GONE, Inbox, Outbox, picklable_error
 from batchllm.connectors.replicas.messages import (
     BuildFailed,
     CheckConstraint,
@@ -59,7 +58,7 @@ def replica_main(spec: ReplicaSpec, tasks: Connection, results: Connection) -> N
     try:
         llm = _build_engine(spec)
     except Exception as exc:
-        outbox.send(BuildFailed(spec.index, _picklable(exc), traceback.format_exc()))
+        outbox.send(BuildFailed(spec.index, picklable_error(exc), traceback.format_exc()))
         outbox.exit(1)
     outbox.send(Ready(spec.index, os.getpid(), llm.max_model_len))
     try:
@@ -149,7 +148,7 @@ def _check_constraint(llm: Any, index: int, message: CheckConstraint) -> Constra
     try:
         llm.check_structured_outputs(message.params)
     except ValueError as exc:  # GrammarError, or an engine without a tokenizer
-        return ConstraintChecked(index, message.token, _picklable(exc), str(exc))
+        return ConstraintChecked(index, message.token, picklable_error(exc), str(exc))
     return ConstraintChecked(index, message.token, None, None)
 
 
@@ -157,10 +156,3 @@ def _exit_after_rows(index: int) -> int | None:
     value = os.environ.get(EXIT_AFTER_ROWS_ENV)
     return int(value) if value and index == 0 else None
 
-
-def _picklable(exc: BaseException) -> BaseException | None:
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return None
-    return exc

@@ -10,14 +10,13 @@ by itself when the HTTP process is gone: its task pipe reaches EOF, or its paren
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from batchllm.connectors.replicas.channel import EXIT_PARENT_GONE, Inbox, Outbox
+from batchllm.connectors.replicas.channel import EXIT_PARENT_GONE, Inbox, Outbox, picklable_error
 from batchllm.entrypoints.server.engine_driver import EngineDriver
 from batchllm.entrypoints.server.engine_protocol import BuildFailed, Crashed, EngineInfo, Ready, Stop
 from batchllm.host_gc import objects_frozen
@@ -41,7 +40,7 @@ def engine_main(spec: EngineSpec, tasks: Connection, results: Connection) -> Non
     try:
         llm = _build(spec)
     except Exception as exc:
-        outbox.send(BuildFailed(_picklable(exc), traceback.format_exc()))
+        outbox.send(BuildFailed(picklable_error(exc), traceback.format_exc()))
         outbox.exit(1)
     llm.engine.detokenizer.decode_finished = False  # the HTTP process decodes the final texts
     pool = llm.engine.scheduler.kv_cache.pool
@@ -96,10 +95,3 @@ def _send(outbox: Outbox, driver: EngineDriver, last_snapshot: Any) -> Any:
         outbox.send(results)
     return results.snapshot
 
-
-def _picklable(exc: BaseException) -> BaseException | None:
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return None
-    return exc
