@@ -12,7 +12,14 @@ from batchllm.engine_config import EngineConfig
 from batchllm.entrypoints.admission_order import admission_order
 from batchllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from batchllm.entrypoints.engine_stream import stream_engine
-from batchllm.entrypoints.llm_inputs import Prompt, as_prompt_list, broadcast_params, progress_bar
+from batchllm.entrypoints.llm_inputs import (
+    Prompt,
+    as_prompt_list,
+    broadcast_params,
+    encode_prompt,
+    encode_requests,
+    progress_bar,
+)
 from batchllm.entrypoints.pooling import PoolingCalls
 from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.registry import AdapterRegistry
@@ -155,17 +162,8 @@ class LLM(PoolingCalls):
 
     def encode_requests(self, requests: Iterable[tuple | None]
                         ) -> Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None]:
-        """`stream`'s items as (key, text, token ids, params, adapter), tokenized lazily as the stream pulls (an
-        unbounded source is never materialized); adapters are checked, None (a pause) passes through."""
-        for index, item in enumerate(requests):
-            if item is None:
-                yield None
-                continue
-            key, prompt, params, *rest = item
-            lora = rest[0] if rest else None
-            if lora is not None:
-                self.check_lora(lora)
-            yield (key, *self._encode(prompt, index), params, lora)
+        """`stream`'s items as (key, text, token ids, params, adapter), tokenized as the stream pulls."""
+        return encode_requests(requests, self.tokenizer, self.check_lora)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (once per adapter); raises LoRAError (a ValueError) naming it, or
@@ -189,14 +187,7 @@ class LLM(PoolingCalls):
                              f"task='generate')")
 
     def _encode(self, prompt: Prompt, index: int, tokenize: bool = True) -> tuple[str | None, list[int]]:
-        """(text, token ids) of one prompt; `tokenize=False` leaves a text's token ids to the caller (empty)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is text, but the LLM was built with skip_tokenizer_init=True")
-            return prompt, self.tokenizer(prompt)["input_ids"] if tokenize else []
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, prompt
-        raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
+        return encode_prompt(self.tokenizer, prompt, index, tokenize)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -1,8 +1,10 @@
-"""Normalizing what callers pass to `LLM.generate` / `chat`: prompts, per-prompt parameters, the progress bar."""
+"""Normalizing what callers pass to `LLM.generate` / `chat` / `stream`: prompts, per-prompt parameters, the progress
+bar, and a stream's items (shared with the server's view of an engine in another process, `RemoteLLM`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Sequence
 
 from batchllm.sampling_params import SamplingParams
 
@@ -35,3 +37,30 @@ def progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, index: int, tokenize: bool = True) -> tuple[str | None, list[int]]:
+    """(text, token ids) of one prompt; `tokenize=False` leaves a text's token ids to the caller (empty)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt {index} is text, but the LLM was built with skip_tokenizer_init=True")
+        return prompt, tokenizer(prompt)["input_ids"] if tokenize else []
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return None, prompt
+    raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
+
+
+def encode_requests(requests: Iterable[tuple | None], tokenizer: Any,
+                    check_lora: Callable[[Any], None]) -> Iterator[tuple | None]:
+    """A stream's `(key, prompt, params[, lora_request])` items as (key, text, token ids, params, adapter),
+    tokenized lazily as the stream pulls (an unbounded source is never materialized); adapters are checked, None
+    (a pause) passes through."""
+    for index, item in enumerate(requests):
+        if item is None:
+            yield None
+            continue
+        key, prompt, params, *rest = item
+        lora = rest[0] if rest else None
+        if lora is not None:
+            check_lora(lora)
+        yield (key, *encode_prompt(tokenizer, prompt, index), params, lora)

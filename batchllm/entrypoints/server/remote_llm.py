@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from batchllm.entrypoints.llm_inputs import encode_requests
 from batchllm.entrypoints.server.engine_protocol import EngineInfo
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
@@ -35,19 +36,4 @@ class RemoteLLM:
 
     def encode_requests(self, requests: Iterable[tuple | None]) -> Iterator[tuple | None]:
         """`LLM.encode_requests`: (key, text, token ids, params, adapter) per item, tokenized as the stream pulls."""
-        for index, item in enumerate(requests):
-            if item is None:
-                yield None
-                continue
-            key, prompt, params, *rest = item
-            lora = rest[0] if rest else None
-            if lora is not None:
-                self.check_lora(lora)
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {index} is text, but the engine was built with skip_tokenizer_init=True")
-                yield key, prompt, self.tokenizer(prompt)["input_ids"], params, lora
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                yield key, None, prompt, params, lora
-            else:
-                raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
+        return encode_requests(requests, self.tokenizer, self.check_lora)
