@@ -137,8 +137,7 @@ def main() -> None:
     record = dict(benchmark="gpu_speculative", date=str(datetime.date.today()), git=git_sha(), shape=args.shape,
                   dtype=args.dtype, k=K, max_tokens=args.max_tokens, device=device_name, **device_info,
                   results=results)
-    where = "h200" if torch.cuda.is_available() else "cpu"
-    save_record(f"{datetime.date.today()}-spec-{args.shape}-{args.dtype}-{where}.json", record, args.out)
+    save_record(f"{datetime.date.today()}-spec-{args.shape}-{args.dtype}-{device_name}.json", record, args.out)
     print("| config | rows | step ms | vs off | drafted/step | acceptance | out tok/s | same outputs |")
     print("|---|---|---|---|---|---|---|---|")
     for name, entry in results.items():

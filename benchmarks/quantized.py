@@ -183,11 +183,11 @@ def main() -> None:
     parser.set_defaults(also_sync=False)  # gpu_throughput.run_batchllm's own option
     args = parser.parse_args()
     figures = quality(args) if args.quality else throughput(args)
-    _, hw = hardware("cuda")
+    card, hw = hardware("cuda")
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "hardware": hw, **figures}
     kind = "quality" if args.quality else f"{args.workload}-seqs{args.max_num_seqs}"
-    save_record(f"{record['date']}-quant-{kind}-{args.shape}-h200{args.tag}.json", record, args.out)
+    save_record(f"{record['date']}-quant-{kind}-{args.shape}-{card}{args.tag}.json", record, args.out)
 
 
 if __name__ == "__main__":
