@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,21 +18,34 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
+# Families whose config.json reads differently from Llama's: the module whose `parse_config(hf) -> ModelConfig`
+# reads it (torch-free, like this one). Every other family is read here, the Llama way.
+_FAMILY_CONFIG_PARSERS = {
+    "Gemma2ForCausalLM": "batchllm.model.gemma_config",
+    "Gemma3ForCausalLM": "batchllm.model.gemma_config",
+    "Gemma3ForConditionalGeneration": "batchllm.model.gemma_config",
+    "Phi3ForCausalLM": "batchllm.model.phi3_config",
+}
+
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
-    """Frequency scaling on top of plain RoPE. `linear` uses only `factor`; `llama3` uses all fields."""
+    """Frequency scaling on top of plain RoPE. `linear` uses only `factor`; `llama3` uses the low/high frequency
+    factors; `longrope` (Phi-3's `su`) the per-dimension `short_factor` / `long_factor` and `attention_factor`."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """A Llama-family decoder's shape and numerics.
+    """A decoder's shape and numerics (Llama, Mistral, Qwen2/3 read here; Gemma and Phi-3 by their own parsers).
 
     `max_model_len` is the longest sequence the model serves: `max_position_embeddings`.
 
@@ -64,6 +78,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the checkpoint's dtype name, e.g. "bfloat16"
     num_labels: int = 0  # a sequence-classification model's classes (its `score` head's outputs); 0: a causal LM
+    # Switches of the families beyond Llama's (Gemma, Phi-3); the defaults are Llama's behaviour.
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
+    attention_scale: float | None = None  # the score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # likewise the LM head's logits (Gemma 2)
+    rotary_dim: int | None = None  # the rotated leading part of each head; None: all of head_dim (Phi-4-mini)
+    local_rope_theta: float | None = None  # the RoPE base of windowed layers when it differs (Gemma 3)
+    local_rope_scaling: RopeScaling | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -74,13 +96,16 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         """Parse an HF config dict, written by transformers 4 (`rope_theta`/`rope_scaling`) or 5 (`rope_parameters`)."""
         architecture = architecture_of(hf)
+        parser = _FAMILY_CONFIG_PARSERS.get(causal_lm_of(architecture))
+        if parser is not None:
+            return importlib.import_module(parser).parse_config(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{architecture}: only hidden_act='silu' is supported, got {hf['hidden_act']!r}")
-        hidden_size, num_heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
-        max_positions = _required(hf, "max_position_embeddings")
-        rope_theta, rope_scaling = _parse_rope(hf)
+        hidden_size, num_heads = required(hf, "hidden_size"), required(hf, "num_attention_heads")
+        max_positions = required(hf, "max_position_embeddings")
+        rope_theta, rope_scaling = parse_rope(hf)
         family = causal_lm_of(architecture)  # a *ForSequenceClassification model is its family's decoder
-        num_layers = _required(hf, "num_hidden_layers")
+        num_layers = required(hf, "num_hidden_layers")
         sliding_window, sliding_window_layers = _sliding_window_of(hf, family, num_layers)
         is_qwen2 = family == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
@@ -88,12 +113,12 @@ class ModelConfig:
         return cls(
             architecture=architecture,
             hidden_size=hidden_size,
-            intermediate_size=_required(hf, "intermediate_size"),
+            intermediate_size=required(hf, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hidden_size // num_heads,
-            vocab_size=_required(hf, "vocab_size"),
+            vocab_size=required(hf, "vocab_size"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -147,7 +172,7 @@ def causal_lm_of(architecture: str) -> str:
     return architecture.replace("ForSequenceClassification", "ForCausalLM")
 
 
-def _required(hf: dict[str, Any], key: str) -> Any:
+def required(hf: dict[str, Any], key: str) -> Any:
     if key not in hf:
         raise ValueError(f"config.json has no {key!r}; is this a Llama-family causal LM checkpoint?")
     return hf[key]
@@ -178,7 +203,7 @@ def _sliding_window_of(hf: dict[str, Any], family: str, num_layers: int) -> tupl
     return window, frozenset(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
 
 
-def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     # Older configs spell the type `type`.
