@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from torch import nn
 
 from batchllm.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
@@ -26,8 +28,10 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     try:
         return _MODEL_CLASSES[architecture]
     except KeyError:
+        closest = difflib.get_close_matches(architecture, SUPPORTED_ARCHITECTURES, n=1, cutoff=0.5)
+        hint = f" The closest supported one is {closest[0]!r}." if closest else ""
         raise ValueError(
             f"Model architecture {architecture!r} is not supported. Supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Use a checkpoint of one of these families "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}.{hint} Use a checkpoint of one of these families "
             f"(its config.json 'architectures' field says which it is)."
         ) from None

@@ -153,6 +153,13 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
         load_model(tmp_path, "cpu", torch.float32)
 
 
+def test_unsupported_architecture_names_the_closest_supported_one(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"'Qwen3MoeForCausalLM' is not supported.*closest supported one is "
+                                         r"'Qwen3ForCausalLM'"):
+        load_model(tmp_path, "cpu", torch.float32)
+
+
 def test_missing_weight_is_named(tmp_path: Path) -> None:
     save_tiny_checkpoint(VARIANTS["llama-tied-llama3-rope"](), tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
