@@ -27,6 +27,30 @@ class CheckpointSlice:
     def read(self) -> torch.Tensor:
         return self._source[:]
 
+    def rows(self, start: int, length: int) -> CheckpointSlice:
+        """Rows `[start, start + length)`, still not read: one shard of a fused tensor (Phi-3's `qkv_proj`)."""
+        if not 0 <= start <= start + length <= self.shape[0]:
+            raise ValueError(f"checkpoint tensor of shape {tuple(self.shape)} has no rows [{start}, {start + length})")
+        return CheckpointSlice(_Rows(self._source, start, length))
+
+
+class _Rows:
+    """A safetensors slice seen through a range of its rows: indexing is shifted into the range."""
+
+    def __init__(self, source, start: int, length: int) -> None:
+        self._source, self._start, self._length = source, start, length
+
+    def get_shape(self) -> list[int]:
+        return [self._length, *self._source.get_shape()[1:]]
+
+    def get_dtype(self) -> str:
+        return self._source.get_dtype()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        first, *rest = index if isinstance(index, tuple) else (index,)
+        start, stop, step = first.indices(self._length)  # a slice, as CheckpointSlice indexes
+        return self._source[(slice(self._start + start, self._start + stop, step), *rest)]
+
 
 def copy_checked(target: torch.Tensor, loaded_weight: torch.Tensor | CheckpointSlice) -> None:
     """Copy a checkpoint tensor into a parameter (slice), refusing silent broadcasting of a wrong shape."""

@@ -103,7 +103,8 @@ class LlamaModel(nn.Module):
         self.stage = StagePlan(config, pp.rank, pp.size)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.stage.has_embedding else None
         # One cos/sin table shared by every layer: for long-context models it is tens of MB.
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
+                                     rotary_dim=config.rotary_dim)
         # Windowed layers (Mistral, Qwen2 with use_sliding_window) mask keys outside their window; their KV blocks
         # are still all kept (no hybrid KV manager yet), so memory is that of full attention.
         self.layers = nn.ModuleList(
