@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from torch import nn
 from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
-from batchllm.model.layers.norm import RMSNorm
+from batchllm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from batchllm.model.quantization import check_on_load, resolve_quantization
 from batchllm.model.quantization.checkpoint import kv_scale_target
 from batchllm.model.quantization.unquantized import check_plain_tensor
@@ -58,7 +58,7 @@ def load_model(
 
     `load_format="auto"` reads `*.safetensors` (memory-mapped; pickled checkpoints are never opened).
     `load_format="dummy"` needs only config.json and fills the weights with seeded random values
-    (normal(0, 0.02), norms 1): right shapes and speed, meaningless text.
+    (normal(0, 0.02), norms the identity): right shapes and speed, meaningless text.
 
     `quantization="fp8"` quantizes the decoder's linear layers on load (see `batchllm.model.quantization`);
     a checkpoint whose config.json carries a `quantization_config` (FP8, GPTQ, AWQ, compressed-tensors) is read
@@ -100,6 +100,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
     which reads the weight's other tensors (scales, zero points) itself."""
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
     held_elsewhere = getattr(model, "held_elsewhere", None)  # pipeline parallelism: another stage's tensors
+    rename = _checkpoint_renamer(model)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[tuple[str, Hashable]] = set()
@@ -107,19 +108,22 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
     files = _checkpoint_files(path)
     with ExitStack() as stack:
         checkpoints = [stack.enter_context(safe_open(file, framework="pt", device="cpu")) for file in files]
-        # Any tensor by name, whichever file holds it: a weight's scales may sit in another shard.
-        holder = {name: checkpoint for checkpoint in checkpoints for name in checkpoint.keys()}
+        # Any tensor by (our) name, whichever file holds it: a weight's scales may sit in another shard.
+        holder = {name: (checkpoint, stored) for checkpoint in checkpoints for stored in checkpoint.keys()
+                  if (name := rename(stored)) is not None}
 
         def read(name: str, required: bool = True) -> torch.Tensor | None:
             if name not in holder:
                 if not required:
                     return None
                 raise ValueError(f"needs the tensor {name}, which the checkpoint does not have")
-            return holder[name].get_tensor(name)
+            checkpoint, stored = holder[name]
+            return checkpoint.get_tensor(stored)
 
         for file, checkpoint in zip(files, checkpoints, strict=True):
-            for name in checkpoint.keys():
-                if (name.endswith(_UNUSED_SUFFIXES) or name in ignore
+            for stored in checkpoint.keys():
+                name = rename(stored)
+                if (name is None or name.endswith(_UNUSED_SUFFIXES) or name in ignore
                         or (name == "lm_head.weight" and config.tie_word_embeddings)
                         or (held_elsewhere is not None and held_elsewhere(name))):
                     continue
@@ -134,7 +138,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                 try:
                     if method is not None and kind in method.companion_tensors:
                         continue  # read with its weight
-                    tensor = CheckpointSlice(checkpoint.get_slice(name))
+                    tensor = CheckpointSlice(checkpoint.get_slice(stored))
                     if method is not None and kind in method.weight_tensors:
                         parts = method.read_weight(name, tensor, read, layer.checkpoint_shapes[shard_id])
                         for part, value in parts.items():
@@ -149,7 +153,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                     check_plain_tensor(tensor, getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
                 except ValueError as exc:
-                    raise ValueError(f"{file.name}: {name}: {exc}") from None
+                    raise ValueError(f"{file.name}: {stored}: {exc}") from None
                 loaded.add((target, shard_id))
     expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "checkpoint_shapes", [None])}
     missing = sorted(_checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
@@ -159,6 +163,25 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
             + (f"missing tensors: {', '.join(missing)}. " if missing else "")
             + (f"unexpected tensors: {', '.join(sorted(unexpected))}." if unexpected else "")
         )
+
+
+def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str | None]:
+    """A checkpoint tensor's name → the name the model's parameters go by, or None for a tensor of a part the
+    model does not serve. A model class whose checkpoints nest it in a bigger model (the language model of a
+    multimodal checkpoint) lists `checkpoint_prefix_renames` (stored prefix → ours) and
+    `checkpoint_skipped_prefixes` (the other parts); any other class reads names as stored."""
+    renames: dict[str, str] = getattr(model, "checkpoint_prefix_renames", {})
+    skipped: tuple[str, ...] = getattr(model, "checkpoint_skipped_prefixes", ())
+
+    def rename(stored: str) -> str | None:
+        if stored.startswith(skipped):
+            return None
+        for prefix, ours in renames.items():
+            if stored.startswith(prefix):
+                return ours + stored[len(prefix):]
+        return stored
+
+    return rename
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -197,11 +220,12 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
 
 
 def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
-    """normal(0, 0.02) weights and unit norms, generated per checkpoint tensor from a seed derived from its
-    name, then sliced by the parameter's own loader: every tensor-parallel size (and every data-parallel
-    replica) gets the same model, and a rank only ever holds one full tensor at a time. A linear layer's
+    """normal(0, 0.02) weights and identity norms (1; 0 for Gemma's `1 + w` norms), generated per checkpoint
+    tensor from a seed derived from its name, then sliced by the parameter's own loader: every tensor-parallel
+    size (and every data-parallel replica) gets the same model, and a rank only ever holds one full tensor at a time. A linear layer's
     `quant_method` quantizes the same values the unquantized model gets, so the two can be compared."""
-    norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
+    norm_weights = {id(module.weight): module.identity_weight for module in model.modules()
+                    if isinstance(module, (RMSNorm, GemmaRMSNorm))}
     filled: set[int] = set()  # the parameters of linear layers' weights, filled through their method
     for module_name, layer in model.named_modules():
         method = getattr(layer, "quant_method", None)
@@ -217,7 +241,7 @@ def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
                 filled.add(id(param))
     for name, param in model.named_parameters():
         if id(param) in norm_weights:
-            param.fill_(1.0)
+            param.fill_(norm_weights[id(param)])
             continue
         if id(param) in filled:
             continue

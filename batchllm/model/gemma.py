@@ -1,0 +1,206 @@
+"""Gemma 2 and Gemma 3 (text) as one model over a flat batch of tokens, with `LlamaForCausalLM`'s interface.
+
+What sets them apart from Llama: `1 + w` RMSNorms computed in float32 (`GemmaRMSNorm`), a norm after the
+attention and after the MLP as well as before each, a GELU-tanh gated MLP, embeddings scaled by
+`sqrt(hidden)`, the score scale `query_pre_attn_scalar ** -0.5`, and local (sliding-window) layers beside
+global ones. Gemma 2 soft-caps the attention scores and the final logits; Gemma 3 normalises each head of q and
+k and gives its local layers their own RoPE base. `ModelConfig` (from `gemma_config.py`) says which.
+
+Parameter names follow the HF checkpoints, q/k/v and gate/up fused as in Llama, so FP8 and 4-bit weights,
+LoRA, tensor and pipeline parallelism work unchanged. `Gemma3ForConditionalGeneration` is the text model of a
+multimodal checkpoint: the loader maps its language-model tensors onto this model and skips the vision parts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchllm.distributed.parallel_state import get_pp
+from batchllm.model.config import ModelConfig
+from batchllm.model.layers.activation import GeluTanhAndMul
+from batchllm.model.layers.attention import Attention
+from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logits
+from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
+from batchllm.model.layers.norm import GemmaRMSNorm
+from batchllm.model.layers.rotary import RotaryEmbedding
+from batchllm.model.llama import HeldElsewhere, StageOutput
+from batchllm.model.quantization.config import QuantConfig
+from batchllm.model.stages import StagePlan
+
+
+class GemmaSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+                                  bias=config.attention_bias, quant_config=quant_config)
+        # This rank's heads: all of them without tensor parallelism.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias,
+                                quant_config=quant_config)
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = rotary_emb
+        scale = config.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
+        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=scale,
+                              sliding_window=sliding_window, logit_soft_cap=config.attn_logit_softcap)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False,
+                                               quant_config=quant_config)
+        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, bias=False,
+                                   quant_config=quant_config)
+        self.act = GeluTanhAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = GemmaSelfAttention(config, rotary_emb, quant_config, sliding_window)
+        self.mlp = GemmaMLP(config, quant_config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(normed mlp output, residual stream)`, as Llama's layer does: the next norm adds them. The
+        sums are HF's (`residual + post_norm(x)`, in the activation dtype), only carried to the next norm."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+        super().__init__()
+        pp = get_pp()
+        self.stage = StagePlan(config, pp.rank, pp.size)
+        self.hidden_size = config.hidden_size
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.stage.has_embedding else None
+        # One cos/sin table per RoPE: Gemma 3's local layers turn with their own base (and no scaling).
+        global_rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
+        local_rope = global_rope if config.local_rope_theta is None else RotaryEmbedding(
+            config.head_dim, config.max_model_len, config.local_rope_theta, config.local_rope_scaling)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, local_rope if i in config.sliding_window_layers else global_rope,
+                              quant_config, config.layer_sliding_window(i))
+            if self.stage.holds_layer(i) else HeldElsewhere() for i in range(config.num_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
+        # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled embeddings. HF rounds `sqrt(hidden)` to the activation dtype before the multiply
+        (Gemma 2 9B's 59.87 becomes 60.0 in bfloat16); so does this, for the same activations."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden * float(torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        """The final hidden states `[T, H]`; under pipeline parallelism a stage other than the first continues
+        from `previous_stage`, and one other than the last returns what the next stage continues from."""
+        if previous_stage is None:
+            hidden, residual = self.embed(input_ids), None
+        else:
+            hidden, residual = previous_stage
+        aux = []
+        for i in range(self.stage.start, self.stage.end):
+            if i in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
+        if self.norm is None:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """A Gemma 2 / Gemma 3 causal LM over a flat batch: `forward(input_ids [T], positions [T]) -> hidden [T, H]`,
+    called like `LlamaForCausalLM` (inside a forward context, after the runner assigned the KV caches)."""
+
+    # HF checkpoint module name → (our fused module name, shard id).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GemmaModel(config, quant_config)
+        # Gemma ties its head to the embedding (every released checkpoint); an untied one loads `lm_head`.
+        self.lm_head = (None if config.tie_word_embeddings or not self.model.stage.is_last
+                        else LMHead(config.vocab_size, config.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        return self.model(input_ids, positions, previous_stage)
+
+    def held_elsewhere(self, checkpoint_name: str) -> bool:
+        """A checkpoint tensor of a part another pipeline stage holds."""
+        return self.model.stage.held_elsewhere(checkpoint_name)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits `[N, vocab_size]`, soft-capped (`cap * tanh(logits / cap)`, in float32) where the
+        config says so; under tensor parallelism on rank 0 only (None on the other ranks)."""
+        logits = compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
+        cap = self.config.final_logit_softcap
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""
+        return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, GemmaDecoderLayer)]
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 text: the same model; its config switches on q/k norms and the local RoPE base, and off the
+    soft-caps."""
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint, served as text only. transformers 5 names its
+    tensors `model.language_model.*`, older versions (and transformers 5 on save) `language_model.model.*`;
+    the vision tower and the projector are not read."""
+
+    checkpoint_prefix_renames = {
+        "model.language_model.": "model.",
+        "language_model.model.": "model.",
+        "language_model.lm_head.": "lm_head.",
+    }
+    checkpoint_skipped_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                   "model.multi_modal_projector.")
