@@ -99,6 +99,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
     names in `ignore`, which the caller reads itself. A linear layer's weight goes through its `quant_method`,
     which reads the weight's other tensors (scales, zero points) itself."""
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
+    fused: dict[str, tuple[Hashable, ...]] = getattr(model, "fused_checkpoint_modules", {})
     held_elsewhere = getattr(model, "held_elsewhere", None)  # pipeline parallelism: another stage's tensors
     rename = _checkpoint_renamer(model)
     params = dict(model.named_parameters())
@@ -131,30 +132,31 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                 if kv_scale is not None and kv_scale[0] in modules:
                     setattr(modules[kv_scale[0]], kv_scale[1], float(read(name)))
                     continue
-                target, shard_id = _param_name_for(name, packed)
-                module_name, _, kind = target.rpartition(".")
-                layer = modules.get(module_name)
-                method = getattr(layer, "quant_method", None)
-                try:
-                    if method is not None and kind in method.companion_tensors:
-                        continue  # read with its weight
-                    tensor = CheckpointSlice(checkpoint.get_slice(stored))
-                    if method is not None and kind in method.weight_tensors:
-                        parts = method.read_weight(name, tensor, read, layer.checkpoint_shapes[shard_id])
-                        for part, value in parts.items():
-                            param = getattr(layer, part)
-                            param.weight_loader(param, value, shard_id)
-                            loaded.add((f"{module_name}.{part}", shard_id))
-                        continue
-                    param = params.get(target)
-                    if param is None:
-                        unexpected.append(name)
-                        continue
-                    check_plain_tensor(tensor, getattr(param, "checkpoint_shapes", {shard_id: param.shape})[shard_id])
-                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
-                except ValueError as exc:
-                    raise ValueError(f"{file.name}: {stored}: {exc}") from None
-                loaded.add((target, shard_id))
+                whole = CheckpointSlice(checkpoint.get_slice(stored))
+                for target, shard_id, tensor in _shards(name, whole, packed, fused, modules):
+                    module_name, _, kind = target.rpartition(".")
+                    layer = modules.get(module_name)
+                    method = getattr(layer, "quant_method", None)
+                    try:
+                        if method is not None and kind in method.companion_tensors:
+                            continue  # read with its weight
+                        if method is not None and kind in method.weight_tensors:
+                            parts = method.read_weight(name, tensor, read, layer.checkpoint_shapes[shard_id])
+                            for part, value in parts.items():
+                                param = getattr(layer, part)
+                                param.weight_loader(param, value, shard_id)
+                                loaded.add((f"{module_name}.{part}", shard_id))
+                            continue
+                        param = params.get(target)
+                        if param is None:
+                            unexpected.append(name)
+                            continue
+                        shapes = getattr(param, "checkpoint_shapes", {shard_id: param.shape})
+                        check_plain_tensor(tensor, shapes[shard_id])
+                        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+                    except ValueError as exc:
+                        raise ValueError(f"{file.name}: {stored}: {exc}") from None
+                    loaded.add((target, shard_id))
     expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "checkpoint_shapes", [None])}
     missing = sorted(_checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
     if missing or unexpected:
@@ -201,6 +203,29 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def _shards(name: str, tensor: CheckpointSlice, packed: dict[str, tuple[str, Hashable]],
+            fused: dict[str, tuple[Hashable, ...]], modules: dict[str, nn.Module]
+            ) -> Iterator[tuple[str, Hashable, CheckpointSlice]]:
+    """(parameter name, shard id, tensor) of checkpoint tensor `name`: one entry, or for the tensor of a layer the
+    checkpoint stores fused (a module of the model's `fused_checkpoint_modules`, e.g. Phi-3's `qkv_proj`), one per
+    shard, its rows cut by the layer's `checkpoint_shapes` in the order the mapping lists the shards."""
+    module_name, _, kind = name.rpartition(".")
+    shards = fused.get(module_name.rpartition(".")[2])
+    layer = modules.get(module_name)
+    if shards is None or layer is None:  # no layer: another pipeline stage's, skipped by the caller
+        yield *_param_name_for(name, packed), tensor
+        return
+    if kind not in ("weight", "bias"):
+        raise ValueError(f"{name}: only a plain weight or bias of a fused layer can be cut into its shards, not a "
+                         f"quantized checkpoint's {kind!r}")
+    rows = [layer.checkpoint_shapes[shard][0] for shard in shards]
+    if tensor.shape[0] != sum(rows):
+        raise ValueError(f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {sum(rows)} rows "
+                         f"(its shards {', '.join(map(str, shards))} have {', '.join(map(str, rows))})")
+    for shard, size, start in zip(shards, rows, [sum(rows[:i]) for i in range(len(rows))], strict=True):
+        yield name, shard, tensor.rows(start, size)
+
+
 def _param_name_for(checkpoint_name: str, packed: dict[str, tuple[str, Hashable]]) -> tuple[str, Hashable]:
     """`model.layers.0.self_attn.k_proj.weight` → (`model.layers.0.self_attn.qkv_proj.weight`, "k")."""
     *prefix, module, kind = checkpoint_name.split(".")
@@ -215,7 +240,8 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
     if shard_id is None:
         return param_name
     *prefix, fused, kind = param_name.split(".")
-    module = next(hf for hf, target in packed.items() if target == (fused, shard_id))
+    # A fused checkpoint tensor (`fused_checkpoint_modules`) goes by our name.
+    module = next((hf for hf, target in packed.items() if target == (fused, shard_id)), fused)
     return ".".join([*prefix, module, kind])
 
 
