@@ -1,0 +1,226 @@
+"""Gemma 2, Gemma 3 and the text model of a multimodal Gemma 3 checkpoint, end to end against HF transformers on
+tiny checkpoints it writes itself, every switch of the family on.
+
+Gemma 2: local and global layers alternating (window 8), attention and final-logit soft-caps, a score scale
+`query_pre_attn_scalar ** -0.5` other than `head_dim ** -0.5`, tied head. Gemma 3: two local layers to one
+global (window 12, `sliding_window_pattern=3`), q/k norms, local and global RoPE bases differing, linear RoPE
+scaling on the global layers. The reference is HF `generate` with eager attention in float32 (its masks apply
+the window), one prompt at a time, on prompts of 3 to 7 windows; the test first checks, on HF alone, that the
+window changes the greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3Config,
+                          Gemma3TextConfig, SiglipVisionConfig)
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+from batchllm import LLM, SamplingParams
+from batchllm.model.config import ModelConfig
+from batchllm.model.layers.norm import GemmaRMSNorm
+from batchllm.model.loader import load_model
+from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
+from tests.unit.test_model_vs_hf import PagedRunner, hf_logits, save_tiny_checkpoint
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             vocab_size=128, max_position_embeddings=256, query_pre_attn_scalar=24)
+GEMMA3_TEXT = dict(**SHAPE, num_hidden_layers=6, sliding_window=12, sliding_window_pattern=3, rope_parameters={
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+FAMILIES = {
+    # Soft-caps low enough to bite: attention scores here reach about ±6, logits about ±5.
+    "gemma2": lambda: Gemma2Config(**SHAPE, num_hidden_layers=4, sliding_window=8, attn_logit_softcapping=4.0,
+                                   final_logit_softcapping=3.0),
+    "gemma3": lambda: Gemma3TextConfig(**GEMMA3_TEXT),
+    # A one-layer SigLIP tower of 2x2 patches: written and skipped, only to have its tensors in the checkpoint.
+    "gemma3-multimodal": lambda: Gemma3Config(
+        text_config=GEMMA3_TEXT, mm_tokens_per_image=4,
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14).to_dict()),
+}
+
+
+
+
+def _fp8_kv_eager(module, query, key, value, *args, **kwargs):
+    """HF's eager attention over keys and values rounded to E4M3 as an FP8 cache with scale 1.0 stores them
+    (saturated to ±448, rounded to nearest): an independent model of `kv_cache_dtype="fp8"`."""
+    rounded = [x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) for x in (key, value)]
+    return eager_attention_forward(module, query, *rounded, *args, **kwargs)
+
+
+AttentionInterface.register("fp8_kv_eager", _fp8_kv_eager)
+AttentionMaskInterface.register("fp8_kv_eager", eager_mask)
+
+
+def _hf_model(directory, window: int | None = None, attention: str = "eager"):
+    config = AutoConfig.from_pretrained(directory)
+    if window is not None:
+        config.get_text_config().sliding_window = window
+    return AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=torch.float32,
+                                                attn_implementation=attention).eval()
+
+
+def _hf_greedy(model, prompts) -> tuple[list[list[int]], list[list[float]]]:
+    """HF's greedy tokens of each prompt, and each token's logprob."""
+    tokens, logprobs = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            new = out.sequences[0, len(prompt):]
+            step_logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+            tokens.append(new.tolist())
+            logprobs.append(step_logprobs.gather(1, new[:, None])[:, 0].tolist())
+    return tokens, logprobs
+
+
+@dataclass
+class Family:
+    name: str
+    directory: Path
+    hf: torch.nn.Module
+    expected: list[list[int]]  # HF's greedy tokens of `_prompts()`
+    expected_logprobs: list[list[float]]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> Family:
+    directory = tmp_path_factory.mktemp(request.param)
+    save_tiny_checkpoint(FAMILIES[request.param](), directory)
+    prompts = _prompts()
+    hf = _hf_model(directory)
+    expected, logprobs = _hf_greedy(hf, prompts)
+    # The window must matter on these prompts, or an engine ignoring it would pass.
+    no_window = _hf_model(directory, window=SHAPE["max_position_embeddings"])
+    assert _hf_greedy(no_window, prompts)[0] != expected
+    return Family(request.param, directory, hf, expected, logprobs)
+
+
+def _text_layers(hf):
+    return hf.model.language_model.layers if hasattr(hf.model, "language_model") else hf.model.layers
+
+
+def test_config_reads_what_hf_builds(family) -> None:
+    config = ModelConfig.from_dir(family.directory)
+    attentions = [layer.self_attn for layer in _text_layers(family.hf)]
+    assert [config.layer_sliding_window(i) for i in range(config.num_layers)] == [a.sliding_window
+                                                                                   for a in attentions]
+    assert {a.scaling for a in attentions} == {config.attention_scale} == {24**-0.5}
+    assert config.tie_word_embeddings and config.head_dim == 32 and config.max_model_len == 256
+
+
+def test_teacher_forced_logits_equal_hf(family) -> None:
+    """Each prompt fed in chunks of 10 (each chunk reading the earlier ones' K/V back from the paged cache),
+    against HF's logits of the whole prompt in one pass."""
+    model, config = load_model(family.directory, "cpu", torch.float32)
+    runner = PagedRunner(model, config, num_blocks=64, block_size=8)
+    for seq_id, prompt in enumerate(_prompts()):
+        chunks = [runner.step([(seq_id, prompt[start:start + 10], start)])[0] for start in range(0, len(prompt), 10)]
+        ours, reference = torch.cat(chunks).log_softmax(-1), hf_logits(family.hf, prompt).log_softmax(-1)
+        # Float32 on both sides, the sums in another order: measured at most 1.6e-5; a wrong mask, scale, soft-cap,
+        # embedding scale or RoPE table moves them by tenths or more (each tried).
+        assert torch.allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_greedy_and_logprobs_equal_hf(family) -> None:
+    llm = LLM(str(family.directory), enable_prefix_caching=False, **ENGINE)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
+    assert [o.token_ids for o in outputs] == family.expected
+    logprobs = [[step[token].logprob for token, step in zip(o.token_ids, o.logprobs)] for o in outputs]
+    # As above: float32, only the order of the sums differs (measured at most 2e-5).
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(family.expected_logprobs), atol=1e-4, rtol=0)
+
+
+def test_greedy_equals_hf_under_chunked_prefill(family) -> None:
+    # A 10-token budget splits every prompt into chunks that start inside an earlier chunk's window.
+    llm = LLM(str(family.directory), enable_prefix_caching=False, max_num_batched_tokens=10, **ENGINE)
+    assert _greedy(llm, _prompts()) == family.expected
+
+
+def test_greedy_equals_hf_with_a_cached_prefix_longer_than_the_window(family) -> None:
+    llm = LLM(str(family.directory), enable_prefix_caching=True, **ENGINE)
+    prompts = _prompts()
+    first = _greedy(llm, prompts[2:3])
+    hits_before = llm.stats.prefix_cache_hits
+    second = _greedy(llm, prompts[3:])
+    assert llm.stats.prefix_cache_hits - hits_before >= 32  # the shared prefix's whole blocks came from the cache
+    assert first + second == family.expected[2:]
+
+
+def test_greedy_equals_hf_under_preemption(family) -> None:
+    # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four: requests are preempted
+    # and recomputed, across their windows.
+    llm = LLM(str(family.directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+    assert _greedy(llm, _prompts()) == family.expected
+    assert llm.stats.num_preemptions > 0
+
+
+def test_fp8_kv_cache_equals_hf_over_e4m3_rounded_keys_and_values(family) -> None:
+    """Against HF float32 the FP8 cache is far off on these tiny random models (their greedy paths share 4 to 41
+    of 64 tokens, teacher-forced logprobs up to 3 nats apart), so the reference is HF with its keys and values
+    rounded to E4M3. The float32 rounding differences (1e-7) between the two now and then move a value across
+    an E4M3 rounding boundary, which moves later logprobs by up to 1e-2 (measured: every token equal, logprobs
+    within 8e-3 in one run, 2e-4 in another with other summation orders). So: at least 62 of 64 tokens, and
+    logprobs within 0.05 up to a row's first difference. A cache that skipped or misplaced the rounding misses
+    both by far."""
+    expected, expected_logprobs = _hf_greedy(_hf_model(family.directory, attention="fp8_kv_eager"), _prompts())
+    llm = LLM(str(family.directory), enable_prefix_caching=False, kv_cache_dtype="fp8", **ENGINE)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
+    assert sum(a == b for o, row in zip(outputs, expected) for a, b in zip(o.token_ids, row)) >= 62
+    for output, row, row_logprobs in zip(outputs, expected, expected_logprobs):
+        same = next((i for i, (a, b) in enumerate(zip(output.token_ids, row)) if a != b), len(row))
+        ours = [step[token].logprob for token, step in zip(output.token_ids[:same], output.logprobs)]
+        assert ours == pytest.approx(row_logprobs[:same], abs=0.05)
+
+
+def test_greedy_equals_hf_under_tensor_parallelism(family) -> None:
+    """TP=2 (gloo, two worker processes, as tests/distributed/test_tensor_parallel.py runs it): two heads and one
+    KV head a rank, the vocabulary split; chunked prefill too. Gemma 3 runs as its multimodal checkpoint, whose
+    renamed tensors each rank slices; the plain Gemma 3 checkpoint builds the same model (5 s a family saved)."""
+    if family.name == "gemma3":
+        pytest.skip("the same model as gemma3-multimodal's")
+    llm = LLM(str(family.directory), enable_prefix_caching=False, tensor_parallel_size=2, max_num_batched_tokens=10,
+              **ENGINE)
+    assert _greedy(llm, _prompts()) == family.expected
+    llm.shutdown()
+
+
+def test_bfloat16_norms_and_embeddings_round_as_hf(tmp_path) -> None:
+    """Where the order of operations shows, in bfloat16: the `1 + w` norm multiplies before its cast (Llama's
+    norm casts first), and `sqrt(hidden)` is rounded to bfloat16 before scaling the embeddings (sqrt(48) = 6.93
+    becomes 6.94). Both bit for bit HF's, and both orders distinguishable on these inputs."""
+    save_tiny_checkpoint(Gemma3TextConfig(**{**GEMMA3_TEXT, "hidden_size": 48}), tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    model, _ = load_model(tmp_path, "cpu", torch.bfloat16)
+    ids = torch.arange(128)
+    with torch.no_grad():
+        embedded = model.model.embed(ids)
+        assert torch.equal(embedded, hf.model.embed_tokens(ids[None])[0])
+        assert not torch.equal(embedded, model.model.embed_tokens(ids) * 48**0.5)
+        x = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        ours, theirs = model.model.layers[0].input_layernorm, hf.model.layers[0].input_layernorm
+        assert torch.equal(ours(x), theirs(x))
+        x32 = x.float()
+        cast_first = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * (1 + ours.weight)
+        assert not torch.equal(cast_first, theirs(x))
+
+
+def test_dummy_weights_give_gemma_norms_their_identity(family) -> None:
+    """`load_format="dummy"` (the GPU benchmarks' random weights): a `1 + w` norm is the identity at w = 0, not
+    at the 1 that Llama's norms get (which would double every norm's output, layer after layer)."""
+    model, config = load_model(family.directory, "cpu", torch.float32, load_format="dummy")
+    norms = [m for m in model.modules() if isinstance(m, GemmaRMSNorm)]
+    assert len(norms) == 4 * config.num_layers + 1 + (2 * config.num_layers if config.qk_norm else 0)
+    assert all(torch.all(norm.weight == 0) for norm in norms)
+    [logits] = PagedRunner(model, config).step([(0, list(range(40)), 0)])
+    assert logits.isfinite().all() and logits.std() > 0
