@@ -248,8 +248,9 @@ def _checkpoint_name_for(param_name: str, shard_id: Hashable, packed: dict[str, 
 def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     """normal(0, 0.02) weights and identity norms (1; 0 for Gemma's `1 + w` norms), generated per checkpoint
     tensor from a seed derived from its name, then sliced by the parameter's own loader: every tensor-parallel
-    size (and every data-parallel replica) gets the same model, and a rank only ever holds one full tensor at a time. A linear layer's
-    `quant_method` quantizes the same values the unquantized model gets, so the two can be compared."""
+    size (and every data-parallel replica) gets the same model, and a rank only ever holds one full tensor at a
+    time. A linear layer's `quant_method` quantizes the same values the unquantized model gets, so the two can
+    be compared."""
     norm_weights = {id(module.weight): module.identity_weight for module in model.modules()
                     if isinstance(module, (RMSNorm, GemmaRMSNorm))}
     filled: set[int] = set()  # the parameters of linear layers' weights, filled through their method

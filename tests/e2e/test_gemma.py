@@ -16,8 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3Config,
-                          Gemma3TextConfig, SiglipVisionConfig)
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3TextConfig,
+    SiglipVisionConfig,
+)
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
