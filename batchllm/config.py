@@ -15,6 +15,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV pool; None picks a default
     enable_prefix_caching: bool = True
     swap_space: float = 0  # GiB of (pinned) host memory for KV blocks: swap space and the prefix cache's host tier
+    # Sliding-window layers keep only the blocks their window sees (engine/kv_groups.py), where the rest allows.
+    hybrid_kv_cache: bool = True
 
     def validate(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size > 0 and self.block_size % 8 == 0,

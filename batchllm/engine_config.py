@@ -28,7 +28,8 @@ DEFAULTS: dict[str, Any] = dict(
     tokenizer=None, skip_tokenizer_init=False, trust_remote_code=False, tensor_parallel_size=1,
     async_scheduling=None, structured_outputs_backend="xgrammar", enable_lora=False, max_loras=1, max_lora_rank=16,
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
-    pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None)
+    pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
+    disable_hybrid_kv_cache_manager=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +181,8 @@ class EngineConfig:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
         a = {**DEFAULTS, **kwargs}
         cache = CacheConfig(a["block_size"], a["num_kv_blocks"], a["gpu_memory_utilization"],
-                            a["kv_cache_memory_bytes"], a["enable_prefix_caching"], a["swap_space"])
+                            a["kv_cache_memory_bytes"], a["enable_prefix_caching"], a["swap_space"],
+                            not a["disable_hybrid_kv_cache_manager"])
         check_lora_options(a["enable_lora"], a["max_loras"], a["max_lora_rank"])
         tp, pp = a["tensor_parallel_size"], a["pipeline_parallel_size"]
         check_parallel_sizes(tp, pp)

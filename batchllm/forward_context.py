@@ -22,6 +22,9 @@ class AttentionMetadata:
     live only in the KV cache). `block_tables[i, j]` is the cache block holding tokens
     `[j*block_size, (j+1)*block_size)` of sequence i. `slot_mapping[t]` is the flat cache slot
     (block * block_size + offset) where token t's K and V are written.
+
+    With a hybrid KV cache (engine/kv_groups.py) each group of layers has its own block tables and slots:
+    `groups[g]` is group g's metadata (views of one buffer), which its layers read instead.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -34,6 +37,7 @@ class AttentionMetadata:
     # does not read them (`AttentionBackend.needs_host_metadata`).
     query_start_loc_cpu: list[int] | None
     seq_lens_cpu: list[int] | None
+    groups: list[AttentionMetadata] | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -17,9 +17,9 @@ import gc
 import time
 
 import torch
-from shapes import SHAPES, make_shape_dir, num_params, shape_config
+from shapes import SHAPES, head_dim, hf_config, make_shape_dir, num_params
 from throughput import WORKLOADS, _plain, continuous_batching_attn, git_sha, hardware, make_prompts, save_record
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from batchllm import LLM, SamplingParams
 
@@ -69,9 +69,9 @@ def run_hf(shape: str, prompts, max_tokens: int) -> dict:
     times = {}
     attn = continuous_batching_attn()
     start = time.perf_counter()
-    config = LlamaConfig(**{k: v for k, v in shape_config(shape).items() if k != "architectures"})
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn).eval()
+        model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16,
+                                                 attn_implementation=attn).eval()
     times["load_s"] = time.perf_counter() - start
     generation = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1)
     start = time.perf_counter()
@@ -92,8 +92,7 @@ def roofline(shape: str, workload: str, prompts, max_tokens: int, seconds: float
     params = num_params(shape)
     total_tokens = sum(map(len, prompts)) + len(prompts) * max_tokens
     s = SHAPES[shape]
-    kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * (
-        s["hidden_size"] // s["num_attention_heads"]) * 2
+    kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim(shape) * 2
     compute_s = 2 * params * total_tokens / MATMUL_FLOPS
     # Bandwidth bound, assuming every row decodes in lock-step (true for W3's equal lengths): each step reads
     # the weights once and each row's K/V so far.

@@ -1,8 +1,8 @@
 """Model shapes of shared/bench/WORKLOADS.md as HF config directories, for random-weight runs.
 
 `make_shape_dir(name)` writes a config.json (and generation_config.json) that `LLM(model=dir,
-load_format="dummy", skip_tokenizer_init=True)` and HF `LlamaConfig` both read, so no weights or tokenizer
-have to travel to the GPU machine.
+load_format="dummy", skip_tokenizer_init=True)` and HF (`AutoConfig`) both read, so no weights or tokenizer
+have to travel to the GPU machine. Shapes are Llama's unless they name another family.
 """
 
 from __future__ import annotations
@@ -21,6 +21,15 @@ SHAPES = {
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
                        max_position_embeddings=8192),
+    # Gemma 3 12B's text model: 5 window layers (1,024 tokens) to each global one, head_dim 256, a 262k vocabulary.
+    "gemma3-12b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840,
+                       intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, vocab_size=262208, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256,
+                       sliding_window=1024, layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                         for i in range(48)],
+                       hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=131072),
     # Not a workload shape: so small that on the CPU a step's time is the host's Python, for host_profile.py.
     "tiny-host": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2048, rope_theta=10000.0, tie_word_embeddings=True,
@@ -31,6 +40,19 @@ SHAPES = {
 def shape_config(name: str) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
             "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", **SHAPES[name]}
+
+
+def hf_config(name: str):
+    """The shape as an HF config object of its family (for HF's own model of it)."""
+    from transformers import AutoConfig
+
+    config = {k: v for k, v in shape_config(name).items() if k != "architectures"}
+    return AutoConfig.for_model(config.pop("model_type"), **config)
+
+
+def head_dim(name: str) -> int:
+    s = SHAPES[name]
+    return s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
 
 
 def make_shape_dir(name: str, root: Path | None = None) -> Path:
@@ -46,12 +68,12 @@ def write_random_checkpoint(name: str, root: Path | None = None, device: str = "
     runs whose peer must load the very same weights (benchmarks/embeddings.py). Built on `device`: an 8B shape
     initializes in seconds on a GPU."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     directory = make_shape_dir(name, root)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**shape_config(name), dtype=torch.bfloat16)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.bfloat16).to(torch.bfloat16)
     model.save_pretrained(directory)
     del model
     return directory
@@ -60,8 +82,7 @@ def write_random_checkpoint(name: str, root: Path | None = None, device: str = "
 def num_params(name: str) -> int:
     s = SHAPES[name]
     h, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    head_dim = h // s["num_attention_heads"]
-    kv = s["num_key_value_heads"] * head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    q, kv = s["num_attention_heads"] * head_dim(name), s["num_key_value_heads"] * head_dim(name)
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
     embeddings = vocab * h * (1 if s["tie_word_embeddings"] else 2)
     return layers * per_layer + embeddings + h

@@ -100,13 +100,16 @@ def paged_attention(
         start, end = starts[i], starts[i + 1]
         if end <= start:
             continue
-        keys = _gather_sequence(k_cache, metadata.block_tables[i], seq_len, k_scale, query.dtype)
-        values = _gather_sequence(v_cache, metadata.block_tables[i], seq_len, v_scale, query.dtype)
+        # A window skips the blocks before its first query's window: a hybrid KV cache has freed them already.
+        first_block = 0 if sliding_window is None else (
+            max(0, seq_len - (end - start) - sliding_window + 1) // k_cache.shape[1])
+        keys = _gather_sequence(k_cache, metadata.block_tables[i], seq_len, k_scale, query.dtype, first_block)
+        values = _gather_sequence(v_cache, metadata.block_tables[i], seq_len, v_scale, query.dtype, first_block)
         if plain:
             output[start:end] = _sequence_attention(query[start:end], keys, values, scale)
         else:
             output[start:end] = _masked_attention(query[start:end], keys, values, scale, sliding_window,
-                                                  logit_soft_cap, sinks)
+                                                  logit_soft_cap, sinks, first_block * k_cache.shape[1])
     return output
 
 
@@ -131,12 +134,14 @@ def _sequence_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def _masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                      sliding_window: int | None, logit_soft_cap: float | None, sinks: torch.Tensor | None
-                      ) -> torch.Tensor:
-    """`_sequence_attention` with the optional features, as an explicit float32 softmax."""
-    query_len, seq_len = query.shape[0], keys.shape[0]
+                      sliding_window: int | None, logit_soft_cap: float | None, sinks: torch.Tensor | None,
+                      first_key: int = 0) -> torch.Tensor:
+    """`_sequence_attention` with the optional features, as an explicit float32 softmax. `keys` and `values` are
+    the sequence's from position `first_key` on."""
+    query_len, num_keys = query.shape[0], keys.shape[0]
+    seq_len = first_key + num_keys
     query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
-    key_pos = torch.arange(seq_len, device=query.device)[None, :]
+    key_pos = torch.arange(first_key, seq_len, device=query.device)[None, :]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
@@ -148,16 +153,17 @@ def _masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, query_len, 1)], dim=-1)
-    probs = scores.softmax(dim=-1)[..., :seq_len]
+    probs = scores.softmax(dim=-1)[..., :num_keys]
     return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
 
 
 def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence: `[seq_len, num_kv_heads, head_dim]`, dequantized to `dtype`."""
+                     dtype: torch.dtype, first_block: int = 0) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence, from block `first_block` on:
+    `[seq_len - first_block * block_size, num_kv_heads, head_dim]`, dequantized to `dtype`."""
     block_size = cache.shape[1]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    tokens = cache[blocks].flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block : -(-seq_len // block_size)].long()
+    tokens = cache[blocks].flatten(0, 1)[: seq_len - first_block * block_size]
     return (tokens.float() * scale).to(dtype) if cache.dtype == FP8_DTYPE else tokens
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from batchllm.config import SchedulerConfig, default_step_budget
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore
+from batchllm.engine.kv_groups import KVGroupLayout, plan_kv_groups
+from batchllm.engine.speculative.config import NGRAM
 from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.engine_config import EngineConfig
 from batchllm.pooling_params import PoolingParams
@@ -91,6 +93,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
     """Resolve `config`, load the model (in this process or in worker processes) and wire the engine."""
+    from batchllm.engine.hybrid_kv_cache_manager import HybridKVCacheManager
     from batchllm.engine.kv_cache_manager import KVCacheManager
     from batchllm.engine.prefill_decode_build import build_disaggregated
     from batchllm.engine.speculative.speculator import Speculator
@@ -109,8 +112,12 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     parallel = config.parallel
     runner = build_executor(runner_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     scheduler_config.max_model_len = runner.max_model_len
-    kv_cache = KVCacheManager(runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                              runner.num_host_blocks)
+    if runner_config.kv_layout is not None:
+        kv_cache = HybridKVCacheManager(runner.num_blocks, config.cache.block_size, runner_config.kv_layout,
+                                        config.cache.enable_prefix_caching)
+    else:
+        kv_cache = KVCacheManager(runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                  runner.num_host_blocks)
     spec, device_type = config.speculative, runner_config.device.type
     speculator = None if spec is None else Speculator(
         spec, spec.overhead_for(device_type), runner.max_model_len, spec.verify_overhead_for(device_type),
@@ -144,4 +151,18 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
         async_scheduling=config.async_scheduling and config.parallel.pipeline_parallel_size == 1,
         max_loras=config.scheduler.max_loras, max_lora_rank=config.lora.max_lora_rank,
         quantization=config.quantization.quantization, kv_cache_dtype=resolved.kv_cache_dtype,
-        speculative=config.speculative)
+        speculative=config.speculative, kv_layout=hybrid_kv_layout(config, resolved.model_config))
+
+
+def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:
+    """The hybrid KV cache's groups (kv_groups.py) for a model with sliding-window layers; None, every block kept,
+    where it is switched off or not yet built for the configuration: a host tier or P/D link (their connectors move
+    one table per request), pipeline stages (each would hold a share of the groups' slots), a proposer with K/V of
+    its own (its passes read one table)."""
+    windows = [model_config.layer_sliding_window(layer) for layer in range(model_config.num_layers)]
+    spec = config.speculative
+    if (not config.cache.hybrid_kv_cache or all(window is None for window in windows) or config.cache.swap_space
+            or config.kv_transfer.disaggregated is not None or config.parallel.pipeline_parallel_size > 1
+            or (spec is not None and spec.method != NGRAM)):
+        return None
+    return plan_kv_groups(windows)

@@ -10,9 +10,15 @@ the staged host buffers may not be refilled until the step's copies have read th
 
 The attention backend of the device declares whether it reads host copies of the row boundaries; only
 then are they made.
+
+With a hybrid KV cache of G groups (engine/kv_groups.py) a row's staged block table is its G tables in turn and
+the slot mapping has a row per group; `AttentionMetadata.groups` gives each group's view. The drafters' passes
+run only with one group.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -24,15 +30,18 @@ from batchllm.model.attention import attention_backend
 
 class AttentionMetadataBuilder:
     def __init__(self, block_size: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_groups: int = 1) -> None:
         self.block_size = block_size
         self.device = device
+        self.num_groups, self.max_blocks_per_seq = num_groups, max_blocks_per_seq
         self.host_copies = attention_backend(device).needs_host_metadata
-        self.slot_mapping = StagedBuffer.create((max_num_tokens,), torch.int64, device)
+        # One group: [T]; G groups: [G, T], each row a group's slots.
+        slots_shape = (max_num_tokens,) if num_groups == 1 else (num_groups, max_num_tokens)
+        self.slot_mapping = StagedBuffer.create(slots_shape, torch.int64, device)
         # Entry 0 is 0 from allocation on: nothing writes another value there.
         self.query_start_loc = StagedBuffer.create((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = StagedBuffer.create((max_num_seqs,), torch.int32, device)
-        self.block_tables = StagedBuffer.create((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        self.block_tables = StagedBuffer.create((max_num_seqs, num_groups * max_blocks_per_seq), torch.int32, device)
         self._arange = np.arange(max(max_num_tokens, max_num_seqs + 1), dtype=np.int64)
 
     # The runner's steps and graph capture: the staged buffers ------------------------------------------------
@@ -50,17 +59,26 @@ class AttentionMetadataBuilder:
         positions += num_computed[seq_of_token]
         tables = self.block_tables.np
         np.take(block_tables, block_rows, axis=0, out=tables[:num_seqs])
-        _slots(tables, seq_of_token, positions, self.block_size, out=self.slot_mapping.np[:num_tokens])
+        if self.num_groups == 1:
+            _slots(tables, seq_of_token, positions, self.block_size, out=self.slot_mapping.np[:num_tokens])
+        else:
+            by_group = self._group_tables(tables)
+            for group in range(self.num_groups):
+                _slots(by_group[:, group], seq_of_token, positions, self.block_size,
+                       out=self.slot_mapping.np[group, :num_tokens])
         return seq_of_token
+
+    def _group_tables(self, tables: np.ndarray) -> np.ndarray:
+        return tables.reshape(len(tables), self.num_groups, self.max_blocks_per_seq)
 
     def spread(self, num_computed: np.ndarray, dest: np.ndarray, num_tokens: int, stride: int) -> None:
         """Re-lay the staged step as `stride` query tokens per row (see `InputBatch.prepare(query_stride=...)`):
         packed token t moves to `dest[t]`, and the inert tokens after each row's own skip their K/V write."""
         num_seqs = len(num_computed)
         slots = self.slot_mapping.np
-        packed = slots[:num_tokens].copy()
-        slots[: num_seqs * stride] = -1
-        slots[dest] = packed
+        packed = slots[..., :num_tokens].copy()
+        slots[..., : num_seqs * stride] = -1
+        slots[..., dest] = packed
         self.query_start_loc.np[: num_seqs + 1] = self._arange[: num_seqs + 1] * stride
         np.add(num_computed, stride, out=self.seq_lens.np[:num_seqs])
 
@@ -72,8 +90,8 @@ class AttentionMetadataBuilder:
         cu[start + 1 : end + 1] = cu[start] + query_len * np.arange(1, end - start + 1)
         first, last = int(cu[start]), int(cu[end])
         self.seq_lens.np[start:end] = query_len
-        self.block_tables.np[start:end, : -(-query_len // self.block_size)] = 0
-        self.slot_mapping.np[first:last] = -1
+        self._group_tables(self.block_tables.np)[start:end, :, : -(-query_len // self.block_size)] = 0
+        self.slot_mapping.np[..., first:last] = -1
         return first, last
 
     def upload(self, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int | None = None
@@ -81,8 +99,8 @@ class AttentionMetadataBuilder:
         """The staged metadata of `num_seqs` rows and `num_tokens` tokens, uploaded (asynchronously on CUDA).
         `max_seq_len` defaults to the staged rows' longest; graph capture passes the longest it will replay."""
         cu, seq_lens = self.query_start_loc.np[: num_seqs + 1], self.seq_lens.np[:num_seqs]
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(num_tokens),
+        metadata = AttentionMetadata(
+            slot_mapping=self._upload_slots(num_tokens),
             query_start_loc=self.query_start_loc.upload(num_seqs + 1),
             seq_lens=self.seq_lens.upload(num_seqs),
             block_tables=self.block_tables.upload(num_seqs),
@@ -91,12 +109,28 @@ class AttentionMetadataBuilder:
             query_start_loc_cpu=cu.tolist() if self.host_copies else None,
             seq_lens_cpu=seq_lens.tolist() if self.host_copies else None,
         )
+        if self.num_groups > 1:
+            tables = metadata.block_tables.view(num_seqs, self.num_groups, self.max_blocks_per_seq)
+            metadata.groups = [dataclasses.replace(metadata, slot_mapping=metadata.slot_mapping[group],
+                                                   block_tables=tables[:, group])
+                               for group in range(self.num_groups)]
+        return metadata
+
+    def _upload_slots(self, num_tokens: int) -> torch.Tensor:
+        staged = self.slot_mapping
+        if self.num_groups == 1:
+            return staged.upload(num_tokens)
+        if staged.device is not staged.host:
+            staged.device[:, :num_tokens].copy_(staged.host[:, :num_tokens], non_blocking=True)
+        return staged.device[:, :num_tokens]
 
     # The drafters' passes: fresh tensors ------------------------------------------------------------------
     def for_rows(self, positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray
              ) -> AttentionMetadata:
         """Rows of `query_lens` query tokens at the flat `positions`, row i's last at `seq_lens[i] - 1`, its block
         table `tables[i]`; every token's K/V is written into its row's slot at its position."""
+        if self.num_groups != 1:
+            raise NotImplementedError("a drafter's own passes need one KV group")
         owner = np.repeat(np.arange(len(query_lens)), query_lens)
         slots = _slots(tables, owner, positions, self.block_size)
         query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)

@@ -20,11 +20,12 @@ from batchllm.forward_context import AttentionMetadata
 
 class InputBatch:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_kv_groups: int = 1) -> None:
         self.max_num_tokens = max_num_tokens
         self.input_ids = StagedBuffer.create((max_num_tokens,), torch.int64, device)
         self.positions = StagedBuffer.create((max_num_tokens,), torch.int64, device)
-        self.attention = AttentionMetadataBuilder(block_size, max_num_tokens, max_num_seqs, max_blocks_per_seq, device)
+        self.attention = AttentionMetadataBuilder(block_size, max_num_tokens, max_num_seqs, max_blocks_per_seq, device,
+                                                  num_kv_groups)
         # The metadata's staged buffers are the batch's too: a replayed CUDA graph reads them where they are.
         self.slot_mapping, self.query_start_loc = self.attention.slot_mapping, self.attention.query_start_loc
         self.seq_lens, self.block_tables = self.attention.seq_lens, self.attention.block_tables

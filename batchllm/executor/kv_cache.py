@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchllm.distributed.parallel_state import get_pp, get_tp, kv_heads_per_rank
+from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.attention import Attention
 from batchllm.model.stages import StagePlan
@@ -14,24 +15,28 @@ from batchllm.model.stages import StagePlan
 
 @dataclass(slots=True)
 class KVCache:
-    # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation for the pool.
+    # [2 (K, V), num_slots, num_blocks, block_size, num_kv_heads, head_dim], one allocation for the pool: a slot
+    # per layer, or with a hybrid layout (engine/kv_groups.py) one per layer of a group.
     tensor: torch.Tensor
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src → block dst in every layer, K and V, in one indexed copy (of the bytes:
-        torch has no index_copy_ for FP8 caches)."""
+        """Copy-on-write: block src → block dst in every slot, K and V, in one indexed copy (of the bytes:
+        torch has no index_copy_ for FP8 caches). A block belongs to one group at a time, so that is every layer
+        whose K/V it holds."""
         src = torch.tensor([s for s, _ in copies], device=self.tensor.device)
         dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
         data = self.tensor.view(torch.uint8)
         data.index_copy_(2, dst, data.index_select(2, src))
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       layout: KVGroupLayout | None = None) -> int:
     """Bytes one block takes on this rank, which holds only its tensor-parallel share of the KV heads, of its
-    pipeline stage's layers."""
+    pipeline stage's layers (with a hybrid `layout`: of one group's layers)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp().size)
-    return 2 * num_stage_layers(config) * block_size * num_kv_heads * config.head_dim * element_size
+    num_slots = num_stage_layers(config) if layout is None else layout.num_slots
+    return 2 * num_slots * block_size * num_kv_heads * config.head_dim * element_size
 
 
 def num_stage_layers(config: ModelConfig) -> int:
@@ -40,12 +45,15 @@ def num_stage_layers(config: ModelConfig) -> int:
 
 
 def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                      device: torch.device, dtype: torch.dtype) -> KVCache:
+                      device: torch.device, dtype: torch.dtype, layout: KVGroupLayout | None = None) -> KVCache:
+    """The pool, and each attention layer's view of it: its slot, read at its group's block ids (`kv_group`)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != num_stage_layers(config):
         raise RuntimeError(f"found {len(layers)} attention layers, the config says {num_stage_layers(config)}")
-    tensor = torch.empty(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, config.head_dim,
+    slots = range(len(layers)) if layout is None else layout.layer_slot
+    groups = [0] * len(layers) if layout is None else layout.layer_group
+    tensor = torch.empty(2, max(slots) + 1, num_blocks, block_size, layers[0].num_kv_heads, config.head_dim,
                          dtype=dtype, device=device)
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = tensor[0, i], tensor[1, i]
+    for layer, slot, group in zip(layers, slots, groups, strict=True):
+        layer.k_cache, layer.v_cache, layer.kv_group = tensor[0, slot], tensor[1, slot], group
     return KVCache(tensor)

@@ -22,6 +22,7 @@ import torch
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.distributed.parallel_state import all_reduce_min, get_pp, get_tp
 from batchllm.engine.interfaces import AwaitingGrammar, ModelRunnerOutput, SchedulerOutput
+from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.engine.speculative.config import SpeculativeConfig
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.drafter import build_drafter
@@ -68,6 +69,8 @@ class RunnerConfig:
     speculative: SpeculativeConfig | None = None
     # Disaggregated prefill / decode: the buffer shared with the other engine (a file), and its blocks.
     kv_link: tuple[Path, int] | None = None
+    # A hybrid KV cache's groups (engine/kv_groups.py); None: one group, every block kept.
+    kv_layout: KVGroupLayout | None = None
 
 
 class ModelRunner(StepSampling):
@@ -112,10 +115,12 @@ class ModelRunner(StepSampling):
             # A draft model's or EAGLE head's K/V lives in the same blocks.
             extra = self.drafter.kv_bytes_per_block(self.block_size, self.kv_dtype) if self.drafter else 0
             num_blocks = kv_pool_blocks(self.model, self.model_config, self.scheduler_config, config.cache,
-                                        self.block_size, self.kv_dtype, device, extra)
+                                        self.block_size, self.kv_dtype, device, extra, config.kv_layout)
         num_blocks = all_reduce_min(num_blocks)
+        layout = config.kv_layout
+        self.num_kv_groups = 1 if layout is None else layout.num_groups
         self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
-                                                   device, self.kv_dtype)
+                                                   device, self.kv_dtype, layout)
         if self.drafter is not None:
             self.drafter.allocate_kv(num_blocks, self.block_size, self.kv_dtype)
         self.num_blocks = num_blocks
@@ -127,8 +132,9 @@ class ModelRunner(StepSampling):
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
-                                 max_blocks_per_seq, self.block_size, device)
-        self.requests = RequestStates(max_blocks_per_seq, self.scheduler_config.max_num_seqs, device)
+                                 max_blocks_per_seq, self.block_size, device, self.num_kv_groups)
+        self.requests = RequestStates(max_blocks_per_seq, self.scheduler_config.max_num_seqs, device,
+                                      self.num_kv_groups)
         self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
         self._share_samples = config.async_scheduling and get_tp().size > 1
         self._last_sampled, self._last_rows, self._unread = None, {}, None  # see StepSampling
@@ -152,7 +158,8 @@ class ModelRunner(StepSampling):
         model_limit = self.model_config.max_model_len
         if requested is not None and requested > model_limit:
             raise ValueError(f"max_model_len={requested} exceeds the model's limit of {model_limit} positions")
-        return min(requested or model_limit, num_blocks * self.block_size)
+        # Every group needs a block per block of a sequence as it is computed (window groups free theirs later).
+        return min(requested or model_limit, num_blocks // self.num_kv_groups * self.block_size)
 
     # ----------------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

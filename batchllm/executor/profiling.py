@@ -15,6 +15,7 @@ import torch
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.distributed.parallel_state import get_pp
 from batchllm.executor.input_batch import InputBatch
+from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
 from batchllm.model.config import ModelConfig
@@ -79,10 +80,11 @@ def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, confi
 @torch.inference_mode()
 def kv_pool_blocks(model: torch.nn.Module, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                    cache_config: CacheConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   extra_bytes_per_block: int = 0) -> int:
+                   extra_bytes_per_block: int = 0, layout: KVGroupLayout | None = None) -> int:
     """How many KV blocks fit: on a GPU what profiling leaves of `gpu_memory_utilization`, on the CPU
-    `kv_cache_memory_bytes` or a default share of memory. `extra_bytes_per_block`: a proposer's own K/V."""
-    per_block = kv_bytes_per_block(model_config, block_size, dtype) + extra_bytes_per_block
+    `kv_cache_memory_bytes` or a default share of memory. `extra_bytes_per_block`: a proposer's own K/V.
+    `layout`: a hybrid KV cache's, whose block holds one group's layers."""
+    per_block = kv_bytes_per_block(model_config, block_size, dtype, layout) + extra_bytes_per_block
     if device.type == "cuda":
         budget = profile_peak_memory(model, model_config, scheduler_config, block_size, device, dtype,
                                      cache_config.gpu_memory_utilization)

@@ -70,9 +70,10 @@ class RequestStates:
     """Each request the runner runs: its row in the block tables and the sampling table (both indexed by it),
     its RNG and, when its sampling reads it, its token history."""
 
-    def __init__(self, max_blocks_per_seq: int, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, max_blocks_per_seq: int, max_num_seqs: int, device: torch.device,
+                 num_kv_groups: int = 1) -> None:
         self.states: dict[str, RequestState] = {}
-        self.block_tables = BlockTables(max_blocks_per_seq, 2 * max_num_seqs)
+        self.block_tables = BlockTables(max_blocks_per_seq, 2 * max_num_seqs, num_kv_groups)
         self.sampling_table = SamplingTable(2 * max_num_seqs)
         self.device = device
 

@@ -50,8 +50,8 @@ class ModelConfig:
     `max_model_len` is the longest sequence the model serves: `max_position_embeddings`.
 
     `sliding_window` is the configured window (None: none, or switched off) and `sliding_window_layers` the
-    indices of the layers that use it, as HF reads them (`layer_sliding_window` gives one layer's window). The KV
-    cache still keeps every block of a windowed layer (no hybrid KV manager yet): exact, just not smaller.
+    indices of the layers that use it, as HF reads them (`layer_sliding_window` gives one layer's window); the
+    hybrid KV cache (engine/kv_groups.py) keeps only the blocks a window still sees.
     """
 
     architecture: str

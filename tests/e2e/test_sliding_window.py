@@ -83,9 +83,10 @@ def test_config_windows_the_layers_hf_windows(family) -> None:
     assert config.max_model_len == SHAPE["max_position_embeddings"]  # not capped to the window
 
 
-def test_greedy_and_logprobs_equal_hf(family) -> None:
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid-kv", "every-block-kept"])
+def test_greedy_and_logprobs_equal_hf(family, hybrid) -> None:
     directory, expected, expected_logprobs = family
-    llm = LLM(str(directory), enable_prefix_caching=False, **ENGINE)
+    llm = LLM(str(directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid, **ENGINE)
     with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
     outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
     assert [o.token_ids for o in outputs] == expected
@@ -113,10 +114,37 @@ def test_greedy_equals_hf_with_a_cached_prefix_longer_than_the_window(family) ->
     assert first + second == expected[2:]
 
 
-def test_greedy_equals_hf_under_preemption(family) -> None:
-    # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four: requests are preempted
-    # and recomputed, across their windows.
+# Pools that hold one or two of the prompts with their outputs, not all four, so that requests are preempted and
+# recomputed across their windows. The hybrid KV cache frees what the windows left behind: Mistral (every layer
+# windowed) preempts only with 8 blocks; Qwen2's pool block holds 2 of its 4 layers (a full and a window group).
+PREEMPTING_BLOCKS = {("mistral", True): 8, ("mistral", False): 14, ("qwen2", True): 16, ("qwen2", False): 14}
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid-kv", "every-block-kept"])
+def test_greedy_equals_hf_under_preemption(family, hybrid, request) -> None:
     directory, expected, _ = family
-    llm = LLM(str(directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+    blocks = PREEMPTING_BLOCKS[request.node.callspec.params["family"], hybrid]
+    llm = LLM(str(directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
+              **{**ENGINE, "num_kv_blocks": blocks})
+    # A read of a slot no step wrote (a block freed while a window still saw it, then handed to another request
+    # before it was written, or a stale table entry) would turn every output after it into NaN garbage.
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
     assert _greedy(llm, _prompts()) == expected
     assert llm.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2"], indirect=True)  # a full and a window group: both tables on each rank
+def test_greedy_equals_hf_with_tensor_parallel_two(family) -> None:
+    directory, expected, _ = family
+    llm = LLM(str(directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    assert _greedy(llm, _prompts()) == expected
+
+
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_greedy_equals_hf_with_ngram_speculation(family) -> None:
+    # Verification steps lay each row out at a stride and roll rejected drafts back inside the window.
+    directory, expected, _ = family
+    llm = LLM(str(directory), enable_prefix_caching=False, **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert _greedy(llm, _prompts()) == expected
+    assert llm.stats.num_draft_tokens > 0

@@ -24,3 +24,13 @@ def test_rows_grow_reset_and_are_reused():
     assert tables.table[a, :1].tolist() == [2] and tables.num_blocks[a] == 1
     tables.remove(b)
     assert tables.add() == b and tables.num_blocks[b] == 0
+
+
+def test_grouped_rows_take_interleaved_ids_per_group():
+    # Two KV groups (a hybrid KV cache): ids arrive interleaved, block j of group g at j * 2 + g.
+    tables = BlockTables(max_blocks_per_seq=3, initial_rows=1, num_groups=2)
+    row = tables.add()
+    tables.extend(row, [10, 20, 11, 21], reset=True)
+    tables.extend(row, [12, 22], reset=False)
+    assert tables.table[row].reshape(2, 3).tolist() == [[10, 11, 12], [20, 21, 22]]
+    assert tables.num_blocks[row] == 3

@@ -23,7 +23,8 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
                 "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
-                      "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize")
+                      "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize",
+                      "disable_hybrid_kv_cache_manager")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
@@ -69,6 +70,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["disaggregated"],
                         help='engine: a prefill engine hands each prompt\'s K/V to a decode engine, each on its own '
                              'GPU (or process), e.g. \'{"prefill": 1, "decode": 1}\'')
+    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        default=ENGINE_DEFAULTS["disable_hybrid_kv_cache_manager"],
+                        help="engine: keep every block of sliding-window layers (by default a model with window "
+                             "layers, e.g. Gemma, keeps only the blocks each window still sees)")
 
 
 class OneLineErrors(argparse.ArgumentParser):

@@ -36,10 +36,14 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_group = 0  # whose block tables index this layer's cache (a hybrid KV cache has several groups)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """`query [T, Hq, D]`, `key`/`value [T, Hkv, D]` of the flat batch → attention output `[T, Hq * D]`."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("Attention layer has no KV cache: the model runner must assign k_cache/v_cache first")
         backend = attention_backend(query.device)
-        return backend.forward(self, query, key, value, get_attention_metadata()).flatten(1)
+        metadata = get_attention_metadata()
+        if metadata.groups is not None:
+            metadata = metadata.groups[self.kv_group]
+        return backend.forward(self, query, key, value, metadata).flatten(1)

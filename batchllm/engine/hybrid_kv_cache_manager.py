@@ -1,0 +1,201 @@
+"""The KV blocks of a model with sliding-window layers: a block table per group of layers (kv_groups.py), and a
+window group's blocks returned to the pool once no query can see them.
+
+Invariants, beside those of `KVCacheManager`:
+- every group's table of a request has the same length, ceil(tokens / block_size) (or more, after speculative
+  rollback): a new block of a sequence is allocated in every group at once;
+- a window group's block j is freed (its entry becomes None) once the request's first uncomputed position p has
+  `(j + 1) * block_size <= p - window + 1`: no query at p or later sees a key of it. Never earlier: a step's
+  queries start at the computed position, and their windows reach back from there;
+- a freed block keeps its prefix-cache entry until the pool hands it out again; a prefix hit of n blocks needs
+  every full-attention group's blocks 0..n-1 and each window group's blocks that a query at n * block_size sees;
+- no connector (host tier, P/D link): the engine builds this manager only without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchllm.engine.block_hash import extend_block_hashes
+from batchllm.engine.block_pool import KVCacheBlock
+from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager, _extra_keys, cdiv
+from batchllm.engine.kv_connector import KVConnector
+from batchllm.engine.kv_groups import KVGroupLayout
+from batchllm.engine.request import Request
+
+Table = list[KVCacheBlock | None]
+
+
+@dataclass(slots=True)
+class GroupedPrefix:
+    """A prompt's longest cached prefix over every group: `tables[g]` is group g's blocks of it (None where a window
+    group does not need one)."""
+
+    num_blocks: int
+    tables: list[Table] = field(default_factory=list)
+    num_external_blocks: int = 0  # no connector holds blocks of a hybrid cache
+    connector: KVConnector | None = None
+
+
+_NO_PREFIX = GroupedPrefix(0)
+_UNCHANGED = BlockAllocation([])
+
+
+class HybridKVCacheManager(KVCacheManager):
+    def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool = False) -> None:
+        super().__init__(num_blocks, block_size, enable_caching)
+        self.layout = layout
+        self.num_groups = layout.num_groups
+        self._tables: dict[str, list[Table]] = {}
+        self._num_released: dict[str, int] = {}  # leading blocks the request's window groups have let go
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the pool holds even if no window frees a block."""
+        return self.pool.num_blocks // self.num_groups * self.block_size
+
+    def _first_seen(self, group: int, position: int) -> int:
+        """The first block of `group` that a query at `position` (or later) reads."""
+        window = self.layout.group_windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        return block_hash + group.to_bytes(2, "little")
+
+    def find_cached_prefix(self, request: Request) -> GroupedPrefix:
+        if not self.pool.enable_caching or (request.pooling is not None and request.pooling.reads_every_token):
+            return _NO_PREFIX
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        limit = len(hashes)
+        for group, window in enumerate(self.layout.group_windows):
+            if window is None:
+                run = 0
+                while run < limit and self.pool.lookup(self._key(group, hashes[run])) is not None:
+                    run += 1
+                limit = run
+        for num_blocks in range(limit, 0, -1):
+            tables = self._lookup(hashes, num_blocks)
+            if tables is not None:
+                return GroupedPrefix(num_blocks, tables)
+        return _NO_PREFIX
+
+    def _lookup(self, hashes: list[bytes], num_blocks: int) -> list[Table] | None:
+        """Every group's cached blocks of the first `num_blocks` blocks, or None if a window group lacks one that a
+        query right after them reads."""
+        tables: list[Table] = []
+        for group in range(self.num_groups):
+            first = self._first_seen(group, num_blocks * self.block_size)
+            table: Table = [None] * first
+            for index in range(first, num_blocks):
+                block = self.pool.lookup(self._key(group, hashes[index]))
+                if block is None:
+                    return None
+                table.append(block)
+            tables.append(table)
+        return tables
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: GroupedPrefix = _NO_PREFIX) -> BlockAllocation | None:
+        request_id = request.request_id
+        tables = self._tables.get(request_id)
+        computed = request.num_computed_tokens + cached.num_blocks * self.block_size
+        if tables is not None:
+            self._release_unseen(request_id, tables, computed)
+        owned = 0 if tables is None else len(tables[0])
+        needed = cdiv(computed + num_new_tokens, self.block_size)
+        first_write = computed // self.block_size
+        shared = [] if tables is None else [group for group, table in enumerate(tables)
+                                            if first_write < owned and (block := table[first_write]) is not None
+                                            and block.ref_cnt > 1]
+        num_new_blocks = self.num_groups * max(0, needed - max(owned, cached.num_blocks)) + len(shared)
+        if tables is not None and not num_new_blocks:
+            self._cache_full_blocks(request, tables, computed + num_new_tokens)
+            return _UNCHANGED
+        hits = [block for table in cached.tables for block in table if block is not None]
+        if num_new_blocks + sum(1 for block in hits if block.ref_cnt == 0) > self.pool.num_free_blocks:
+            return None
+        if tables is None:
+            tables = self._tables[request_id] = [list(table) for table in cached.tables] or [
+                [] for _ in range(self.num_groups)]
+            self._num_released[request_id] = self._first_seen(0, 0)
+            self.pool.touch(hits)
+            for block in hits:
+                block.reused = True
+        new_blocks = self.pool.allocate(num_new_blocks)
+        self._report_evictions()
+        for group in shared:
+            self._copy_on_write(tables[group], first_write, new_blocks.pop(0))
+        new_ids = []
+        for _ in range(len(tables[0]), needed):
+            for table in tables:
+                block = new_blocks.pop(0)
+                table.append(block)
+                new_ids.append(block.block_id)
+        self._release_unseen(request_id, tables, computed)
+        self._cache_full_blocks(request, tables, computed + num_new_tokens)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        return BlockAllocation(new_ids, bool(shared))
+
+    def _release_unseen(self, request_id: str, tables: list[Table], position: int) -> None:
+        """Free the window groups' blocks that no query at `position` or later reads."""
+        released = self._num_released.get(request_id, 0)
+        for group, table in enumerate(tables):
+            first = min(self._first_seen(group, position), len(table))
+            if first <= released:
+                continue
+            unseen = [block for block in table[released:first] if block is not None]
+            table[released:first] = [None] * (first - released)
+            self.pool.free(unseen[::-1])
+        self._num_released[request_id] = max(released, min(
+            (self._first_seen(group, position) for group in range(self.num_groups)
+             if self.layout.group_windows[group] is not None), default=0))
+
+    def _cache_full_blocks(self, request: Request, tables: list[Table], num_tokens: int) -> None:  # type: ignore[override]
+        if not self.pool.enable_caching:
+            return
+        num_full = min(num_tokens, len(request.token_ids)) // self.block_size
+        start = self._num_hashed_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
+        for group, table in enumerate(tables):
+            for index in range(start, num_full):
+                block = table[index]
+                if block is not None:
+                    self.pool.cache(block, self._key(group, request.block_hashes[index]))
+        self._num_hashed_blocks[request.request_id] = num_full
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        count = cdiv(num_tokens, self.block_size)
+        tables = [table[:count] for table in self._tables[parent.request_id]]
+        self.pool.touch([block for table in tables for block in table if block is not None])
+        self._tables[child.request_id] = tables
+        self._num_released[child.request_id] = self._num_released.get(parent.request_id, 0)
+        parent_hashed = self._num_hashed_blocks.get(parent.request_id, 0)
+        self._num_hashed_blocks[child.request_id] = min(parent_hashed, num_tokens // self.block_size)
+        self.stats.shared_blocks += sum(1 for table in tables for block in table if block is not None)
+
+    def block_ids(self, request: Request) -> list[int]:
+        """The request's tables interleaved (block j of group g at j * G + g); a freed block's entry is 0, which
+        no kernel reads: it lies outside every window."""
+        tables = self._tables.get(request.request_id)
+        if tables is None:
+            return []
+        return [0 if block is None else block.block_id for row in zip(*tables, strict=True) for block in row]
+
+    def free(self, request: Request) -> None:
+        tables = self._tables.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
+        self._num_hashed_blocks.pop(request.request_id, None)
+        if tables is not None:
+            # Tail first, as the plain manager does: a prefix outlives its suffix in the free queue.
+            blocks = [block for row in zip(*tables, strict=True) for block in row if block is not None]
+            self.pool.free(blocks[::-1])
+
+    def swap_out(self, request: Request) -> bool:
+        return False  # no connector: preemption recomputes
+
+    def allocate_held(self, request: Request, connector: KVConnector, num_held_tokens: int,
+                      num_new_tokens: int) -> bool:
+        raise RuntimeError("a hybrid KV cache has no connector that holds a request's blocks")
