@@ -190,14 +190,16 @@ def test_fp8_kv_cache_equals_hf_over_e4m3_rounded_keys_and_values(family) -> Non
         assert ours == pytest.approx(row_logprobs[:same], abs=0.05)
 
 
-def test_greedy_equals_hf_under_tensor_parallelism(family) -> None:
-    """TP=2 (gloo, two worker processes, as tests/distributed/test_tensor_parallel.py runs it): two heads and one
-    KV head a rank, the vocabulary split; chunked prefill too. Gemma 3 runs as its multimodal checkpoint, whose
-    renamed tensors each rank slices; the plain Gemma 3 checkpoint builds the same model (5 s a family saved)."""
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_greedy_equals_hf_split_over_two_processes(family, parallel) -> None:
+    """TP=2 (gloo, two worker processes, as tests/distributed/test_tensor_parallel.py runs them): two heads and
+    one KV head a rank, the vocabulary split; PP=2: half the layers a stage, the last holding its own copy of the
+    tied embedding. Chunked prefill too. Gemma 3 runs as its multimodal checkpoint, whose renamed tensors each
+    rank slices or skips; the plain Gemma 3 checkpoint builds the same model (10 s saved)."""
     if family.name == "gemma3":
         pytest.skip("the same model as gemma3-multimodal's")
-    llm = LLM(str(family.directory), enable_prefix_caching=False, tensor_parallel_size=2, max_num_batched_tokens=10,
-              **ENGINE)
+    llm = LLM(str(family.directory), enable_prefix_caching=False, max_num_batched_tokens=10, **parallel, **ENGINE)
     assert _greedy(llm, _prompts()) == family.expected
     llm.shutdown()
 
