@@ -2,11 +2,14 @@
 
     python benchmarks/decode_attention.py                       # GPU: the default cases, default launch shape
     python benchmarks/decode_attention.py --sweep 3 --out $OUT  # also every tile / warps / stages / splits
+    python benchmarks/decode_attention.py --cases gemma3-12b:bf16:256:8192:1024 gemma3-12b:bf16:256:1024
+                                        # a 1,024-token window at 8k context against full attention over 1,024
 
-A case is (model shape, KV dtype, rows, context): `rows` decode queries, each over `context` keys (W1-like
-uniform lengths with `--uniform`), block tables a random permutation of the pool's blocks, so pages are
-scattered as in a long run. The floor is the K/V bytes the launch must read once (rows x context x KV heads x
-head_dim x 2 x bytes per element) over the card's copy bandwidth, measured in the same call (a device-to-device
+A case is (model shape, KV dtype, rows, context[, window]): `rows` decode queries, each over `context` keys (W1-like
+uniform lengths with `--uniform`), or the last `window` of them (a sliding-window layer), block tables a random
+permutation of the pool's blocks, so pages are scattered as in a long run. The floor is the K/V bytes the launch
+must read once (rows x min(context, window) x KV heads x head_dim x 2 x bytes per element) over the card's copy
+bandwidth, measured in the same call (a device-to-device
 copy of 2 GiB, bytes read plus written). Each launch shape's output is checked against the default shape's
 (they must agree to float rounding) before it is timed with `triton.testing.do_bench` (median, ms).
 """
@@ -29,7 +32,7 @@ from batchllm.kernels.reference import FP8_DTYPE
 
 BLOCK_SIZE = 16
 # name: (query heads, KV heads, head_dim)
-HEADS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
+HEADS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256)}
 DEFAULT_CASES = [("smollm2-135m", "bf16", 200, 600), ("llama3-8b", "bf16", 256, 1500), ("llama3-8b", "fp8", 256, 1500),
                  ("llama3-8b", "bf16", 64, 1500), ("llama3-8b", "fp8", 64, 1500), ("llama3-8b", "bf16", 256, 4000),
                  ("llama3-8b", "fp8", 256, 4000)]
@@ -43,7 +46,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def make_case(shape: str, kv: str, rows: int, context: int, uniform: bool, seed: int = 0):
+def make_case(shape: str, kv: str, rows: int, context: int, uniform: bool, seed: int = 0, window: int | None = None):
     heads, kv_heads, head_dim = HEADS[shape]
     gen = torch.Generator().manual_seed(seed)
     if uniform:
@@ -64,7 +67,8 @@ def make_case(shape: str, kv: str, rows: int, context: int, uniform: bool, seed:
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
         seq_lens=seq_lens.to(torch.int32).cuda(), block_tables=tables.to(torch.int32).cuda(), max_query_len=1,
         max_seq_len=int(seq_lens.max()), query_start_loc_cpu=list(range(rows + 1)), seq_lens_cpu=seq_lens.tolist())
-    kv_bytes = int(seq_lens.sum()) * kv_heads * head_dim * 2 * k_cache.element_size()
+    seen = seq_lens if window is None else seq_lens.clamp(max=window)
+    kv_bytes = int(seen.sum()) * kv_heads * head_dim * 2 * k_cache.element_size()
     return query, k_cache, v_cache, metadata, kv_bytes
 
 
@@ -76,8 +80,8 @@ def launch_shapes(group_p2: int):
 
 
 def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
-    shape, kv, rows, context = case
-    query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform)
+    shape, kv, rows, context, window = case
+    query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform, window=window)
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
     scale = query.shape[-1] ** -0.5
     default_tile = tile_config(1, group_p2, query.shape[-1])
@@ -86,7 +90,8 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
     shapes = launch_shapes(group_p2) if sweep else iter([(None, None)])
     for tile, splits in shapes:
         def call():
-            return paged_attention_triton(query, k_cache, v_cache, metadata, scale, num_splits=splits, tile=tile)
+            return paged_attention_triton(query, k_cache, v_cache, metadata, scale, num_splits=splits, tile=tile,
+                                          sliding_window=window)
         try:
             out = call()
             torch.cuda.synchronize()
@@ -97,7 +102,8 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
             reference = out.float()
         err = ((out.float() - reference).norm() / reference.norm()).item()
         ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-        results.append(dict(shape=shape, kv=kv, rows=rows, context=context, tile=str(tile or default_tile),
+        results.append(dict(shape=shape, kv=kv, rows=rows, context=context, window=window,
+                            tile=str(tile or default_tile),
                             splits=splits, ms=ms, kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
                             floor_share=(kv_bytes / bandwidth) / (ms * 1e-3), rel_err=err))
     return results
@@ -108,11 +114,12 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time every launch shape on the first N cases")
     parser.add_argument("--uniform", action="store_true", help="context lengths uniform in [0.2, 1.8] x context")
-    parser.add_argument("--cases", nargs="*", help="shape:kv:rows:context, e.g. llama3-8b:fp8:256:1500")
+    parser.add_argument("--cases", nargs="*",
+                        help="shape:kv:rows:context[:window], e.g. llama3-8b:fp8:256:1500 gemma3-12b:bf16:64:8192:1024")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else DEFAULT_CASES
-    cases = [(s, kv, int(r), int(c)) for s, kv, r, c in cases]
+    cases = [(s, kv, int(r), int(c), int(w[0]) if w else None) for s, kv, r, c, *w in cases]
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")

@@ -14,8 +14,8 @@ import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
 from batchllm.distributed.parallel_state import get_pp
-from batchllm.executor.input_batch import InputBatch
 from batchllm.engine.kv_groups import KVGroupLayout
+from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from batchllm.forward_context import set_forward_context
 from batchllm.model.config import ModelConfig
