@@ -139,6 +139,22 @@ def test_teacher_forced_logprobs_of_one_forward_equal_hf(variant) -> None:
                                    rtol=0)
 
 
+def test_a_long_context_engine_uses_the_long_factors_on_short_prompts_too(tmp_path) -> None:
+    """The documented rule (layers/rotary.py): one factor set per engine, the long one when its context exceeds
+    the original length. HF would use the short factors on a prompt within the original length; ours equals HF's
+    forward with the long factors in the short ones' place, and not HF as it is."""
+    save_tiny_checkpoint(VARIANTS["partial-long"](), tmp_path)
+    hf = _hf(tmp_path)
+    rope = dict(hf.config.rope_parameters)
+    hf_long = _hf(tmp_path, rope_parameters={**rope, "short_factor": rope["long_factor"]})
+    model, config = load_model(tmp_path, "cpu", torch.float32)
+    prompt = _prompts()[0][:20]  # within the original 32 positions
+    [logits] = PagedRunner(model, config).step([(0, prompt, 0)])
+    ours = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(ours, _hf_prompt_logprobs(hf_long, prompt), atol=1e-4, rtol=0)
+    assert (ours - _hf_prompt_logprobs(hf, prompt)).abs().max() > 0.1
+
+
 def test_greedy_and_logprobs_equal_hf(variant) -> None:
     _, directory, expected, expected_logprobs = variant
     llm = LLM(str(directory), enable_prefix_caching=False, **ENGINE)
@@ -168,11 +184,18 @@ def test_greedy_equals_hf_with_a_cached_prefix(variant) -> None:
     assert first + second == expected[2:]
 
 
-def test_greedy_equals_hf_under_preemption(variant) -> None:
-    # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four: requests are preempted and
-    # recomputed.
-    _, directory, expected, _ = variant
-    llm = LLM(str(directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+# Pools that hold one or two of the prompts with their outputs, not all four, so that requests are preempted and
+# recomputed. The hybrid KV cache frees the blocks a window left behind: "window" (every layer windowed) then
+# preempts only with 8 blocks, which without it cannot hold two prompts at once.
+PREEMPTING_BLOCKS = {("window", True): 8, ("window", False): 14, ("partial-long", True): 14,
+                     ("partial-long", False): 14}
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid-kv", "every-block-kept"])
+def test_greedy_equals_hf_under_preemption(variant, hybrid) -> None:
+    name, directory, expected, _ = variant
+    llm = LLM(str(directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
+              **{**ENGINE, "num_kv_blocks": PREEMPTING_BLOCKS[name, hybrid]})
     assert _greedy(llm, _prompts()) == expected
     assert llm.stats.num_preemptions > 0
 
@@ -236,3 +259,11 @@ def test_a_config_in_the_older_spellings_reads_the_same() -> None:
 def test_bad_config_values_are_named(changes, message) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(_phi3_config(**changes))
+
+
+def test_tensor_parallel_greedy_equals_hf(variant) -> None:
+    # Two ranks (gloo on the CPU): each holds 2 of the 4 query heads and 1 of the 2 KV heads, so each cuts its rows
+    # of q, k and v (and of gate and up) out of the fused checkpoint tensors.
+    _, directory, expected, _ = variant
+    llm = LLM(str(directory), tensor_parallel_size=2, enable_prefix_caching=False, seed=0, **ENGINE)
+    assert _greedy(llm, _prompts()) == expected
