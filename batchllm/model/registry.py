@@ -6,18 +6,25 @@ import difflib
 
 from torch import nn
 
+from batchllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from batchllm.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
+from batchllm.model.phi3 import Phi3ForCausalLM
 
-# The four families share one implementation; their differences are ModelConfig flags.
+# Llama, Mistral, Qwen2 and Qwen3 share one implementation (their differences are ModelConfig flags); Phi-3 is
+# Llama's with fused checkpoint tensors; Gemma 2 and 3 have their own.
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
