@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from transformers import (
@@ -28,11 +29,11 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-from batchllm import LLM, SamplingParams
+from batchllm import LLM, LoRARequest, SamplingParams
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.norm import GemmaRMSNorm
 from batchllm.model.loader import load_model
-from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
+from tests.e2e.test_sliding_window import ENGINE, GREEDY, MAX_NEW, _greedy, _prompts
 from tests.unit.test_model_vs_hf import PagedRunner, hf_logits, save_tiny_checkpoint
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -202,6 +203,27 @@ def test_greedy_equals_hf_split_over_two_processes(family, parallel) -> None:
     llm = LLM(str(family.directory), enable_prefix_caching=False, max_num_batched_tokens=10, **parallel, **ENGINE)
     assert _greedy(llm, _prompts()) == family.expected
     llm.shutdown()
+
+
+def test_lora_greedy_equals_peft(family, tmp_path) -> None:
+    """A PEFT adapter on every projection (both halves random, so every delta counts) against PEFT's own greedy
+    tokens on the HF model; the adapter changes them."""
+    if family.name == "gemma3-multimodal":
+        pytest.skip("PEFT adapters of the text model are read; one of a multimodal model names other modules")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = peft.get_peft_model(_hf_model(family.directory), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(tmp_path)
+    expected, _ = _hf_greedy(peft_model.eval(), _prompts())
+    assert expected != family.expected
+    llm = LLM(str(family.directory), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    outputs = llm.generate(_prompts(), GREEDY, lora_request=LoRARequest("all", 1, str(tmp_path)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_bfloat16_norms_and_embeddings_round_as_hf(tmp_path) -> None:
