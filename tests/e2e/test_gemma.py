@@ -164,10 +164,19 @@ def test_greedy_equals_hf_with_a_cached_prefix_longer_than_the_window(family) ->
     assert first + second == family.expected[2:]
 
 
-def test_greedy_equals_hf_under_preemption(family) -> None:
-    # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four: requests are preempted
-    # and recomputed, across their windows.
-    llm = LLM(str(family.directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+# Pools that hold one or two of the prompts with their outputs, not all four, so that requests are preempted and
+# recomputed across their windows. A hybrid pool's block is a page of one layer group (Gemma 2: a full and a window
+# group of 2 layers; Gemma 3: a full and two window groups), and a request must fit without any window freeing.
+PREEMPTING_BLOCKS = {("gemma2", True): 16, ("gemma3", True): 28, ("gemma3-multimodal", True): 28}
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid-kv", "every-block-kept"])
+def test_greedy_equals_hf_under_preemption(family, hybrid) -> None:
+    blocks = PREEMPTING_BLOCKS.get((family.name, hybrid), 14)
+    llm = LLM(str(family.directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
+              **{**ENGINE, "num_kv_blocks": blocks})
+    # A read of a slot no step wrote (a block freed while a window still saw it) turns what follows into NaN.
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
     assert _greedy(llm, _prompts()) == family.expected
     assert llm.stats.num_preemptions > 0
 
