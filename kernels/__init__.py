@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-from batchllm.kernels import reference
+from batchllm.kernels import moe_reference, reference
 
-__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "int_matmul", "quantize_fp8_per_token", "rms_norm",
-           "silu_and_mul", "triton_enabled"]
+__all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "fused_moe", "int_matmul", "quantize_fp8_per_token",
+           "rms_norm", "silu_and_mul", "triton_enabled"]
 
 
 def rms_norm(
@@ -77,6 +77,15 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if _use_triton(x):
         return _triton().int_matmul(x, qweight, scales, zeros, bits, group_size, g_idx)
     return reference.int_matmul(x, qweight, scales, zeros, bits, group_size, g_idx)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
+    """The experts' MLP of `hidden [T, H]` through the experts `topk_ids [T, k]`, weighted by `topk_weights`
+    (see `moe_reference.fused_moe` for the weights' layout). The reference until the Triton kernel lands."""
+    return moe_reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                                   swiglu_limit)
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:

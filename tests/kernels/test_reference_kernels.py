@@ -138,3 +138,33 @@ def test_token_bitmask_matches_a_loop_over_bits(rows: list[int], bitmask_vocab: 
     out = reference.apply_token_bitmask_(logits, torch.tensor(rows, dtype=torch.long), bitmask)
     assert out is logits
     assert torch.equal(logits, expected)
+
+
+def test_moe_reference_equals_a_dense_per_token_loop():
+    # Every token through each of its k experts, written out densely: the reference must agree, experts that no
+    # token chose included (they are skipped) and biases on.
+    from batchllm.kernels.moe_reference import fused_moe
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, inter, experts, k = 7, 16, 12, 5, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13, w2 = torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
+    b13, b2 = torch.randn(experts, 2 * inter, generator=gen), torch.randn(experts, hidden, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 0], [3, 1], [3, 0], [1, 3], [0, 3], [1, 0]])  # expert 2 and 4: no token
+    weights = torch.rand(tokens, k, generator=gen)
+    for activation in ("silu", "gelu_tanh", "swigluoai"):
+        expected = torch.zeros(tokens, hidden)
+        for t in range(tokens):
+            for slot in range(k):
+                e = int(ids[t, slot])
+                gate, up = (w13[e] @ x[t] + b13[e]).chunk(2)
+                if activation == "silu":
+                    act = gate / (1 + torch.exp(-gate)) * up
+                elif activation == "gelu_tanh":
+                    act = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+                else:
+                    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                    act = gate / (1 + torch.exp(-1.702 * gate)) * (up + 1)
+                expected[t] += weights[t, slot] * (w2[e] @ act + b2[e])
+        got = fused_moe(x, w13, w2, weights, ids, activation, b13, b2, swiglu_limit=7.0)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
