@@ -4,7 +4,9 @@ A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` wit
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`: A is `[r, in]`, B is
 `[out, r]`, and the delta of a module is `scaling * x A^T B^T` with `scaling = lora_alpha / r`
 (`lora_alpha / sqrt(r)` with `use_rslora`). Only what this engine applies exactly is accepted: plain LoRA on
-q/k/v/o/gate/up/down, no bias, no DoRA, no per-module ranks, no `modules_to_save`.
+q/k/v/o/gate/up/down, no bias, no DoRA, no per-module ranks, no `modules_to_save`. A model whose checkpoint fuses
+q/k/v or gate/up (Phi-3: `qkv_proj`, `gate_up_proj`) has adapters on the fused modules: one A, and B's rows cut
+into the parts, which is the same delta on each part.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -61,6 +64,8 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
         raise LoRAError(f"{where}: adapter_config.json cannot be read: {exc}") from None
     rank, scaling = _check_settings(settings, where, max_rank)
     shapes = module_shapes(config)
+    for fused, parts in FUSED_MODULES.items():
+        shapes[fused] = (sum(shapes[part][0] for part in parts), shapes[parts[0]][1])
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights_file)).items():
         match = _KEY.match(key)
@@ -69,7 +74,8 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
                             f"{'/'.join(MODULES)}")
         layer, module, half = int(match[1]), match[2], match[3]
         if module not in shapes:
-            raise LoRAError(f"{where}: targets {module!r}; LoRA applies to {', '.join(MODULES)} only")
+            raise LoRAError(f"{where}: targets {module!r}; LoRA applies to {', '.join((*MODULES, *FUSED_MODULES))} "
+                            f"only")
         if layer >= config.num_layers:
             raise LoRAError(f"{where}: has layer {layer}, the model has {config.num_layers} (another architecture?)")
         out_size, in_size = shapes[module]
@@ -82,7 +88,15 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
     for (layer, module), pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} without its other half")
-        weights[(layer, module)] = (pair["A"], pair["B"] * scaling)
+        if module not in FUSED_MODULES:
+            weights[(layer, module)] = (pair["A"], pair["B"] * scaling)
+            continue
+        parts = FUSED_MODULES[module]
+        rows = pair["B"].split([shapes[part][0] for part in parts])
+        for part, b in zip(parts, rows, strict=True):
+            if (layer, part) in halves:
+                raise LoRAError(f"{where}: layer {layer} has both {module} and {part}")
+            weights[(layer, part)] = (pair["A"], b * scaling)
     if not weights:
         raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     return LoRAAdapter(request.lora_name, rank, weights)

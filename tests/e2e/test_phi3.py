@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Phi3Config
 
-from batchllm import LLM, SamplingParams
+from batchllm import LLM, LoRARequest, SamplingParams
 from batchllm.model.config import ModelConfig
 from batchllm.model.loader import load_model
 from tests.unit.test_model_vs_hf import PagedRunner, save_tiny_checkpoint
@@ -267,3 +268,23 @@ def test_tensor_parallel_greedy_equals_hf(variant) -> None:
     _, directory, expected, _ = variant
     llm = LLM(str(directory), tensor_parallel_size=2, enable_prefix_caching=False, seed=0, **ENGINE)
     assert _greedy(llm, _prompts()) == expected
+
+
+def test_lora_on_the_fused_modules_equals_peft(variant, tmp_path) -> None:
+    """A PEFT adapter on Phi-3's own modules (fused qkv_proj and gate_up_proj, o_proj, down_proj; both halves
+    random, so every delta counts) against PEFT's greedy tokens on the HF model; the adapter changes them."""
+    _, directory, expected_base, _ = variant
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    peft_model = peft.get_peft_model(_hf(directory), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(tmp_path)
+    expected, _ = _hf_greedy(peft_model.eval(), _prompts())
+    assert expected != expected_base
+    llm = LLM(str(directory), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    outputs = llm.generate(_prompts(), GREEDY, lora_request=LoRARequest("fused", 1, str(tmp_path)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
