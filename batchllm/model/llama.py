@@ -105,8 +105,8 @@ class LlamaModel(nn.Module):
         # One cos/sin table shared by every layer: for long-context models it is tens of MB.
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
                                      rotary_dim=config.rotary_dim)
-        # Windowed layers (Mistral, Qwen2 with use_sliding_window) mask keys outside their window; their KV blocks
-        # are still all kept (no hybrid KV manager yet), so memory is that of full attention.
+        # Windowed layers (Mistral, Qwen2 with use_sliding_window) mask keys outside their window; the hybrid KV
+        # cache (engine/kv_groups.py) frees the blocks no window sees any more.
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, quant_config, config.layer_sliding_window(i))
             if self.stage.holds_layer(i) else HeldElsewhere() for i in range(config.num_layers))
