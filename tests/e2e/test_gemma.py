@@ -288,3 +288,12 @@ def test_dummy_weights_give_gemma_norms_their_identity(family) -> None:
     assert all(torch.all(norm.weight == 0) for norm in norms)
     [logits] = PagedRunner(model, config).step([(0, list(range(40)), 0)])
     assert logits.isfinite().all() and logits.std() > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_greedy_equals_hf_with_ngram_speculation(family) -> None:
+    """n-gram drafts verified in strided steps over a hybrid KV cache of six-to-one window groups."""
+    llm = LLM(str(family.directory), enable_prefix_caching=False, **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert _greedy(llm, _prompts()) == family.expected
+    assert llm.stats.num_draft_tokens > 0
