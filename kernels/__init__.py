@@ -83,7 +83,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """The experts' MLP of `hidden [T, H]` through the experts `topk_ids [T, k]`, weighted by `topk_weights`
-    (see `moe_reference.fused_moe` for the weights' layout). The reference until the Triton kernel lands."""
+    (see `moe_reference.fused_moe` for the weights' layout)."""
+    if _use_triton(hidden):
+        return _triton().fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                                   swiglu_limit)
     return moe_reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
                                    swiglu_limit)
 
@@ -103,6 +106,7 @@ def _triton() -> SimpleNamespace:
     """The Triton implementations, imported on first use (importing them imports and initialises Triton)."""
     from batchllm.kernels.activation import silu_and_mul_triton
     from batchllm.kernels.fp8 import quantize_fp8_per_token_triton
+    from batchllm.kernels.fused_moe import fused_moe_triton
     from batchllm.kernels.int_gemm import int_matmul_triton
     from batchllm.kernels.lora import add_lora_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
@@ -113,4 +117,5 @@ def _triton() -> SimpleNamespace:
         rms_norm=rms_norm_triton, apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
         apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
         quantize_fp8_per_token=quantize_fp8_per_token_triton, int_matmul=int_matmul_triton,
+        fused_moe=fused_moe_triton,
     )
