@@ -19,6 +19,7 @@ from batchllm.engine.prefill_decode_build import Layout, parse_layout
 from batchllm.engine.speculative.config import SpeculativeConfig, parse_speculative_config
 from batchllm.engine.structured.manager import check_backend
 from batchllm.lora.registry import check_lora_options
+from batchllm.reasoning import check_reasoning_parser
 
 # `LLM(...)`'s keywords and their defaults; `LLM.__init__` spells the same ones (tests/unit/test_engine_config.py).
 DEFAULTS: dict[str, Any] = dict(
@@ -29,7 +30,7 @@ DEFAULTS: dict[str, Any] = dict(
     async_scheduling=None, structured_outputs_backend="xgrammar", enable_lora=False, max_loras=1, max_lora_rank=16,
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
     pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
-    disable_hybrid_kv_cache_manager=False)
+    disable_hybrid_kv_cache_manager=False, reasoning_parser=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,10 @@ class EngineConfig:
     back instead of being recomputed; a request shorter than 32 tokens, or one the host tier has no room for,
     is recomputed all the same. `stats` reports the blocks moved each way, the host tier's prefix hits, bytes
     and copy time. See batchllm/engine/host_tier.py.
+
+    `reasoning_parser` ("qwen3", "deepseek_r1", "openai_gptoss"; vLLM's names): split a thinking model's output into
+    `CompletionOutput.reasoning` and the answer (`text`); the table doors and jobs add a `reasoning` column, the
+    server `reasoning_content`. See batchllm/reasoning/.
     """
 
     model: ModelOptions
@@ -171,6 +176,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig
     kv_transfer: KVTransferConfig
     pooling: PoolingOptions
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -202,6 +208,7 @@ class EngineConfig:
             raise ValueError(f"LLM argument async_scheduling must be None, True or False, "
                              f"got {a['async_scheduling']!r}")
         check_backend(a["structured_outputs_backend"], "LLM argument structured_outputs_backend")
+        check_reasoning_parser(a["reasoning_parser"])
         spec = parse_speculative_config(a["speculative_config"], "LLM argument speculative_config")
         if pp > 1 and (spec is not None or a["enable_lora"]):
             raise ValueError(f"LLM argument pipeline_parallel_size={pp} does not work with "
@@ -221,7 +228,7 @@ class EngineConfig:
                    LoRAConfig(a["enable_lora"], a["max_loras"], a["max_lora_rank"]), spec,
                    QuantizationOptions(a["quantization"], a["kv_cache_dtype"]),
                    StructuredOutputsConfig(a["structured_outputs_backend"]), KVTransferConfig(layout),
-                   PoolingOptions(a["task"], a["pooling"], a["normalize"]))
+                   PoolingOptions(a["task"], a["pooling"], a["normalize"]), a["reasoning_parser"])
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -49,6 +49,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended generation
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # With a reasoning parser (`LLM(reasoning_parser=...)`): the thinking, while `text` is the answer alone; None
+    # when the output has no reasoning section or no parser is set.
+    reasoning: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

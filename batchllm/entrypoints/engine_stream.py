@@ -53,6 +53,8 @@ def stream_engine(llm: LLM, requests: Iterator[tuple | None], max_in_flight: int
                         engine.add_request(f"{prompt_id}.0", token_ids, NO_SAMPLING, lora_request=lora,
                                            pooling=params)
                         continue
+                    if params.structured_outputs is not None:
+                        llm.check_reasoning_with_constraints()
                     output = RequestOutput(prompt_id, text, token_ids, finished=False)
                     in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                     for sample in range(params.n):
@@ -71,7 +73,8 @@ def stream_engine(llm: LLM, requests: Iterator[tuple | None], max_in_flight: int
                         continue
                     prompt_id, sample = finished.request.request_id.rsplit(".", 1)
                     entry = in_flight[prompt_id]
-                    entry.completions[int(sample)] = completion_output(int(sample), finished, llm.tokenizer)
+                    entry.completions[int(sample)] = completion_output(int(sample), finished, llm.tokenizer,
+                                                                         llm.reasoning_parser)
                     if all(c is not None for c in entry.completions):
                         del in_flight[prompt_id]
                         complete(entry.output, entry.completions)

@@ -26,6 +26,7 @@ from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
+from batchllm.reasoning import reasoning_parser
 from batchllm.sampling_params import SamplingParams
 from batchllm.stats import EngineStats
 from batchllm.structured_outputs import StructuredOutputsParams
@@ -56,7 +57,8 @@ class LLM(PoolingCalls):
                  speculative_config: dict[str, Any] | str | None = None, swap_space: float = 0,
                  preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
                  disaggregated: dict[str, int] | None = None, task: str = "generate", pooling: str | None = None,
-                 normalize: bool | None = None, disable_hybrid_kv_cache_manager: bool = False) -> None:
+                 normalize: bool | None = None, disable_hybrid_kv_cache_manager: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         # Every keyword as the user wrote it: EngineConfig checks them all, as it does for the CLI and the doors.
         arguments = {name: value for name, value in locals().items() if name != "self"}
         start = time.perf_counter()
@@ -72,6 +74,7 @@ class LLM(PoolingCalls):
         # Job manifests pin these (see connectors/jobs/identity.py).
         self.quantization, self.kv_cache_dtype = resolved.pinned_quantization, resolved.kv_cache_dtype
         self.tokenizer = resolved.tokenizer
+        self.reasoning_parser = reasoning_parser(self.config.reasoning_parser)
         self.reorder_by_prefix = self.config.reorder_by_prefix and self.config.cache.enable_prefix_caching
         lora = self.config.lora
         self._adapters = AdapterRegistry(resolved.model_config, lora.max_lora_rank, lora.enable_lora)
@@ -98,6 +101,13 @@ class LLM(PoolingCalls):
         if self.engine.structured is None:
             raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         self.engine.structured.check(params)
+
+    def check_reasoning_with_constraints(self) -> None:
+        """Structured outputs would constrain the reasoning as well as the answer: refused with a reasoning parser."""
+        if self.reasoning_parser is not None:
+            raise ValueError(f"structured outputs with reasoning_parser={self.reasoning_parser.name!r} are not "
+                             f"supported: the grammar would constrain the reasoning too (build the LLM without "
+                             f"reasoning_parser to constrain the whole output)")
 
     @property
     def max_model_len(self) -> int:
@@ -215,6 +225,9 @@ class LLM(PoolingCalls):
 
     def _check_call_wide(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> None:
         """One constraint for the whole call fails the call before generation; per-row ones fail their row."""
+        params_list = [sampling_params] if isinstance(sampling_params, SamplingParams) else sampling_params or []
+        if any(params.structured_outputs is not None for params in params_list):
+            self.check_reasoning_with_constraints()
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             self.check_structured_outputs(sampling_params.structured_outputs)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from batchllm.engine.detokenizer import final_text
 from batchllm.engine.engine_core import FinishedRequest
 from batchllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from batchllm.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
 from batchllm.sampling_params import SamplingParams
 
 
@@ -36,7 +38,8 @@ def logprob_entries(token_id: int, sampled: Any, tokenizer: Any) -> dict[int, Lo
     return entries
 
 
-def completion_output(index: int, finished: FinishedRequest, tokenizer: Any) -> CompletionOutput:
+def completion_output(index: int, finished: FinishedRequest, tokenizer: Any,
+                      reasoning_parser: ReasoningParser | None = None) -> CompletionOutput:
     request = finished.request
     logprobs = cumulative = None
     if request.sampling_params.logprobs is not None:
@@ -44,8 +47,28 @@ def completion_output(index: int, finished: FinishedRequest, tokenizer: Any) -> 
                     for token_id, s in zip(request.output_token_ids, request.output_logprobs)]
         cumulative = sum(s.logprob for s in request.output_logprobs if s.logprob is not None)
     metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finished_time)
-    return CompletionOutput(index, finished.text, request.output_token_ids, cumulative, logprobs,
-                            request.finish_reason, request.stop_reason, request.error, metrics)
+    text, reasoning = finished.text, None
+    if reasoning_parser is not None and tokenizer is not None:
+        params = request.sampling_params
+        if decoding_params(reasoning_parser, params) is not params:
+            text = final_text(tokenizer, request.output_token_ids, decoding_params(reasoning_parser, params),
+                              request.stop_reason)
+        reasoning, text = reasoning_parser.split_output(prompt_tail(tokenizer, request.prompt_token_ids), text)
+    return CompletionOutput(index, text, request.output_token_ids, cumulative, logprobs, request.finish_reason,
+                            request.stop_reason, request.error, metrics, reasoning)
+
+
+def decoding_params(reasoning_parser: ReasoningParser, params: SamplingParams) -> SamplingParams:
+    """The parameters to decode an output with for `reasoning_parser`: special tokens kept where its markers are
+    special tokens (gpt-oss's harmony), so that it sees them; the parts it returns hold no marker."""
+    if reasoning_parser.keeps_special_tokens and params.skip_special_tokens:
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def prompt_tail(tokenizer: Any, prompt_token_ids: list[int]) -> str:
+    """The end of a prompt as text, where a chat template leaves a reasoning section open."""
+    return tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
 
 
 def complete(output: RequestOutput, completions: list[CompletionOutput | None]) -> None:
