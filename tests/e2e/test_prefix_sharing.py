@@ -21,6 +21,14 @@ SYSTEM = ("You are a meticulous assistant for a data pipeline. Answer every ques
 
 
 @pytest.fixture(scope="module")
+def async_scheduling() -> bool:
+    """One engine mode here: both modes equal HF in test_generate_vs_hf.py, and the scheduler's prefix caching,
+    forks and copy-on-write are checked in both modes with the fake executor (tests/unit/test_prefix_cache.py): a
+    second mode would repeat those at the cost of two more default-model engines."""
+    return False
+
+
+@pytest.fixture(scope="module")
 def llm(async_scheduling):
     return LLM(max_model_len=1024, async_scheduling=async_scheduling)
 
