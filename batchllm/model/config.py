@@ -6,7 +6,10 @@ import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchllm.model.moe_config import MoEConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -25,6 +28,9 @@ _FAMILY_CONFIG_PARSERS = {
     "Gemma3ForCausalLM": "batchllm.model.gemma_config",
     "Gemma3ForConditionalGeneration": "batchllm.model.gemma_config",
     "Phi3ForCausalLM": "batchllm.model.phi3_config",
+    "MixtralForCausalLM": "batchllm.model.moe_config",
+    "Qwen2MoeForCausalLM": "batchllm.model.moe_config",
+    "Qwen3MoeForCausalLM": "batchllm.model.moe_config",
 }
 
 
@@ -86,6 +92,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # the rotated leading part of each head; None: all of head_dim (Phi-4-mini)
     local_rope_theta: float | None = None  # the RoPE base of windowed layers when it differs (Gemma 3)
     local_rope_scaling: RopeScaling | None = None
+    moe: MoEConfig | None = None  # the experts of a Mixture-of-Experts family (moe_config.py); None: dense
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

@@ -8,6 +8,8 @@ tells the loader how HF tensors map onto the fused parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -71,10 +73,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the layer's MLP when it is not the dense gated one (a MoE block, moe.py)."""
         super().__init__()
         self.self_attn = LlamaSelfAttention(config, rotary_emb, quant_config, sliding_window)
-        self.mlp = LlamaMLP(config, quant_config)
+        self.mlp = LlamaMLP(config, quant_config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,7 +100,9 @@ class HeldElsewhere(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None,
+                 layer_mlp: Callable[[ModelConfig, QuantConfig | None, int], nn.Module] | None = None) -> None:
+        """`layer_mlp(config, quant_config, i)`: layer i's MLP (MoE families); None: Llama's everywhere."""
         super().__init__()
         pp = get_pp()
         self.stage = StagePlan(config, pp.rank, pp.size)
@@ -108,7 +113,8 @@ class LlamaModel(nn.Module):
         # Windowed layers (Mistral, Qwen2 with use_sliding_window) mask keys outside their window; the hybrid KV
         # cache (engine/kv_groups.py) frees the blocks no window sees any more.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, quant_config, config.layer_sliding_window(i))
+            LlamaDecoderLayer(config, rotary_emb, quant_config, config.layer_sliding_window(i),
+                              None if layer_mlp is None else layer_mlp(config, quant_config, i))
             if self.stage.holds_layer(i) else HeldElsewhere() for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
@@ -158,12 +164,16 @@ class LlamaForCausalLM(nn.Module):
         and the LM head are never quantized."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config)
+        self.model = LlamaModel(config, quant_config, self.layer_mlp)
         # Tied models read logits off the embedding table instead of holding a second copy.
         self.lm_head = (
             None if config.tie_word_embeddings or not self.model.stage.is_last or config.num_labels
             else LMHead(config.vocab_size, config.hidden_size)
         )
+
+    def layer_mlp(self, config: ModelConfig, quant_config: QuantConfig | None, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s MLP: the dense gated one here; MoE families (moe.py) put their experts here."""
+        return LlamaMLP(config, quant_config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:

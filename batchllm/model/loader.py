@@ -15,6 +15,7 @@ from torch import nn
 from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
+from batchllm.model.layers.fused_moe import expert_checkpoint_name, expert_target
 from batchllm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from batchllm.model.quantization import check_on_load, resolve_quantization
 from batchllm.model.quantization.checkpoint import kv_scale_target
@@ -100,6 +101,8 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
     which reads the weight's other tensors (scales, zero points) itself."""
     packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
     fused: dict[str, tuple[Hashable, ...]] = getattr(model, "fused_checkpoint_modules", {})
+    # MoE families: an expert's projection name → its part of the stacked experts (layers/fused_moe.py).
+    experts: dict[str, str] = getattr(model, "expert_checkpoint_projections", {})
     held_elsewhere = getattr(model, "held_elsewhere", None)  # pipeline parallelism: another stage's tensors
     rename = _checkpoint_renamer(model)
     params = dict(model.named_parameters())
@@ -133,7 +136,9 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                     setattr(modules[kv_scale[0]], kv_scale[1], float(read(name)))
                     continue
                 whole = CheckpointSlice(checkpoint.get_slice(stored))
-                for target, shard_id, tensor in _shards(name, whole, packed, fused, modules):
+                expert = expert_target(name, experts) if experts else None
+                shards = [(*expert, whole)] if expert else _shards(name, whole, packed, fused, modules)
+                for target, shard_id, tensor in shards:
                     module_name, _, kind = target.rpartition(".")
                     layer = modules.get(module_name)
                     method = getattr(layer, "quant_method", None)
@@ -158,7 +163,8 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                         raise ValueError(f"{file.name}: {stored}: {exc}") from None
                     loaded.add((target, shard_id))
     expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "checkpoint_shapes", [None])}
-    missing = sorted(_checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
+    missing = sorted(expert_checkpoint_name(name, shard, experts) if isinstance(shard, tuple)
+                     else _checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match {config.architecture}: "
@@ -171,13 +177,17 @@ def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str | None]:
     """A checkpoint tensor's name → the name the model's parameters go by, or None for a tensor of a part the
     model does not serve. A model class whose checkpoints nest it in a bigger model (the language model of a
     multimodal checkpoint) lists `checkpoint_prefix_renames` (stored prefix → ours) and
-    `checkpoint_skipped_prefixes` (the other parts); any other class reads names as stored."""
+    `checkpoint_skipped_prefixes` (the other parts), and one whose checkpoints name a module otherwise
+    `checkpoint_module_renames` (Mixtral's `.block_sparse_moe.` → `.mlp.`); any other class reads names as stored."""
     renames: dict[str, str] = getattr(model, "checkpoint_prefix_renames", {})
+    module_renames: dict[str, str] = getattr(model, "checkpoint_module_renames", {})  # anywhere in the name
     skipped: tuple[str, ...] = getattr(model, "checkpoint_skipped_prefixes", ())
 
     def rename(stored: str) -> str | None:
         if stored.startswith(skipped):
             return None
+        for theirs, ours in module_renames.items():
+            stored = stored.replace(theirs, ours)
         for prefix, ours in renames.items():
             if stored.startswith(prefix):
                 return ours + stored[len(prefix):]

@@ -8,6 +8,7 @@ from torch import nn
 
 from batchllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from batchllm.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
+from batchllm.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from batchllm.model.phi3 import Phi3ForCausalLM
 
 # Llama, Mistral, Qwen2 and Qwen3 share one implementation (their differences are ModelConfig flags); Phi-3 is
@@ -25,6 +26,9 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)

@@ -154,8 +154,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
 
 
 def test_unsupported_architecture_names_the_closest_supported_one(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"'Qwen3MoeForCausalLM' is not supported.*closest supported one is "
+    # Qwen3-Next (hybrid linear attention) is not served; Qwen3-MoE, once the example here, now is.
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' is not supported.*closest supported one is "
                                          r"'Qwen3ForCausalLM'"):
         load_model(tmp_path, "cpu", torch.float32)
 

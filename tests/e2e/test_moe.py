@@ -1,0 +1,155 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE end to end against HF transformers on tiny checkpoints it writes itself.
+
+Mixtral: 2 layers of 4 experts, top-2, always renormalised. Qwen2-MoE: 3 layers, the middle one dense
+(`mlp_only_layers=[1]`), 8 experts, top-2 not renormalised, a shared expert with its sigmoid gate, q/k/v biases.
+Qwen3-MoE: 4 layers, every second one sparse (`decoder_sparse_step=2`), 8 experts, top-2 renormalised, q/k norms.
+The reference is HF `generate` (eager attention, float32), one prompt at a time; the fixture first checks on HF
+alone that the routing matters (another top-k changes the greedy tokens), or a model ignoring it would pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from batchllm import LLM, SamplingParams
+from batchllm.distributed import parallel_state
+from batchllm.kernels import moe_reference
+from batchllm.model.config import ModelConfig
+from batchllm.model.layers.fused_moe import FusedMoE
+from batchllm.model.loader import load_model
+from tests.e2e.test_gemma import _hf_greedy
+from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
+from tests.unit.test_model_vs_hf import PagedRunner, hf_logits, save_tiny_checkpoint
+
+SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+             max_position_embeddings=256, num_experts_per_tok=2)
+FAMILIES = {
+    "mixtral": lambda: MixtralConfig(**SHAPE, intermediate_size=32, num_hidden_layers=2, num_local_experts=4),
+    "qwen2-moe": lambda: Qwen2MoeConfig(**SHAPE, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                                        num_experts=8, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                        norm_topk_prob=False),
+    "qwen3-moe": lambda: Qwen3MoeConfig(**SHAPE, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+                                        num_experts=8, decoder_sparse_step=2, norm_topk_prob=True),
+}
+SPARSE_LAYERS = {"mixtral": [0, 1], "qwen2-moe": [0, 2], "qwen3-moe": [1, 3]}
+
+
+@dataclass
+class Family:
+    name: str
+    directory: Path
+    hf: torch.nn.Module
+    expected: list[list[int]]  # HF's greedy tokens of `_prompts()`
+    expected_logprobs: list[list[float]]
+
+
+def _hf_model(directory, **overrides):
+    config = AutoConfig.from_pretrained(directory)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> Family:
+    directory = tmp_path_factory.mktemp(request.param)
+    save_tiny_checkpoint(FAMILIES[request.param](), directory)
+    hf = _hf_model(directory)
+    expected, logprobs = _hf_greedy(hf, _prompts())
+    # Routing each token to one expert instead of two must change the tokens.
+    assert _hf_greedy(_hf_model(directory, num_experts_per_tok=1), _prompts()[:2])[0] != expected[:2]
+    return Family(request.param, directory, hf, expected, logprobs)
+
+
+def test_config_reads_which_layers_are_sparse(family) -> None:
+    config = ModelConfig.from_dir(family.directory)
+    hf_sparse = [i for i, layer in enumerate(family.hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i in range(config.num_layers) if config.moe.is_sparse(i)] == hf_sparse == SPARSE_LAYERS[family.name]
+    assert config.moe.num_experts_per_tok == 2 and config.sliding_window is None
+
+
+def test_teacher_forced_logits_equal_hf(family) -> None:
+    """Each prompt fed in chunks of 10 (each reading the earlier chunks' K/V back from the paged cache), against
+    HF's logits of the whole prompt in one pass."""
+    model, config = load_model(family.directory, "cpu", torch.float32)
+    runner = PagedRunner(model, config, num_blocks=64, block_size=8)
+    for seq_id, prompt in enumerate(_prompts()):
+        chunks = [runner.step([(seq_id, prompt[start:start + 10], start)])[0] for start in range(0, len(prompt), 10)]
+        ours, reference = torch.cat(chunks).log_softmax(-1), hf_logits(family.hf, prompt).log_softmax(-1)
+        # Float32 on both sides, sums in another order (HF adds the experts' outputs one by one in float32, we
+        # accumulate them in float32 too): differences of 1e-6; a wrong routing weight or expert moves them by
+        # tenths.
+        assert torch.allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_greedy_and_logprobs_equal_hf(family) -> None:
+    llm = LLM(str(family.directory), enable_prefix_caching=False, **ENGINE)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
+    assert [o.token_ids for o in outputs] == family.expected
+    logprobs = [[step[token].logprob for token, step in zip(o.token_ids, o.logprobs)] for o in outputs]
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(family.expected_logprobs), atol=1e-4, rtol=0)
+
+
+def test_greedy_equals_hf_under_chunked_prefill_and_a_cached_prefix(family) -> None:
+    """A 10-token budget chunks every prompt; the last two prompts share a 33-token prefix whose whole blocks
+    the second reads from the prefix cache."""
+    llm = LLM(str(family.directory), enable_prefix_caching=True, max_num_batched_tokens=10, **ENGINE)
+    prompts = _prompts()
+    first = _greedy(llm, prompts[:3])
+    hits_before = llm.stats.prefix_cache_hits
+    second = _greedy(llm, prompts[3:])
+    assert llm.stats.prefix_cache_hits - hits_before >= 32
+    assert first + second == family.expected
+
+
+def test_greedy_equals_hf_under_preemption(family) -> None:
+    # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four.
+    llm = LLM(str(family.directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+    llm.runner.kv_cache.tensor.fill_(float("nan"))  # a read of a slot no step wrote turns what follows into NaN
+    assert _greedy(llm, _prompts()) == family.expected
+    assert llm.stats.num_preemptions > 0
+
+
+def test_greedy_equals_hf_with_tensor_parallelism(family) -> None:
+    """TP=2 (gloo, two worker processes): each rank holds half of every expert's intermediate features (and of
+    the shared expert's), the router whole; the experts' partial sums are all-reduced."""
+    llm = LLM(str(family.directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    assert _greedy(llm, _prompts()) == family.expected
+    llm.shutdown()
+
+
+def test_fused_moe_weight_loader_shards_each_expert_over_tensor_parallel_ranks(monkeypatch) -> None:
+    """Rank r holds rows [r * I/2, (r + 1) * I/2) of each expert's gate and up projections (in the first and
+    second half of w13[e]) and the same columns of its down projection; the ranks' partial outputs add up to
+    each token's experts computed by hand from the full per-expert tensors."""
+    experts, hidden, inter, tokens = 4, 16, 8, 10
+    gen = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(experts, inter, hidden, generator=gen), torch.randn(experts, inter, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    partials = []
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "_state", parallel_state.TensorParallel(rank, 2))
+        layer = FusedMoE(experts, 2, hidden, inter, renormalize=False)
+        for e in range(experts):
+            for part, full in (("gate", w1[e]), ("up", w3[e]), ("down", w2[e])):
+                param = layer.w2_weight if part == "down" else layer.w13_weight
+                param.weight_loader(param, full, (e, part))
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        assert torch.equal(layer.w13_weight[:, :inter // 2], w1[:, half])
+        assert torch.equal(layer.w13_weight[:, inter // 2:], w3[:, half])
+        assert torch.equal(layer.w2_weight, w2[:, :, half])
+        partials.append(moe_reference.fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids))
+    expected = torch.stack([sum(weights[t, k] * (w2[e] @ (torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])))
+                                for k, e in enumerate(ids[t].tolist())) for t in range(tokens)])
+    assert torch.allclose(partials[0] + partials[1], expected, atol=1e-4)
+    assert not torch.allclose(partials[0], expected, atol=1e-1)
