@@ -157,12 +157,10 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
 def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:
     """The hybrid KV cache's groups (kv_groups.py) for a model with sliding-window layers; None, every block kept,
     where it is switched off or not yet built for the configuration: a host tier or P/D link (their connectors move
-    one table per request), pipeline stages (each would hold a share of the groups' slots), a proposer with K/V of
-    its own (its passes read one table)."""
+    one table per request), a proposer with K/V of its own (its passes read one table)."""
     windows = [model_config.layer_sliding_window(layer) for layer in range(model_config.num_layers)]
     spec = config.speculative
     if (not config.cache.hybrid_kv_cache or all(window is None for window in windows) or config.cache.swap_space
-            or config.kv_transfer.disaggregated is not None or config.parallel.pipeline_parallel_size > 1
-            or (spec is not None and spec.method != NGRAM)):
+            or config.kv_transfer.disaggregated is not None or (spec is not None and spec.method != NGRAM)):
         return None
     return plan_kv_groups(windows)

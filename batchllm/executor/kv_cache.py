@@ -35,7 +35,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
     pipeline stage's layers (with a hybrid `layout`: of one group's layers)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp().size)
-    num_slots = num_stage_layers(config) if layout is None else layout.num_slots
+    num_slots = num_stage_layers(config) if layout is None else len(stage_slots(config, layout))
     return 2 * num_slots * block_size * num_kv_heads * config.head_dim * element_size
 
 
@@ -44,14 +44,33 @@ def num_stage_layers(config: ModelConfig) -> int:
     return config.num_layers if pp.size == 1 else StagePlan(config, pp.rank, pp.size).num_layers
 
 
+def stage_layer_indices(config: ModelConfig) -> range:
+    pp = get_pp()
+    if pp.size == 1:
+        return range(config.num_layers)
+    plan = StagePlan(config, pp.rank, pp.size)
+    return range(plan.start, plan.end)
+
+
+def stage_slots(config: ModelConfig, layout: KVGroupLayout) -> dict[int, int]:
+    """The storage slots this pipeline stage's layers use, each to its index in the stage's pool: a stage holds
+    only those (all of them without pipeline parallelism)."""
+    used = sorted({layout.layer_slot[layer] for layer in stage_layer_indices(config)})
+    return {slot: index for index, slot in enumerate(used)}
+
+
 def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                       device: torch.device, dtype: torch.dtype, layout: KVGroupLayout | None = None) -> KVCache:
     """The pool, and each attention layer's view of it: its slot, read at its group's block ids (`kv_group`)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != num_stage_layers(config):
         raise RuntimeError(f"found {len(layers)} attention layers, the config says {num_stage_layers(config)}")
-    slots = range(len(layers)) if layout is None else layout.layer_slot
-    groups = [0] * len(layers) if layout is None else layout.layer_group
+    if layout is None:
+        slots, groups = list(range(len(layers))), [0] * len(layers)
+    else:
+        compact, indices = stage_slots(config, layout), stage_layer_indices(config)
+        slots = [compact[layout.layer_slot[layer]] for layer in indices]
+        groups = [layout.layer_group[layer] for layer in indices]
     tensor = torch.empty(2, max(slots) + 1, num_blocks, block_size, layers[0].num_kv_heads, config.head_dim,
                          dtype=dtype, device=device)
     for layer, slot, group in zip(layers, slots, groups, strict=True):

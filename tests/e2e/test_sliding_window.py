@@ -133,10 +133,13 @@ def test_greedy_equals_hf_under_preemption(family, hybrid, request) -> None:
     assert llm.stats.num_preemptions > 0
 
 
-@pytest.mark.parametrize("family", ["qwen2"], indirect=True)  # a full and a window group: both tables on each rank
-def test_greedy_equals_hf_with_tensor_parallel_two(family) -> None:
+# Qwen2 here: a full and a window group. Tensor parallelism: both tables on each rank; pipeline stages: stage 0
+# holds the full group's layers, stage 1 the window group's, each only its own storage slots.
+@pytest.mark.parametrize("family", ["qwen2"], indirect=True)
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_greedy_equals_hf_with_two_ranks(family, parallel) -> None:
     directory, expected, _ = family
-    llm = LLM(str(directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(directory), enable_prefix_caching=False, **{parallel: 2}, **ENGINE)
     assert _greedy(llm, _prompts()) == expected
 
 
