@@ -95,7 +95,8 @@ class OutputNames:
     """Names of the output columns.
 
     With the default output column they are `generated_text`, `finish_reason`, `prompt_tokens`,
-    `completion_tokens`, `error` (and `logprobs`, and `parsed` with parse_json=True). With
+    `completion_tokens`, `error` (and `logprobs`, `parsed` with parse_json=True, and `reasoning` from an engine
+    with a reasoning parser). With
     `output_column="answer"` the others get the prefix `answer_` (`answer_error`, ...), so a second
     `generate` over the same table can add its own columns without clobbering the first one's. Pooling tasks
     write `embedding`, `prompt_tokens` and `error` (prefixed the same way under another output column).
@@ -108,6 +109,7 @@ class OutputNames:
     error: str
     logprobs: str
     parsed: str
+    reasoning: str
 
     @classmethod
     def for_column(cls, output_column: str, default: str = DEFAULT_OUTPUT_COLUMN) -> OutputNames:
@@ -116,7 +118,7 @@ class OutputNames:
         prefix = "" if output_column == default else f"{output_column}_"
         return cls(output_column, *(prefix + name for name in
                                     ("finish_reason", "prompt_tokens", "completion_tokens", "error", "logprobs",
-                                     "parsed")))
+                                     "parsed", "reasoning")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,7 @@ class MapOptions:
     task: str = "generate"  # or a pooling task ("embed", "classify", "score"): a vector per row, nothing generated
     pooling: PoolingParams | None = None  # a pooling task's, set from the engine (`with_engine`)
     embedding_dim: int = 0  # the pooled vector's length, from the engine
+    reasoning: bool = False  # the engine has a reasoning parser: a `reasoning` column (`with_engine`)
 
     def __post_init__(self) -> None:
         if self.lora_column is not None and (not isinstance(self.lora_column, str) or not self.lora_column):
@@ -176,7 +179,14 @@ class MapOptions:
             raise ValueError(f"the engine was built with task={getattr(engine, 'task', 'generate')!r}, this call needs "
                              f"task={self.task!r}")
         if not self.pools:
-            return self
+            if getattr(engine, "reasoning_parser", None) is None:
+                return self
+            if self.schema_column is not None or self.sampling_params.structured_outputs is not None:
+                option = "schema_column" if self.schema_column is not None else "structured_outputs"
+                raise ValueError(f"structured outputs ({option}=) with the engine's reasoning_parser="
+                                 f"{engine.reasoning_parser.name!r} are not supported: the grammar would constrain "
+                                 f"the reasoning too")
+            return dataclasses.replace(self, reasoning=True)
         return dataclasses.replace(self, pooling=engine.pooling_params, embedding_dim=engine.embedding_dim)
 
     def output_names(self) -> list[str]:
@@ -188,6 +198,8 @@ class MapOptions:
             columns.append(names.logprobs)
         if self.parse_json:
             columns.append(names.parsed)
+        if self.reasoning:
+            columns.append(names.reasoning)
         return columns
 
     def check_input_columns(self, available: Sequence[str]) -> list[str]:
@@ -218,6 +230,8 @@ class MapOptions:
             identity["parse_json"] = True
         if self.lora_column is not None:
             identity["lora_column"], identity["loras"] = self.lora_column, [list(pair) for pair in self.loras]
+        if self.reasoning:
+            identity["reasoning"] = True
         return identity
 
 

@@ -13,6 +13,8 @@ all-error batch and every shard of a job share one schema:
   JSON-constrained, finished with "length" or does not parse. A string, not a struct: rows with different
   schemas (a schema column) have no common struct type, and even one schema's `oneOf`, `additionalProperties`
   or recursion have none. The pandas and list-of-dicts connectors turn it into Python objects.
+- `reasoning` (only from an engine with a reasoning parser): the completion's thinking, string (list<string> when
+  n > 1); null where the row failed or its output has no reasoning section. The text column then holds the answer.
 
 A failed row has null text, `finish_reason="error"` (`["error"] * n` when n > 1, so the column keeps one
 entry per sample), null `completion_tokens` and its `prompt_tokens` when the prompt could be tokenized.
@@ -93,6 +95,8 @@ def output_schema(options: MapOptions) -> pa.Schema:
         fields.append((options.names.logprobs, pa.list_(per_sample) if many else per_sample))
     if options.parse_json:
         fields.append((options.names.parsed, text))
+    if options.reasoning:
+        fields.append((options.names.reasoning, text))
     return pa.schema(fields)
 
 
@@ -118,6 +122,8 @@ def output_arrays(outcomes: list[RowOutcome], options: MapOptions) -> list[pa.Ar
         if options.parse_json:
             values.append(_per_sample(completions if outcome.json_constrained else None, many,
                                       lambda c: parsed_json_text(c.text, c.finish_reason, c.error)))
+        if options.reasoning:
+            values.append(_per_sample(completions, many, lambda c: c.reasoning))
         for column, value in zip(columns, values):
             column.append(value)
     return [pa.array(values, type=field.type) for values, field in zip(columns, output_schema(options))]

@@ -100,6 +100,7 @@ class LLM(PoolingCalls):
         ValueError carrying the grammar engine's message, if it cannot be compiled."""
         if self.engine.structured is None:
             raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
+        self.check_reasoning_with_constraints()
         self.engine.structured.check(params)
 
     def check_reasoning_with_constraints(self) -> None:
@@ -225,9 +226,6 @@ class LLM(PoolingCalls):
 
     def _check_call_wide(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> None:
         """One constraint for the whole call fails the call before generation; per-row ones fail their row."""
-        params_list = [sampling_params] if isinstance(sampling_params, SamplingParams) else sampling_params or []
-        if any(params.structured_outputs is not None for params in params_list):
-            self.check_reasoning_with_constraints()
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             self.check_structured_outputs(sampling_params.structured_outputs)
 

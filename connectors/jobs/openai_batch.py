@@ -252,8 +252,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def chat_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
-    return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-            "logprobs": chat_logprobs(completion, top_k), "finish_reason": completion.finish_reason}
+    message = {"role": "assistant", "content": completion.text}
+    if completion.reasoning is not None:  # a reasoning parser's split, named as vLLM's server names it
+        message["reasoning_content"] = completion.reasoning
+    return {"index": completion.index, "message": message, "logprobs": chat_logprobs(completion, top_k),
+            "finish_reason": completion.finish_reason}
 
 
 def chat_logprobs(completion: CompletionOutput, top_k: int | None) -> dict[str, Any] | None:
@@ -268,8 +271,11 @@ def chat_logprobs(completion: CompletionOutput, top_k: int | None) -> dict[str, 
 
 
 def text_choice(completion: CompletionOutput, top_k: int | None) -> dict[str, Any]:
-    return {"index": completion.index, "text": completion.text, "logprobs": text_logprobs(completion, top_k),
-            "finish_reason": completion.finish_reason}
+    choice = {"index": completion.index, "text": completion.text, "logprobs": text_logprobs(completion, top_k),
+              "finish_reason": completion.finish_reason}
+    if completion.reasoning is not None:
+        choice["reasoning_content"] = completion.reasoning
+    return choice
 
 
 def text_logprobs(completion: CompletionOutput, top_k: int | None, text_offset: int = 0) -> dict[str, Any] | None:

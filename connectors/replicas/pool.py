@@ -64,6 +64,7 @@ from batchllm.entrypoints.admission_order import admission_order
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import RequestOutput
+from batchllm.reasoning import reasoning_parser
 from batchllm.request_source import RequestSource
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
@@ -114,6 +115,7 @@ class ReplicaPool:
         self.pooling_params = resolve_pooling(self.model_path, model_config, self.task, config.pooling.pooling,
                                               config.pooling.normalize)
         self.embedding_dim = pooled_dim(model_config, self.pooling_params)
+        self.reasoning_parser = reasoning_parser(config.reasoning_parser)  # the replicas split; the doors add a column
         self.failures: list[ReplicaFailure] = []
         self.tokenizer: Any = None
         self.max_model_len = 0

@@ -16,6 +16,7 @@ from batchllm.engine_config import DEFAULTS
 from batchllm.entrypoints.cli.types import disaggregated_layout, speculative_config
 from batchllm.model.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from batchllm.pooling_params import POOLING_TYPES, TASKS
+from batchllm.reasoning import REASONING_PARSERS
 
 ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
@@ -24,7 +25,7 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
                       "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize",
-                      "disable_hybrid_kv_cache_manager")
+                      "disable_hybrid_kv_cache_manager", "reasoning_parser")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
@@ -74,6 +75,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["disable_hybrid_kv_cache_manager"],
                         help="engine: keep every block of sliding-window layers (by default a model with window "
                              "layers, e.g. Gemma, keeps only the blocks each window still sees)")
+    parser.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS),
+                        default=ENGINE_DEFAULTS["reasoning_parser"],
+                        help="engine: split a thinking model's output into its reasoning (a `reasoning` column, the "
+                             "server's `reasoning_content`) and the answer")
 
 
 class OneLineErrors(argparse.ArgumentParser):

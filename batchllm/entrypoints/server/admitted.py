@@ -1,7 +1,9 @@
 """The HTTP side's book of the requests it submitted: it turns the engine's `StepResults` (token ids, raw logprobs,
 pooled vectors) into each stream's events. Detokenisation happens here, off the engine: streamed text through
 `SampleProgress`, logprobs' tokens decoded, and the final `RequestOutput` built as `LLM.generate` builds it (its
-text decoded whole and cut at the stop string that ended it, `final_text`).
+text decoded whole and cut at the stop string that ended it, `final_text`). With a reasoning parser, each sample's
+streamed text goes through its `ReasoningStream` (updates carry reasoning and answer apart) and the final output is
+split as `LLM.generate` splits it.
 
 A pooling submission's stream gets one event, whose output is a `PoolingRequestOutput` (as `LLM.embed` returns it;
 aborted: outputs None and error `ABORTED`). Thread-safe: streams are added by the HTTP threads and the results
@@ -15,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchllm.engine.detokenizer import final_text
-from batchllm.entrypoints.output_assembly import complete, logprob_entries
+from batchllm.entrypoints.output_assembly import complete, decoding_params, logprob_entries, prompt_tail
 from batchllm.entrypoints.server.engine_driver import ABORTED
 from batchllm.entrypoints.server.engine_protocol import Observations, SampleDelta, SampleFinish, StepResults
 from batchllm.entrypoints.server.request_stream import RequestStream, SampleUpdate, StreamEvent
 from batchllm.entrypoints.server.sample_progress import SampleProgress
 from batchllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
+from batchllm.reasoning import ReasoningParser, ReasoningStream
 from batchllm.sampling_params import SamplingParams
 
 __all__ = ["ABORTED", "AdmittedRequests", "LoopObserver", "was_aborted"]
@@ -54,6 +57,7 @@ class _Sample:
     logprobs: list[Any] = field(default_factory=list)  # the engine's SampledTokens
     entries: list[dict[int, Logprob]] = field(default_factory=list)  # decoded, as far as they were needed
     completion: CompletionOutput | None = None
+    reasoning: ReasoningStream | None = None  # splits the streamed text, with a reasoning parser
 
 
 @dataclass(slots=True, eq=False)
@@ -64,11 +68,14 @@ class _Prompt:
     params: SamplingParams | PoolingParams
     incremental: bool
     samples: list[_Sample]  # empty for a pooling request
+    prompt_tail: str = ""  # where the prompt leaves a reasoning section open, with a reasoning parser
 
 
 class AdmittedRequests:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, reasoning_parser: ReasoningParser | None = None) -> None:
         self._tokenizer = tokenizer
+        # Splits outputs where there is text to split.
+        self._parser = reasoning_parser if tokenizer is not None else None
         self._backend = None if tokenizer is None else tokenizer.backend_tokenizer
         self._lock = threading.Lock()
         self._prompts: dict[str, _Prompt] = {}
@@ -78,12 +85,19 @@ class AdmittedRequests:
 
     def add(self, stream: RequestStream, token_ids: list[int], params: SamplingParams | PoolingParams,
             prompt_text: str | None, incremental: bool) -> None:
-        samples = []
+        samples, tail = [], ""
         if isinstance(params, SamplingParams):
-            samples = [_Sample(SampleProgress(f"{stream.prompt_id}.{i}", i, params, self._backend, incremental))
+            decoding = params if self._parser is None else decoding_params(self._parser, params)
+            samples = [_Sample(SampleProgress(f"{stream.prompt_id}.{i}", i, decoding, self._backend, incremental))
                        for i in range(params.n)]
+            if self._parser is not None:
+                tail = prompt_tail(self._tokenizer, token_ids)
+                if incremental:
+                    for sample in samples:
+                        sample.reasoning = self._parser.stream(self._parser.prompt_prefix(tail))
         with self._lock:
-            self._prompts[stream.prompt_id] = _Prompt(stream, prompt_text, token_ids, params, incremental, samples)
+            self._prompts[stream.prompt_id] = _Prompt(stream, prompt_text, token_ids, params, incremental, samples,
+                                                      tail)
 
     def apply(self, results: StepResults) -> None:
         """Deliver the events `results` make: per-step updates, last events, refusals."""
@@ -140,11 +154,24 @@ class AdmittedRequests:
             sample.logprobs += delta.logprobs
         finish = delta.finish
         if finish is None:
-            return SampleUpdate(delta.index, delta.token_ids, sample.progress.text_of(delta.token_ids),
-                                self._entries(prompt, sample, start))
-        sample.completion = self._completion(prompt, sample, finish)
-        return SampleUpdate(delta.index, delta.token_ids, sample.progress.rest_of(sample.completion.text),
-                            self._entries(prompt, sample, start), finish.reason, finish.stop_reason)
+            reasoning, text = self._split(sample, sample.progress.text_of(delta.token_ids), False)
+            return SampleUpdate(delta.index, delta.token_ids, text, self._entries(prompt, sample, start),
+                                reasoning=reasoning)
+        raw_text = final_text(self._tokenizer, sample.token_ids, self._decoding(prompt), finish.stop_reason)
+        sample.completion = self._completion(prompt, sample, finish, raw_text)
+        reasoning, text = self._split(sample, sample.progress.rest_of(raw_text), True)
+        return SampleUpdate(delta.index, delta.token_ids, text, self._entries(prompt, sample, start), finish.reason,
+                            finish.stop_reason, reasoning)
+
+    def _decoding(self, prompt: _Prompt) -> SamplingParams:
+        return prompt.params if self._parser is None else decoding_params(self._parser, prompt.params)
+
+    @staticmethod
+    def _split(sample: _Sample, text: str, last: bool) -> tuple[str, str]:
+        """(new reasoning, new answer) of a streamed sample's new text."""
+        if sample.reasoning is None:
+            return "", text
+        return sample.reasoning.finish(text) if last else sample.reasoning.feed(text)
 
     def _entries(self, prompt: _Prompt, sample: _Sample, start: int) -> list[dict[int, Logprob]] | None:
         """The decoded logprobs of the sample's tokens from `start` on (None: the request asked for none)."""
@@ -154,15 +181,17 @@ class AdmittedRequests:
             sample.entries.append(logprob_entries(token_id, sampled, self._tokenizer))
         return sample.entries[start:]
 
-    def _completion(self, prompt: _Prompt, sample: _Sample, finish: SampleFinish) -> CompletionOutput:
+    def _completion(self, prompt: _Prompt, sample: _Sample, finish: SampleFinish, text: str) -> CompletionOutput:
         params = prompt.params
         logprobs = cumulative = None
         if params.logprobs is not None:
             logprobs = self._entries(prompt, sample, 0)
             cumulative = sum(s.logprob for s in sample.logprobs if s.logprob is not None)
-        text = final_text(self._tokenizer, sample.token_ids, params, finish.stop_reason)
+        reasoning = None
+        if self._parser is not None:
+            reasoning, text = self._parser.split_output(prompt.prompt_tail, text)
         return CompletionOutput(sample.progress.index, text, sample.token_ids, cumulative, logprobs, finish.reason,
-                                finish.stop_reason, finish.error, finish.metrics)
+                                finish.stop_reason, finish.error, finish.metrics, reasoning)
 
 
 def was_aborted(output: RequestOutput | PoolingRequestOutput) -> bool:

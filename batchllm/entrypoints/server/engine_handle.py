@@ -35,7 +35,7 @@ class EngineHandle:
     def __init__(self, llm: Any, observer: LoopObserver | None = None) -> None:
         self.llm = llm
         self.observer = observer  # per-request measurements; build_app sets the server's metrics here
-        self._book = AdmittedRequests(llm.tokenizer)
+        self._book = AdmittedRequests(llm.tokenizer, getattr(llm, "reasoning_parser", None))
         self._lock = threading.Lock()  # submissions and aborts reach the engine in the order they were made
         self._accepting = True
         self._dead: BaseException | None = None

@@ -139,7 +139,8 @@ def launch_engines(launches: list[EngineLaunch], observer: LoopObserver | None =
             tokenizer, adapters = _http_side_of(path, launch.engine_kwargs)
             ready = _wait_ready(launch.name, process, results)
             engines.append(EngineProcess(launch.name, process, tasks, results, ready,
-                                         RemoteLLM(ready.info, tokenizer, adapters), observer))
+                                         RemoteLLM(ready.info, tokenizer, adapters,
+                                                   launch.engine_kwargs.get("reasoning_parser")), observer))
     except BaseException:
         for _, _, process, _, _ in started:
             if process.is_alive():

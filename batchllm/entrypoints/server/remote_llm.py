@@ -1,6 +1,6 @@
 """What the HTTP process knows of an engine that runs in another process: `RemoteLLM` quacks like the parts of `LLM`
 that the routes, the Batch API and its JSONL job read (task, tokenizer, model_path, max_model_len, pooling_params,
-embedding_dim, quantization, kv_cache_dtype, max_num_seqs, check_lora, encode_requests). The tokenizer
+embedding_dim, quantization, kv_cache_dtype, max_num_seqs, reasoning_parser, check_lora, encode_requests). The tokenizer
 is loaded here, as the engine loads it: prompts are tokenized, and outputs detokenized, in the HTTP process; adapters
 are checked here too (that needs the model's config only, and the engine was built alike).
 """
@@ -14,10 +14,12 @@ from batchllm.entrypoints.llm_inputs import encode_requests
 from batchllm.entrypoints.server.engine_protocol import EngineInfo
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
+from batchllm.reasoning import reasoning_parser
 
 
 class RemoteLLM:
-    def __init__(self, info: EngineInfo, tokenizer: Any, adapters: AdapterRegistry) -> None:
+    def __init__(self, info: EngineInfo, tokenizer: Any, adapters: AdapterRegistry,
+                 reasoning_parser_name: str | None = None) -> None:
         self.model_path = info.model_path
         self.task = info.task
         self.max_model_len = info.max_model_len
@@ -28,6 +30,7 @@ class RemoteLLM:
         self.num_blocks = info.num_blocks
         self.max_num_seqs = info.scheduler_config.max_num_seqs
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser(reasoning_parser_name)  # outputs are split here, as detokenized
         self._adapters = adapters
 
     def check_lora(self, lora_request: LoRARequest) -> None:

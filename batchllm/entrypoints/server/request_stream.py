@@ -40,6 +40,7 @@ class SampleUpdate:
     logprobs: SampleLogprobs | None = None  # one dict per new token, as in CompletionOutput.logprobs
     finish_reason: str | None = None  # set on the sample's last update: "stop", "length", "error" or "abort"
     stop_reason: int | str | None = None
+    reasoning: str = ""  # new reasoning, with a reasoning parser (`text` is then new answer text only)
 
 
 @dataclass(slots=True)

@@ -3,7 +3,9 @@ API's output lines use, `connectors.jobs.openai_batch`), and the server-sent eve
 
 Streamed choices are numbered as whole ones are: prompt * n + sample. A chat stream opens each choice with
 `{"role": "assistant", "content": ""}`; every update with text (or with logprobs, when asked for) is one chunk;
-a choice's last chunk carries its finish_reason. With `stream_options.include_usage` a chunk with empty choices
+a choice's last chunk carries its finish_reason. With a reasoning parser, new reasoning travels as the delta's
+`reasoning_content` (as vLLM's server sends it, and OpenAI-compatible clients read it) and only the answer as
+`content`. With `stream_options.include_usage` a chunk with empty choices
 and the usage comes last, before `data: [DONE]`.
 """
 
@@ -56,14 +58,16 @@ class ChunkWriter:
     def update(self, prompt_index: int, update: SampleUpdate) -> str | None:
         """The chunk of one sample's update, or None when it shows nothing yet (text held back, partial bytes)."""
         wants_logprobs = self.top_logprobs is not None and update.token_ids
-        if not (update.text or update.finish_reason or wants_logprobs):
+        if not (update.text or update.reasoning or update.finish_reason or wants_logprobs):
             return None
         index = prompt_index * self.n + update.index
         delta = CompletionOutput(index, update.text, update.token_ids, logprobs=update.logprobs)
         if self.chat:
             logprobs = chat_logprobs(delta, self.top_logprobs) if wants_logprobs else None
-            choice = {"index": index, "delta": {"content": update.text} if update.text else {}, "logprobs": logprobs,
-                      "finish_reason": update.finish_reason}
+            message = {"content": update.text} if update.text else {}
+            if update.reasoning:
+                message["reasoning_content"] = update.reasoning
+            choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": update.finish_reason}
         else:
             logprobs = None
             if wants_logprobs:
@@ -71,6 +75,8 @@ class ChunkWriter:
                 self._text_offsets[index] = (logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                                              if logprobs["tokens"] else self._text_offsets.get(index, 0))
             choice = {"index": index, "text": update.text, "logprobs": logprobs, "finish_reason": update.finish_reason}
+            if update.reasoning:
+                choice["reasoning_content"] = update.reasoning
         return self._chunk(choice)
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
