@@ -79,25 +79,22 @@ def check(got: torch.Tensor, args: dict, activation: str, swiglu_limit: float | 
     torch.testing.assert_close(got.double(), expected.double(), atol=TOLERANCE[got.dtype] * scale, rtol=0)
 
 
-def _routings() -> dict[str, torch.Tensor]:
+def _routings() -> dict[str, tuple[torch.Tensor, int]]:
+    """Name -> (topk_ids, number of experts)."""
     gen = torch.Generator().manual_seed(0)
     return {
-        "decode T=1 k=2 (6 of 8 experts unchosen)": random_routing(1, 2, 8, gen),
-        "T=9 k=2, 3 of 8 experts chosen": random_routing(9, 2, 8, gen, allowed=[1, 5, 6]),
-        "one expert takes every token, k=1": torch.full((20, 1), 2),
-        "one expert in every token's slots, k=2": torch.stack([torch.full((12,), 3), torch.arange(12) % 3], 1),
-        "uneven segments 17, 1, 0, 33": segments_routing([17, 1, 0, 33], gen),
-        "k=4 of 6 experts": random_routing(6, 4, 6, gen),
-        "32-row blocks": random_routing(40, 2, 2, gen),
-        "64-row blocks, a partial last one": random_routing(70, 2, 2, gen),
+        "decode T=1 k=2 (6 of 8 experts unchosen)": (random_routing(1, 2, 8, gen), 8),
+        "T=9 k=2, 3 of 8 experts chosen": (random_routing(9, 2, 8, gen, allowed=[1, 5, 6]), 8),
+        "one expert takes every token, k=1": (torch.full((20, 1), 2), 4),
+        "one expert in every token's slots, k=2": (torch.stack([torch.full((12,), 3), torch.arange(12) % 3], 1), 4),
+        "uneven segments 17, 1, 0, 33": (segments_routing([17, 1, 0, 33], gen), 4),
+        "k=4 of 6 experts": (random_routing(6, 4, 6, gen), 6),
+        "32-row blocks": (random_routing(40, 2, 2, gen), 2),
+        "64-row blocks, a partial last one": (random_routing(70, 2, 2, gen), 2),
     }
 
 
 ROUTINGS = _routings()
-NUM_EXPERTS = {"decode T=1 k=2 (6 of 8 experts unchosen)": 8, "T=9 k=2, 3 of 8 experts chosen": 8,
-               "one expert takes every token, k=1": 4, "one expert in every token's slots, k=2": 4,
-               "uneven segments 17, 1, 0, 33": 4, "k=4 of 6 experts": 6, "32-row blocks": 2,
-               "64-row blocks, a partial last one": 2}
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -107,7 +104,7 @@ NUM_EXPERTS = {"decode T=1 k=2 (6 of 8 experts unchosen)": 8, "T=9 k=2, 3 of 8 e
 def test_triton_against_reference(routing, activation, swiglu_limit, bias):
     fused_moe_triton = _fused_moe_triton()
     # H = 80 and I = 72: two 64-wide tiles, the last one short, in every N and K loop; the limit 0.8 clamps.
-    args = make_moe(ROUTINGS[routing], NUM_EXPERTS[routing], 80, 72, torch.float32, bias, seed=1,
+    args = make_moe(*ROUTINGS[routing], 80, 72, torch.float32, bias, seed=1,
                     strided=routing.startswith("uneven"))
     check(fused_moe_triton(**args, activation=activation, swiglu_limit=swiglu_limit), args, activation, swiglu_limit)
 
@@ -115,13 +112,14 @@ def test_triton_against_reference(routing, activation, swiglu_limit, bias):
 @pytest.mark.parametrize("routing", ["T=9 k=2, 3 of 8 experts chosen", "uneven segments 17, 1, 0, 33"])
 def test_triton_float16(routing):
     fused_moe_triton = _fused_moe_triton()
-    args = make_moe(ROUTINGS[routing], NUM_EXPERTS[routing], 80, 72, torch.float16, bias=True, seed=2)
+    args = make_moe(*ROUTINGS[routing], 80, 72, torch.float16, bias=True, seed=2)
     check(fused_moe_triton(**args, activation="silu"), args, "silu", None)
 
 
 def test_triton_int32_ids_and_no_tokens():
     fused_moe_triton = _fused_moe_triton()
-    args = make_moe(ROUTINGS["k=4 of 6 experts"].to(torch.int32), 6, 80, 72, torch.float32, bias=False, seed=3)
+    ids, num_experts = ROUTINGS["k=4 of 6 experts"]
+    args = make_moe(ids.to(torch.int32), num_experts, 80, 72, torch.float32, bias=False, seed=3)
     check(fused_moe_triton(**args), args, "silu", None)
     empty = make_moe(torch.zeros(0, 2, dtype=torch.long), 4, 80, 72, torch.float32, bias=False, seed=3)
     assert fused_moe_triton(**empty).shape == (0, 80)
@@ -163,7 +161,8 @@ def test_alignment_blocks_hold_one_expert_each(block_m):
     row_experts = block_experts[:rows // block_m].repeat_interleave(block_m)
     assert torch.equal(row_experts[real], flat[sorted_pairs[:rows][real].long()].int())
     counts = torch.bincount(flat, minlength=16)
-    assert block_experts[:rows // block_m].tolist() == [e for e in range(16) for _ in range(-(-int(counts[e]) // block_m))]
+    blocks_per_expert = [-(-int(counts[e]) // block_m) for e in range(16)]
+    assert block_experts[:rows // block_m].tolist() == [e for e in range(16) for _ in range(blocks_per_expert[e])]
 
 
 @pytest.mark.gpu
