@@ -297,3 +297,15 @@ def test_greedy_equals_hf_with_ngram_speculation(family) -> None:
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     assert _greedy(llm, _prompts()) == family.expected
     assert llm.stats.num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_equals_hf_on_the_gpu(family) -> None:
+    """Soft-caps, the score scale and head_dim 32 in the Triton kernels, CUDA graphs, and the hybrid KV cache's
+    groups (Gemma 3: a full group beside window groups) in float32 against HF on the CPU; the pool NaN-filled, so
+    a read of a slot no step wrote shows."""
+    llm = LLM(str(family.directory), enable_prefix_caching=False,
+              **{**ENGINE, "device": "cuda", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64})
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
+    assert _greedy(llm, _prompts()) == family.expected

@@ -151,3 +151,21 @@ def test_greedy_equals_hf_with_ngram_speculation(family) -> None:
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     assert _greedy(llm, _prompts()) == expected
     assert llm.stats.num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid-kv", "every-block-kept"])
+def test_greedy_and_logprobs_equal_hf_on_the_gpu(family, hybrid) -> None:
+    """The Triton kernels (a window skips the blocks before it), CUDA graphs and the hybrid KV cache's group
+    tables, in float32 (the kernels' dots in IEEE precision), against HF on the CPU; a NaN-filled pool catches a
+    read of any slot no step wrote."""
+    directory, expected, expected_logprobs = family
+    llm = LLM(str(directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
+              **{**ENGINE, "device": "cuda", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64})
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
+    with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
+    assert [o.token_ids for o in outputs] == expected
+    logprobs = [[step[token].logprob for token, step in zip(o.token_ids, o.logprobs)] for o in outputs]
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-3, rtol=0)
