@@ -11,13 +11,21 @@ from batchllm.model.config import ModelConfig, causal_lm_of
 @dataclass(frozen=True, slots=True)
 class ModelSize:
     """Parameters by role: `layers` (attention, MLP and their norms), the token `embedding`, the `head` a logits
-    row multiplies (tied to the embedding or not) and whether the checkpoint stores the head apart."""
+    row multiplies (tied to the embedding or not) and whether the checkpoint stores the head apart.
+    `active_layers`: the part of `layers` one token multiplies by, fewer than `layers` in a Mixture-of-Experts
+    model (only its top-k experts; None: all of them, a dense model)."""
 
     layers: int
     embedding: int
     head: int
     head_stored: bool
     final_norm: int
+    active_layers: int | None = None
+
+    @property
+    def active(self) -> int:
+        """The decoder-layer parameters a token's forward pass multiplies by (its FLOPs are twice this)."""
+        return self.layers if self.active_layers is None else self.active_layers
 
     @property
     def parameters(self) -> int:
@@ -26,7 +34,8 @@ class ModelSize:
 
 
 def model_size(config: ModelConfig) -> ModelSize:
-    """The parameter count of a Llama-family model (batchllm/model/llama.py) from its config alone."""
+    """The parameter count of a Llama-family model (batchllm/model/llama.py, and its MoE families, moe.py) from its
+    config alone."""
     h, heads, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     attention = h * heads * d + 2 * h * kv * d + heads * d * h
     if config.attention_bias:
@@ -37,5 +46,15 @@ def model_size(config: ModelConfig) -> ModelSize:
     norms = 2 * h + (2 * d if config.qk_norm else 0)
     classifier = causal_lm_of(config.architecture) != config.architecture
     head = config.num_labels * h if classifier else config.vocab_size * h
-    return ModelSize(config.num_layers * (attention + mlp + norms), config.vocab_size * h, head,
-                     classifier or not config.tie_word_embeddings, h)
+    layers = config.num_layers * (attention + mlp + norms)
+    active = None
+    if config.moe is not None:
+        moe = config.moe
+        sparse = sum(moe.is_sparse(i) for i in range(config.num_layers))
+        expert = 3 * h * moe.moe_intermediate_size
+        # A sparse layer: the router, the experts and the gated shared expert instead of the dense MLP.
+        block = h * moe.num_experts + (3 * h * moe.shared_expert_intermediate_size + h
+                                       if moe.shared_expert_intermediate_size else 0)
+        layers += sparse * (block + moe.num_experts * expert - mlp)
+        active = layers - sparse * (moe.num_experts - moe.num_experts_per_tok) * expert
+    return ModelSize(layers, config.vocab_size * h, head, classifier or not config.tie_word_embeddings, h, active)

@@ -7,10 +7,11 @@ and the device are not assumed to overlap). What it assumes:
 - Size: the parameter count follows from config.json (`model_size`, equal to what the checkpoint holds);
   no weight is read. Linear layers sit on the device at `linear_weight_bits` (FP8: 8, 4-bit checkpoints on a
   GPU: 4), the rest at the run's dtype.
-- Prefill: 2 FLOPs per decoder-layer weight per prompt token, causal attention 2 * layers * q_dim * L^2 per
-  prompt of L tokens, the LM head once per prompt; steps of max_num_batched_tokens each read the weights once.
+- Prefill: 2 FLOPs per active decoder-layer weight (of a MoE model's experts, the top-k) per prompt token,
+  causal attention 2 * layers * q_dim * L^2 per prompt of L tokens, the LM head once per prompt; steps of
+  max_num_batched_tokens each read the weights once.
 - Decode: min(max_num_seqs, sequences, sequences the KV pool holds at their mean length) run at once, every
-  step reading all weights and each sequence's K/V, 2 FLOPs per matmul weight and 4 * layers * q_dim per
+  step reading all weights and each sequence's K/V, 2 FLOPs per active matmul weight and 4 * layers * q_dim per
   context token per sequence. Every sequence generates all its max_tokens: an upper bound (EOS stops most
   rows earlier). Prefill and decode are added, not overlapped; pooling tasks (embed, classify) only prefill.
 - GPUs: the data-sheet peaks below (dense bf16 / fp16 tensor FLOP/s, memory bandwidth), of which 50 % and
@@ -142,7 +143,7 @@ def estimate_run(work: Workload, engine: Any, machine: Machine) -> Estimate:
     prefill_steps = math.ceil(work.prompt_tokens / engine.max_num_batched_tokens)
     prefill = 0.0
     if prefill_steps:
-        flops = (2 * size.layers * work.prompt_tokens + 2 * config.num_layers * q_dim * work.prompt_tokens_squared
+        flops = (2 * size.active * work.prompt_tokens + 2 * config.num_layers * q_dim * work.prompt_tokens_squared
                  + 2 * head * work.prompts)
         # One roofline over all prefill steps; each step's own host work on top.
         prefill = (step(flops, prefill_steps * weight_bytes, 0, work.prompts)
@@ -155,7 +156,7 @@ def estimate_run(work: Workload, engine: Any, machine: Machine) -> Estimate:
         if engine.kv_cache_tokens is not None:
             concurrency = max(1, min(concurrency, int(engine.kv_cache_tokens // (mean_prompt + mean_output))))
         context = mean_prompt + mean_output / 2
-        flops = concurrency * (2 * (size.layers + head) + 4 * config.num_layers * q_dim * context)
+        flops = concurrency * (2 * (size.active + head) + 4 * config.num_layers * q_dim * context)
         kv_read = concurrency * context * kv_bytes_per_token
         decode = math.ceil(work.output_tokens / concurrency) * step(flops, weight_bytes, kv_read, concurrency)
     return Estimate(prefill / machine.devices, decode / machine.devices, concurrency, machine)
