@@ -56,6 +56,7 @@ class LLMPredictor:
                                   if key not in _ENGINE_OPTIONS and key != "data_parallel_size"}
         self._generate_options.setdefault("use_tqdm", False)  # a bar per batch would flood the actor's log
         self.llm = get_llm(options.get("model"), None, options.get("engine_kwargs"))
+        self.map_options = self.map_options.with_engine(self.llm)  # the engine's columns too (reasoning)
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, Mapping):

@@ -111,3 +111,20 @@ def test_openai_batch_job_has_reasoning_content(llm, tmp_path):
     assert answers["chat"] == {"role": "assistant", "content": thinking.text, "reasoning_content": thinking.reasoning}
     assert thinking.reasoning
     assert answers["plain"] == {"role": "assistant", "content": reference[1].outputs[0].text}
+
+
+def test_ray_predictor_numpy_batches_keep_the_reasoning_column(llm):
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("ray")
+    from batchllm.connectors.engine_cache import clear_engine_cache
+    from batchllm.ray import LLMPredictor
+
+    predictor = LLMPredictor(prompt_column="q", engine_kwargs={"reasoning_parser": "qwen3", "num_kv_blocks": 96,
+                                                               "device": "cpu"}, **FIELDS)
+    try:
+        out = predictor({"q": np.array([THINKING, PLAIN])})
+    finally:
+        clear_engine_cache()
+    reference = llm.generate([THINKING, PLAIN], SamplingParams(**FIELDS), use_tqdm=False)
+    assert out["generated_text"].tolist() == [r.outputs[0].text for r in reference]
+    assert out["reasoning"][0] == reference[0].outputs[0].reasoning and out["reasoning"][1] is None
