@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import triton
 
-from batchllm.kernels.fused_moe import fused_moe_triton
+from batchllm.kernels.moe import fused_moe_triton
 from batchllm.kernels.moe_reference import fused_moe
 
 # name: (experts, top-k, hidden, expert intermediate, activation)

@@ -29,7 +29,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 def _fused_moe_triton():
     pytest.importorskip("triton")
-    from batchllm.kernels.fused_moe import fused_moe_triton
+    from batchllm.kernels.moe import fused_moe_triton
 
     return fused_moe_triton
 
@@ -134,7 +134,7 @@ def test_triton_refuses_an_unknown_activation():
 
 def test_alignment_by_hand():
     pytest.importorskip("triton")
-    from batchllm.kernels.fused_moe import align_pairs_by_expert
+    from batchllm.kernels.moe import align_pairs_by_expert
 
     # Pairs (token * k + slot): 0 -> e2, 1 -> e0, 2 -> e2, 3 -> e1, 4 -> e0, 5 -> e2; expert 3: none. Blocks of 4:
     # e0's pairs 1, 4 then two padding rows (sentinel 6), e1's 3 and three, e2's 0, 2, 5 and one. The bound on
@@ -150,7 +150,7 @@ def test_alignment_by_hand():
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_alignment_blocks_hold_one_expert_each(block_m):
     pytest.importorskip("triton")
-    from batchllm.kernels.fused_moe import align_pairs_by_expert
+    from batchllm.kernels.moe import align_pairs_by_expert
 
     ids = random_routing(50, 4, 16, torch.Generator().manual_seed(5), allowed=list(range(0, 16, 3)))
     sorted_pairs, block_experts, num_rows = align_pairs_by_expert(ids, 16, block_m)
@@ -181,3 +181,13 @@ def test_triton_bfloat16_on_gpu(num_tokens, activation, bias, num_experts, top_k
     check(got, args, activation, limit)
     if kernels.triton_enabled():  # the dispatch takes the kernel on CUDA
         assert torch.equal(kernels.fused_moe(**args, activation=activation, swiglu_limit=limit), got)
+
+
+def test_dispatch_functions_survive_the_kernel_modules_import():
+    """Importing a kernel module binds it as an attribute of the package: one named like a dispatch function
+    (kernels/fused_moe.py once did) would replace that function after Triton's first use."""
+    from batchllm import kernels
+
+    kernels._triton()
+    assert all(callable(getattr(kernels, name)) and not isinstance(getattr(kernels, name), type(kernels))
+               for name in kernels.__all__)
