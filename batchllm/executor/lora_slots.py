@@ -21,7 +21,7 @@ from batchllm.executor.input_batch import StagedBuffer
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.lora import LoRABatch, LoRASlots
-from batchllm.model.lora_adapter import LoRAAdapter, load_adapter
+from batchllm.model.lora_adapter import LoRAAdapter, LoRAError, load_adapter
 
 
 class LoRASlotManager:
@@ -38,13 +38,14 @@ class LoRASlotManager:
         self._targets: dict[tuple[int, str], tuple[torch.nn.Module, int, object]] = {}
         for index, layer in enumerate(model.model.layers):
             qkv, o_proj = layer.self_attn.qkv_proj, layer.self_attn.o_proj
-            gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
             q, kv = qkv.q_size, qkv.kv_size
             layouts = [(qkv, [(0, q), (q, kv), (q + kv, kv)], {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
-                       (o_proj, [(0, o_proj.output_size)], {"o_proj": None}),
-                       (gate_up, list(zip(gate_up.output_offsets, gate_up.output_sizes)),
-                        {"gate_proj": 0, "up_proj": 1}),
-                       (down, [(0, down.output_size)], {"down_proj": None})]
+                       (o_proj, [(0, o_proj.output_size)], {"o_proj": None})]
+            if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP; a MoE block (model/moe.py) takes no adapter
+                gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+                layouts += [(gate_up, list(zip(gate_up.output_offsets, gate_up.output_sizes)),
+                             {"gate_proj": 0, "up_proj": 1}),
+                            (down, [(0, down.output_size)], {"down_proj": None})]
             for linear, slices, modules in layouts:
                 linear.lora = LoRASlots(slices, linear.input_size, linear.output_size, max_loras, max_rank, dtype,
                                         device)
@@ -109,5 +110,8 @@ class LoRASlotManager:
         for layer in self._layers:
             layer.clear(slot)
         for key, (a, b) in adapter.weights.items():
+            if key not in self._targets:
+                raise LoRAError(f"LoRA adapter targets layer {key[0]}'s {key[1]}, but that layer's MLP is a mixture "
+                                f"of experts, which takes no adapter (its attention projections do)")
             linear, slice_index, shard_id = self._targets[key]
             linear.lora.write(slot, slice_index, *linear.lora_shard(shard_id, a, b))  # this rank's part, under TP

@@ -14,11 +14,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from batchllm import LLM, SamplingParams
+from batchllm import LLM, LoRARequest, SamplingParams
 from batchllm.distributed import parallel_state
 from batchllm.kernels import moe_reference
 from batchllm.model.config import ModelConfig
@@ -28,7 +29,7 @@ from batchllm.model.quantization.fp8_method import Fp8LinearMethod
 from batchllm.model.size import model_size
 from tests.e2e.test_fp8_vs_simulation import DECODER_LINEARS, SimulatedFP8Linear
 from tests.e2e.test_gemma import _hf_greedy
-from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
+from tests.e2e.test_sliding_window import ENGINE, GREEDY, MAX_NEW, _greedy, _prompts
 from tests.unit.test_model_vs_hf import PagedRunner, hf_logits, save_tiny_checkpoint
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
@@ -204,3 +205,24 @@ def test_experts_of_a_quantized_checkpoint_are_refused(family, tmp_path) -> None
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="MoE experts of a quantized checkpoint .*fp8-per-tensor.* not supported"):
         load_model(tmp_path, "cpu", torch.float32)
+
+
+def test_lora_on_attention_and_dense_mlps_equals_peft(family, tmp_path) -> None:
+    """A PEFT adapter on the attention projections and on the dense layers' MLPs (Qwen2-MoE's layer 1; a MoE block
+    takes none), both halves random, against PEFT's own greedy tokens on the HF model."""
+    targets = r".*layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+    if family.name == "qwen3-moe":  # PEFT turns MLP targets of Qwen3-MoE into targets of the experts' parameters
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = peft.get_peft_model(_hf_model(family.directory), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(tmp_path)
+    expected, _ = _hf_greedy(peft_model.eval(), _prompts())
+    assert expected != family.expected
+    llm = LLM(str(family.directory), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    outputs = llm.generate(_prompts(), GREEDY, lora_request=LoRARequest("all", 1, str(tmp_path)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
