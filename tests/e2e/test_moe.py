@@ -226,3 +226,35 @@ def test_lora_on_attention_and_dense_mlps_equals_peft(family, tmp_path) -> None:
     llm = LLM(str(family.directory), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
     outputs = llm.generate(_prompts(), GREEDY, lora_request=LoRARequest("all", 1, str(tmp_path)), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_sliding_windows_are_read_per_layer_as_hf_reads_them() -> None:
+    """Not on in the checkpoints above; each family's own rule, against what transformers builds: Mixtral passes
+    `config.sliding_window` to every layer's attention, the Qwen MoE attentions hold their own `sliding_window`
+    (Qwen3-MoE: every layer under use_sliding_window; Qwen2-MoE: every other layer below max_window_layers, here
+    from a config written before `layer_types`, which transformers now derives and writes)."""
+    hf_configs = [MixtralConfig(**SHAPE, num_hidden_layers=4, sliding_window=16),
+                  Qwen3MoeConfig(**SHAPE, num_hidden_layers=4, use_sliding_window=True, sliding_window=16),
+                  Qwen2MoeConfig(**SHAPE, num_hidden_layers=6, use_sliding_window=True, sliding_window=16,
+                                 max_window_layers=4)]
+    architectures = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
+    for hf_config, architecture in zip(hf_configs, architectures, strict=True):
+        hf_config.update(dict(moe_intermediate_size=8, num_experts=4, num_local_experts=4, intermediate_size=8))
+        attentions = [layer.self_attn for layer in AutoModelForCausalLM.from_config(hf_config).model.layers]
+        windows = ([hf_config.sliding_window] * len(attentions) if architecture == "MixtralForCausalLM"
+                   else [getattr(attention, "sliding_window", None) for attention in attentions])
+        assert windows.count(16) >= 2
+        hf = {**hf_config.to_dict(), "architectures": [architecture]}
+        hf.pop("layer_types", None)
+        config = ModelConfig.from_hf_dict(hf)
+        assert [config.layer_sliding_window(i) for i in range(config.num_layers)] == windows
+
+
+def test_dummy_weights_fill_every_expert(family) -> None:
+    """`load_format="dummy"` (the GPU benchmarks' random weights) fills each expert from its own seed."""
+    model, config = load_model(family.directory, "cpu", torch.float32, load_format="dummy")
+    experts = model.model.layers[SPARSE_LAYERS[family.name][0]].mlp.experts
+    assert experts.w13_weight.std() == pytest.approx(0.02, rel=0.1)
+    assert not torch.equal(experts.w13_weight[0], experts.w13_weight[1])
+    [logits] = PagedRunner(model, config).step([(0, list(range(40)), 0)])
+    assert logits.isfinite().all() and logits.std() > 0

@@ -93,14 +93,14 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.activation = num_experts, top_k, renormalize, activation
         self.intermediate_size = intermediate_size // self.tp.size  # this rank's, per expert
         size, experts = self.intermediate_size, range(num_experts)
+        gate_up = [(e, part) for e in experts for part in (GATE, UP)]
         # torch.empty: the checkpoint (or the dummy initialiser) fills every expert.
         self.w13_weight = loadable(torch.empty(num_experts, 2 * size, hidden_size), self.weight_loader,
-                                   {(e, part): (intermediate_size, hidden_size) for e in experts for part in (GATE, UP)})
+                                   {shard: (intermediate_size, hidden_size) for shard in gate_up})
         self.w2_weight = loadable(torch.empty(num_experts, hidden_size, size), self.weight_loader,
                                   {(e, DOWN): (hidden_size, intermediate_size) for e in experts})
         self.w13_bias = loadable(torch.empty(num_experts, 2 * size), self.weight_loader,
-                                 {(e, part): (intermediate_size,) for e in experts for part in (GATE, UP)}
-                                 ) if bias else None
+                                 {shard: (intermediate_size,) for shard in gate_up}) if bias else None
         self.w2_bias = loadable(torch.empty(num_experts, hidden_size), self.weight_loader,
                                 {(e, DOWN): (hidden_size,) for e in experts}) if bias else None
 
