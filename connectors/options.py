@@ -181,11 +181,6 @@ class MapOptions:
         if not self.pools:
             if getattr(engine, "reasoning_parser", None) is None:
                 return self
-            if self.schema_column is not None or self.sampling_params.structured_outputs is not None:
-                option = "schema_column" if self.schema_column is not None else "structured_outputs"
-                raise ValueError(f"structured outputs ({option}=) with the engine's reasoning_parser="
-                                 f"{engine.reasoning_parser.name!r} are not supported: the grammar would constrain "
-                                 f"the reasoning too")
             return dataclasses.replace(self, reasoning=True)
         return dataclasses.replace(self, pooling=engine.pooling_params, embedding_dim=engine.embedding_dim)
 

@@ -54,12 +54,6 @@ def stream_engine(llm: LLM, requests: Iterator[tuple | None], max_in_flight: int
                                            pooling=params)
                         continue
                     output = RequestOutput(prompt_id, text, token_ids, finished=False)
-                    refusal = _constraint_refusal(llm, params)
-                    if refusal is not None:  # this request alone fails, as the engine fails a bad constraint's
-                        complete(output, [CompletionOutput(s, "", [], finish_reason="error", error=refusal)
-                                          for s in range(params.n)])
-                        yield key, output
-                        continue
                     in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                     for sample in range(params.n):
                         fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
@@ -89,16 +83,6 @@ def stream_engine(llm: LLM, requests: Iterator[tuple | None], max_in_flight: int
                 while engine.has_unfinished():
                     engine.step()
             llm._last_call_seconds = time.perf_counter() - start
-
-
-def _constraint_refusal(llm: LLM, params: Any) -> str | None:
-    if params.structured_outputs is None:
-        return None
-    try:
-        llm.check_reasoning_with_constraints()
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 def _abort(engine: Any, in_flight: dict[str, _InFlight], pooled: dict[str, Any]) -> None:

@@ -75,6 +75,9 @@ class LLM(PoolingCalls):
         self.quantization, self.kv_cache_dtype = resolved.pinned_quantization, resolved.kv_cache_dtype
         self.tokenizer = resolved.tokenizer
         self.reasoning_parser = reasoning_parser(self.config.reasoning_parser)
+        structured = getattr(self.engine, "structured", None)
+        if structured is not None:  # the grammar constrains the answer, after the reasoning
+            structured.reasoning_parser = self.reasoning_parser
         self.reorder_by_prefix = self.config.reorder_by_prefix and self.config.cache.enable_prefix_caching
         lora = self.config.lora
         self._adapters = AdapterRegistry(resolved.model_config, lora.max_lora_rank, lora.enable_lora)
@@ -100,15 +103,7 @@ class LLM(PoolingCalls):
         ValueError carrying the grammar engine's message, if it cannot be compiled."""
         if self.engine.structured is None:
             raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
-        self.check_reasoning_with_constraints()
         self.engine.structured.check(params)
-
-    def check_reasoning_with_constraints(self) -> None:
-        """Structured outputs would constrain the reasoning as well as the answer: refused with a reasoning parser."""
-        if self.reasoning_parser is not None:
-            raise ValueError(f"structured outputs with reasoning_parser={self.reasoning_parser.name!r} are not "
-                             f"supported: the grammar would constrain the reasoning too (build the LLM without "
-                             f"reasoning_parser to constrain the whole output)")
 
     @property
     def max_model_len(self) -> int:

@@ -34,9 +34,19 @@ class ReasoningParser(ABC):
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, answer) of a completion's text, preceded by its `prompt_prefix`."""
 
+    @abstractmethod
+    def answer_offset(self, text: str) -> int | None:
+        """Where the answer starts in `text` (preceded by its `prompt_prefix`) once the reasoning has ended; None
+        before. Structured outputs constrain the tokens from there on (`engine/structured/reasoning_gate.py`)."""
+
     def prompt_prefix(self, prompt_tail: str) -> str:
         """The markers the prompt left open, to put before the output's text (the end of the prompt suffices)."""
         return ""
+
+    def prompt_skips_reasoning(self, prompt_tail: str) -> bool:
+        """The prompt ends with a reasoning section already closed (Qwen3's enable_thinking=False): the output is
+        all answer, and a grammar constrains it from its first token."""
+        return False
 
     def stream(self, prefix: str = "") -> ReasoningStream:
         return ReasoningStream(self, prefix)
@@ -63,8 +73,16 @@ class ThinkTagParser(ReasoningParser):
             return text[:end], text[end + len(self.end):]
         return None, text
 
+    def answer_offset(self, text: str) -> int | None:
+        end = text.find(self.end)
+        return None if end < 0 else end + len(self.end)
+
     def prompt_prefix(self, prompt_tail: str) -> str:
         return self.start if prompt_tail.rfind(self.start) > prompt_tail.rfind(self.end) else ""
+
+    def prompt_skips_reasoning(self, prompt_tail: str) -> bool:
+        end = prompt_tail.rfind(self.end)
+        return end > prompt_tail.rfind(self.start) and not prompt_tail[end + len(self.end):].strip()
 
 
 class Qwen3ReasoningParser(ThinkTagParser):
@@ -93,22 +111,29 @@ class HarmonyReasoningParser(ReasoningParser):
             return None, text
         reasoning: list[str] = []
         answer: list[str] = []
-        position = 0
-        while True:
-            header_end = text.find("<|message|>", position)
-            if header_end < 0:  # no message started (or only its header so far)
-                break
-            header = text[position:header_end]
-            channel = header.split("<|channel|>", 1)[1] if "<|channel|>" in header else ""
-            channel = re.split(r"[\s<]", channel, maxsplit=1)[0]
-            content_start = header_end + len("<|message|>")
-            ended = _HARMONY_MESSAGE_END.search(text, content_start)
-            content = text[content_start:ended.start() if ended else len(text)]
-            (answer if channel == "final" else reasoning).append(content)
-            if ended is None:
-                break
-            position = ended.end()
+        for channel, start, end in _messages(text):
+            (answer if channel == "final" else reasoning).append(text[start:end])
         return "".join(reasoning), "".join(answer)
+
+    def answer_offset(self, text: str) -> int | None:
+        return next((start for channel, start, _ in _messages(text) if channel == "final"), None)
+
+
+def _messages(text: str):
+    """(channel, content start, content end) of each message begun in harmony `text` (the last may be unfinished)."""
+    position = 0
+    while True:
+        header_end = text.find("<|message|>", position)
+        if header_end < 0:  # no message started (or only its header so far)
+            return
+        header = text[position:header_end]
+        channel = header.split("<|channel|>", 1)[1] if "<|channel|>" in header else ""
+        content_start = header_end + len("<|message|>")
+        ended = _HARMONY_MESSAGE_END.search(text, content_start)
+        yield re.split(r"[\s<]", channel, maxsplit=1)[0], content_start, ended.start() if ended else len(text)
+        if ended is None:
+            return
+        position = ended.end()
 
 
 class ReasoningStream:

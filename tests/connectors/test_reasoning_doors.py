@@ -71,18 +71,26 @@ def test_pandas_door_adds_a_reasoning_column(llm):
     assert pd.isna(result["reasoning"].iloc[1])
 
 
-def test_structured_outputs_with_a_parser_are_refused(llm):
-    constraint = StructuredOutputsParams(choice=["yes", "no"])
-    with pytest.raises(ValueError, match="reasoning_parser='qwen3'"):
-        llm.generate([PLAIN], SamplingParams(max_tokens=2, structured_outputs=constraint), use_tqdm=False)
-    # Per-prompt parameters: that prompt fails alone.
-    outputs = llm.generate([PLAIN, PLAIN], [SamplingParams(max_tokens=2),
-                                            SamplingParams(max_tokens=2, structured_outputs=constraint)],
-                           use_tqdm=False)
-    assert outputs[0].error is None and "reasoning_parser='qwen3'" in outputs[1].error
-    with pytest.raises(ValueError, match="schema_column"):
-        batchllm.generate(pd.DataFrame({"q": [PLAIN], "s": ['{"type": "string"}']}), prompt_column="q",
-                          schema_column="s", llm=llm, use_tqdm=False, max_tokens=2)
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_structured_outputs_constrain_the_answer_only(llm, backend):
+    """The reasoning is the unconstrained one (a grammar from the first token would have forced "yes" / "no"
+    there); the answer after `</think>` is the grammar's."""
+    [free] = llm.generate([THINKING], SamplingParams(**FIELDS), use_tqdm=False)
+    constrained = LLM(num_kv_blocks=32, max_num_seqs=2, reasoning_parser="qwen3", device="cpu",
+                      structured_outputs_backend=backend)
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    [output] = constrained.generate([THINKING], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.reasoning == free.outputs[0].reasoning
+    assert completion.text in ("yes", "no") and completion.error is None
+    # A prompt that closed the section (Qwen3's enable_thinking=False) is constrained from the first token.
+    [closed] = constrained.generate([PLAIN + "<think>\n\n</think>\n\n"], params, use_tqdm=False)
+    assert closed.outputs[0].reasoning is None and closed.outputs[0].text in ("yes", "no")
+    frame = batchllm.generate(pd.DataFrame({"q": [THINKING], "s": ['{"type": "integer"}']}), prompt_column="q",
+                              schema_column="s", llm=constrained, use_tqdm=False, max_tokens=12, temperature=0)
+    assert frame["reasoning"].iloc[0] == free.outputs[0].reasoning
+    assert frame["generated_text"].iloc[0].isdigit(), frame["generated_text"].iloc[0]
 
 
 def test_parquet_job_output_has_the_reasoning_column(llm, tmp_path):

@@ -4,9 +4,9 @@ template renders the message's text alone). Reference: the facade's raw tokens, 
 
 from __future__ import annotations
 
+import json
 import re
 
-import openai
 import pytest
 
 from batchllm import LLM, SamplingParams
@@ -69,7 +69,9 @@ def test_cut_off_reasoning_streams_as_reasoning(served):
     assert "".join(d.content or "" for d in deltas) == ""
 
 
-def test_response_format_is_refused(served):
-    with pytest.raises(openai.BadRequestError, match="reasoning-parser"):
-        served["client"].chat.completions.create(model=served["model"], messages=MESSAGES, max_tokens=2,
-                                                 response_format={"type": "json_object"})
+def test_response_format_constrains_the_answer(served):
+    response = served["client"].chat.completions.create(model=served["model"], messages=MESSAGES, max_tokens=24,
+                                                        temperature=0, response_format={"type": "json_object"})
+    message = response.choices[0].message
+    assert message.reasoning_content == served["split"][0]  # the reasoning ran unconstrained
+    assert isinstance(json.loads(message.content), dict), message.content

@@ -124,3 +124,17 @@ def test_cli_flag(capsys):
         parser.parse_args(["--reasoning-parser", "r1"])
     assert exit_info.value.code == 2
     assert "--reasoning-parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, tail, text, reasoning, answer", CASES)
+def test_answer_offset_is_where_the_answer_starts(name, tail, text, reasoning, answer):
+    """Structured outputs start their grammar there (engine/structured/reasoning_gate.py)."""
+    parser = reasoning_parser(name)
+    full = parser.prompt_prefix(tail) + text
+    offset = parser.answer_offset(full)
+    if reasoning is None:  # the prompt closed the section: a grammar applies from the output's first token
+        assert offset is None and parser.prompt_skips_reasoning(tail)
+        return
+    assert not parser.prompt_skips_reasoning(tail)
+    assert full[offset:].startswith(answer.removesuffix("<|return|>")[:3])
+    assert parser.answer_offset(full[:offset - 1]) is None  # not before the marker is whole

@@ -10,6 +10,9 @@ The grammar engine is a backend: xgrammar (`LLM`'s default, `xgrammar_backend.py
 or llguidance (`llguidance_backend.py`: compiles 10-20x faster, takes Lark grammars), behind one interface. Its
 module is imported on the first constrained request, so an engine without any imports neither (xgrammar imports
 torch; this package does not).
+
+With a reasoning parser (`reasoning_parser`, set by `LLM`), each matcher sits behind a `ReasoningGate`: the grammar
+constrains the answer, after the reasoning ends (`reasoning_gate.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import numpy as np
 
 from batchllm.engine.interfaces import GrammarBitmask, SchedulerOutput
 from batchllm.engine.request import Request, RequestStatus
-from batchllm.engine.structured.common import GrammarError
+from batchllm.engine.structured.common import BitmaskRows, GrammarError, tokenizer_size
+from batchllm.engine.structured.reasoning_gate import ReasoningGate
+from batchllm.reasoning import ReasoningParser
 from batchllm.structured_outputs import StructuredOutputsParams
 
 INCOMPLETE = ("the output is incomplete: generation stopped ({reason}) before the structured-output constraint "
@@ -49,6 +54,8 @@ class StructuredOutputManager:
         self._compiler = None
         self._buffer: np.ndarray | None = None
         self.num_active = 0  # constrained requests in the engine: steps without any skip all of this
+        self.reasoning_parser: ReasoningParser | None = None
+        self._open_row: np.ndarray | None = None  # a reasoning row: every token of the tokenizer allowed
 
     @property
     def compiler(self):
@@ -74,6 +81,9 @@ class StructuredOutputManager:
             request.matcher = self.compiler.new_matcher(params)
         except GrammarError as error:
             return str(error)
+        if self.reasoning_parser is not None:
+            request.matcher = ReasoningGate(request.matcher, self.reasoning_parser, self._compiler_args[0],
+                                            request.prompt_token_ids, self._reasoning_row())
         self.num_active += 1
         return None
 
@@ -96,12 +106,18 @@ class StructuredOutputManager:
         """The step's bitmask, from the matchers' current state. A request that finished meanwhile (its token
         will be dropped) may sample anything."""
         fill_bitmasks = self._grammar_module().fill_bitmasks
-        rows, matchers = [], []
+        rows, matchers, reasoning_rows = [], [], []
         for row, request_id in enumerate(request_ids):
             request = requests.get(request_id)
             if request is not None and not request.status.finished:
+                matcher = request.matcher
+                if isinstance(matcher, ReasoningGate):
+                    if matcher.reasoning:
+                        reasoning_rows.append(row)
+                        continue
+                    matcher = matcher.inner
                 rows.append(row)
-                matchers.append(request.matcher)
+                matchers.append(matcher)
         bitmask = self._rows_of_buffer(len(request_ids))
         if len(rows) == len(request_ids):
             fill_bitmasks(matchers, bitmask)
@@ -111,7 +127,17 @@ class StructuredOutputManager:
                 filled = np.empty((len(rows), bitmask.shape[1]), dtype=np.int32)
                 fill_bitmasks(matchers, filled)
                 bitmask[rows] = filled
+            if reasoning_rows:
+                bitmask[reasoning_rows] = self._reasoning_row()
         return GrammarBitmask(request_ids, bitmask)
+
+    def _reasoning_row(self) -> np.ndarray:
+        if self._open_row is None:
+            tokenizer, vocab_size, eos_token_ids = self._compiler_args
+            rows = BitmaskRows(tokenizer_size(tokenizer), vocab_size, eos_token_ids)
+            self._open_row = np.full(rows.width, -1, dtype=np.int32)
+            rows.clean(self._open_row)
+        return self._open_row
 
     def _rows_of_buffer(self, num_rows: int) -> np.ndarray:
         """The first rows of one buffer reused every step (a step's bitmask is read, copied to the device or

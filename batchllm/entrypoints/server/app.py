@@ -147,10 +147,6 @@ def api_key_checker(api_key: str | None):
 
 
 async def _answer(loop: EngineHandle, request: Request, body: Any, inputs: EngineInputs, chat: bool):
-    parser = getattr(loop.llm, "reasoning_parser", None)
-    if inputs.params.structured_outputs is not None and parser is not None:
-        raise bad_request(f"response_format is not supported with the server's --reasoning-parser {parser.name}: the "
-                          f"grammar would constrain the reasoning too", "response_format")
     sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
     streams = submit_all(loop, inputs.prompts, inputs.params, inputs.lora_request, incremental=body.stream, sink=sink)
     if body.stream:

@@ -130,8 +130,6 @@ class EngineDriver:
         else:
             admitted = _Admitted(submit)
             try:
-                if submit.params.structured_outputs is not None:
-                    self.llm.check_reasoning_with_constraints()
                 for index in range(submit.params.n):
                     request_id = f"{submit.prompt_id}.{index}"
                     fork_of = f"{submit.prompt_id}.0" if index else None  # the samples share the prompt's K/V
