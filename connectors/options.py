@@ -141,7 +141,7 @@ class MapOptions:
     task: str = "generate"  # or a pooling task ("embed", "classify", "score"): a vector per row, nothing generated
     pooling: PoolingParams | None = None  # a pooling task's, set from the engine (`with_engine`)
     embedding_dim: int = 0  # the pooled vector's length, from the engine
-    reasoning: bool = False  # the engine has a reasoning parser: a `reasoning` column (`with_engine`)
+    reasoning: str | None = None  # the engine's reasoning parser: a `reasoning` column (`with_engine`)
 
     def __post_init__(self) -> None:
         if self.lora_column is not None and (not isinstance(self.lora_column, str) or not self.lora_column):
@@ -181,7 +181,7 @@ class MapOptions:
         if not self.pools:
             if getattr(engine, "reasoning_parser", None) is None:
                 return self
-            return dataclasses.replace(self, reasoning=True)
+            return dataclasses.replace(self, reasoning=engine.reasoning_parser.name)
         return dataclasses.replace(self, pooling=engine.pooling_params, embedding_dim=engine.embedding_dim)
 
     def output_names(self) -> list[str]:
@@ -225,8 +225,8 @@ class MapOptions:
             identity["parse_json"] = True
         if self.lora_column is not None:
             identity["lora_column"], identity["loras"] = self.lora_column, [list(pair) for pair in self.loras]
-        if self.reasoning:
-            identity["reasoning"] = True
+        if self.reasoning is not None:
+            identity["reasoning_parser"] = self.reasoning
         return identity
 
 

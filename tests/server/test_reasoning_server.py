@@ -75,3 +75,16 @@ def test_response_format_constrains_the_answer(served):
     message = response.choices[0].message
     assert message.reasoning_content == served["split"][0]  # the reasoning ran unconstrained
     assert isinstance(json.loads(message.content), dict), message.content
+
+
+def test_completions_carry_reasoning_content(served):
+    """/v1/completions on the raw prompt: the same split, whole and streamed (`reasoning_content` per choice)."""
+    client, model = served["client"], served["model"]
+    whole = client.completions.create(model=model, prompt=THINKING, **FIELDS).choices[0]
+    assert (whole.reasoning_content, whole.text) == served["split"]
+    reasoning = answer = ""
+    for chunk in client.completions.create(model=model, prompt=THINKING, stream=True, **FIELDS):
+        for choice in chunk.choices:
+            reasoning += getattr(choice, "reasoning_content", None) or ""
+            answer += choice.text
+    assert (reasoning, answer) == served["split"]
