@@ -123,40 +123,52 @@ def test_greedy_equals_hf_under_preemption(family) -> None:
     assert llm.stats.num_preemptions > 0
 
 
-def test_greedy_equals_hf_with_tensor_parallelism(family) -> None:
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"], ids=["tp2", "pp2"])
+def test_greedy_equals_hf_split_over_two_processes(family, parallel) -> None:
     """TP=2 (gloo, two worker processes): each rank holds half of every expert's intermediate features (and of
-    the shared expert's), the router whole; the experts' partial sums are all-reduced."""
-    llm = LLM(str(family.directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    the shared expert's), the router whole; the experts' partial sums are all-reduced. PP=2: each stage loads
+    only its layers' experts."""
+    llm = LLM(str(family.directory), enable_prefix_caching=False, **{parallel: 2}, **ENGINE)
     assert _greedy(llm, _prompts()) == family.expected
     llm.shutdown()
 
 
 def test_fused_moe_weight_loader_shards_each_expert_over_tensor_parallel_ranks(monkeypatch) -> None:
-    """Rank r holds rows [r * I/2, (r + 1) * I/2) of each expert's gate and up projections (in the first and
-    second half of w13[e]) and the same columns of its down projection; the ranks' partial outputs add up to
-    each token's experts computed by hand from the full per-expert tensors."""
+    """Rank r holds rows [r * I/2, (r + 1) * I/2) of each expert's gate and up projections and biases (in the first
+    and second half of w13[e]) and the same columns of its down projection; the down bias only on rank 0, since
+    the ranks' outputs are summed. The partial outputs add up to each token's experts computed by hand from the
+    full per-expert tensors."""
     experts, hidden, inter, tokens = 4, 16, 8, 10
     gen = torch.Generator().manual_seed(0)
     w1, w3 = torch.randn(experts, inter, hidden, generator=gen), torch.randn(experts, inter, hidden, generator=gen)
     w2 = torch.randn(experts, hidden, inter, generator=gen)
+    b1, b3, b2 = (torch.randn(experts, n, generator=gen) for n in (inter, inter, hidden))
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=gen)
     partials = []
     for rank in range(2):
         monkeypatch.setattr(parallel_state, "_state", parallel_state.TensorParallel(rank, 2))
-        layer = FusedMoE(experts, 2, hidden, inter, renormalize=False)
+        layer = FusedMoE(experts, 2, hidden, inter, renormalize=False, bias=True)
+        loads = [(layer.w13_weight, w1, "gate"), (layer.w13_weight, w3, "up"), (layer.w2_weight, w2, "down"),
+                 (layer.w13_bias, b1, "gate"), (layer.w13_bias, b3, "up"), (layer.w2_bias, b2, "down")]
         for e in range(experts):
-            for part, full in (("gate", w1[e]), ("up", w3[e]), ("down", w2[e])):
-                param = layer.w2_weight if part == "down" else layer.w13_weight
-                param.weight_loader(param, full, (e, part))
+            for param, full, part in loads:
+                param.weight_loader(param, full[e], (e, part))
         half = slice(rank * inter // 2, (rank + 1) * inter // 2)
         assert torch.equal(layer.w13_weight[:, :inter // 2], w1[:, half])
         assert torch.equal(layer.w13_weight[:, inter // 2:], w3[:, half])
+        assert torch.equal(layer.w13_bias, torch.cat([b1[:, half], b3[:, half]], dim=1))
         assert torch.equal(layer.w2_weight, w2[:, :, half])
-        partials.append(moe_reference.fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids))
-    expected = torch.stack([sum(weights[t, k] * (w2[e] @ (torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])))
-                                for k, e in enumerate(ids[t].tolist())) for t in range(tokens)])
+        assert torch.equal(layer.w2_bias, b2 if rank == 0 else torch.zeros_like(b2))
+        partials.append(moe_reference.fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                                                w13_bias=layer.w13_bias, w2_bias=layer.w2_bias))
+
+    def expert(e: int, v: torch.Tensor) -> torch.Tensor:
+        return w2[e] @ (torch.nn.functional.silu(w1[e] @ v + b1[e]) * (w3[e] @ v + b3[e])) + b2[e]
+
+    expected = torch.stack([sum(weights[t, k] * expert(e, x[t]) for k, e in enumerate(ids[t].tolist()))
+                            for t in range(tokens)])
     assert torch.allclose(partials[0] + partials[1], expected, atol=1e-4)
     assert not torch.allclose(partials[0], expected, atol=1e-1)
 
