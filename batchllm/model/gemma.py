@@ -19,44 +19,13 @@ from torch import nn
 from batchllm.distributed.parallel_state import get_pp
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.activation import GeluTanhAndMul
-from batchllm.model.layers.attention import Attention
-from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logits
-from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
+from batchllm.model.layers.embedding import VocabEmbedding
+from batchllm.model.layers.linear import MergedColumnLinear, RowLinear
 from batchllm.model.layers.norm import GemmaRMSNorm
 from batchllm.model.layers.rotary import RotaryEmbedding
-from batchllm.model.llama import HeldElsewhere, StageOutput
+from batchllm.model.llama import DecoderStack, HeldElsewhere, LlamaForCausalLM, LlamaSelfAttention
 from batchllm.model.quantization.config import QuantConfig
 from batchllm.model.stages import StagePlan
-
-
-class GemmaSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
-                 sliding_window: int | None) -> None:
-        super().__init__()
-        self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
-                                  bias=config.attention_bias, quant_config=quant_config)
-        # This rank's heads: all of them without tensor parallelism.
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.head_dim = config.head_dim
-        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias,
-                                quant_config=quant_config)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary_emb = rotary_emb
-        scale = config.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
-        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=scale,
-                              sliding_window=sliding_window, logit_soft_cap=config.attn_logit_softcap)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
 
 
 class GemmaMLP(nn.Module):
@@ -76,7 +45,7 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
                  sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = GemmaSelfAttention(config, rotary_emb, quant_config, sliding_window)
+        self.self_attn = LlamaSelfAttention(config, rotary_emb, quant_config, sliding_window, qk_norm=GemmaRMSNorm)
         self.mlp = GemmaMLP(config, quant_config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -97,7 +66,7 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderStack):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
         super().__init__()
         pp = get_pp()
@@ -114,8 +83,8 @@ class GemmaModel(nn.Module):
             if self.stage.holds_layer(i) else HeldElsewhere() for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
+        self.aux_layers = ()
+        self.aux_hidden = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The scaled embeddings. HF rounds `sqrt(hidden)` to the activation dtype before the multiply
@@ -123,68 +92,24 @@ class GemmaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         return hidden * float(torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
-        """The final hidden states `[T, H]`; under pipeline parallelism a stage other than the first continues
-        from `previous_stage`, and one other than the last returns what the next stage continues from."""
-        if previous_stage is None:
-            hidden, residual = self.embed(input_ids), None
-        else:
-            hidden, residual = previous_stage
-        aux = []
-        for i in range(self.stage.start, self.stage.end):
-            if i in self.aux_layers:
-                aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = self.layers[i](positions, hidden, residual)
-        if aux:
-            self.aux_hidden = torch.cat(aux, dim=-1)
-        if self.norm is None:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(LlamaForCausalLM):
     """A Gemma 2 / Gemma 3 causal LM over a flat batch: `forward(input_ids [T], positions [T]) -> hidden [T, H]`,
-    called like `LlamaForCausalLM` (inside a forward context, after the runner assigned the KV caches)."""
+    called like `LlamaForCausalLM` (inside a forward context, after the runner assigned the KV caches), whose
+    interface and checkpoint mapping it keeps. Gemma ties its head to the embedding (every released checkpoint);
+    an untied one loads `lm_head`."""
 
-    # HF checkpoint module name → (our fused module name, shard id).
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
-        super().__init__()
-        self.config = config
-        self.model = GemmaModel(config, quant_config)
-        # Gemma ties its head to the embedding (every released checkpoint); an untied one loads `lm_head`.
-        self.lm_head = (None if config.tie_word_embeddings or not self.model.stage.is_last
-                        else LMHead(config.vocab_size, config.hidden_size))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
-        return self.model(input_ids, positions, previous_stage)
-
-    def held_elsewhere(self, checkpoint_name: str) -> bool:
-        """A checkpoint tensor of a part another pipeline stage holds."""
-        return self.model.stage.held_elsewhere(checkpoint_name)
+    def build_model(self, config: ModelConfig, quant_config: QuantConfig | None) -> DecoderStack:
+        return GemmaModel(config, quant_config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits `[N, vocab_size]`, soft-capped (`cap * tanh(logits / cap)`, in float32) where the
         config says so; under tensor parallelism on rank 0 only (None on the other ranks)."""
-        logits = compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
+        logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcap
         if logits is None or cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
-
-    def attention_layers(self) -> list[Attention]:
-        """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""
-        return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, GemmaDecoderLayer)]
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -30,8 +30,9 @@ StageOutput = tuple[torch.Tensor, torch.Tensor]
 
 class LlamaSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None,
-                 sliding_window: int | None = None) -> None:
-        """`sliding_window`: this layer's window (`ModelConfig.layer_sliding_window`), None for full attention."""
+                 sliding_window: int | None = None, qk_norm: type[nn.Module] = RMSNorm) -> None:
+        """`sliding_window`: this layer's window (`ModelConfig.layer_sliding_window`), None for full attention.
+        `qk_norm`: the per-head q/k norm's class where the config has one (Gemma's differs)."""
         super().__init__()
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
                                   bias=config.attention_bias, quant_config=quant_config)
@@ -40,11 +41,12 @@ class LlamaSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias,
                                 quant_config=quant_config)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = qk_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = qk_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=config.head_dim**-0.5,
-                              sliding_window=sliding_window)
+        scale = config.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
+        self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=scale,
+                              sliding_window=sliding_window, logit_soft_cap=config.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -99,7 +101,43 @@ class HeldElsewhere(nn.Module):
     the checkpoint."""
 
 
-class LlamaModel(nn.Module):
+class DecoderStack(nn.Module):
+    """The forward pass of a stack of decoder layers split over pipeline stages, whatever the layers are: a
+    subclass builds `stage`, `embed_tokens`, `layers` (`HeldElsewhere` where another stage holds one), `norm`
+    (on the last stage) and `aux_layers` / `aux_hidden`, and may change `embed`."""
+
+    stage: StagePlan
+    embed_tokens: VocabEmbedding | None
+    layers: nn.ModuleList
+    norm: nn.Module | None
+    aux_layers: tuple[int, ...]
+    aux_hidden: torch.Tensor | None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        """The final hidden states `[T, H]`; under pipeline parallelism a stage other than the first continues
+        from `previous_stage`, and one other than the last returns what the next stage continues from."""
+        if previous_stage is None:
+            hidden, residual = self.embed(input_ids), None
+        else:
+            hidden, residual = previous_stage
+        aux = []
+        for i in range(self.stage.start, self.stage.end):
+            if i in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
+        if self.norm is None:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaModel(DecoderStack):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None,
                  layer_mlp: Callable[[ModelConfig, QuantConfig | None, int], nn.Module] | None = None) -> None:
         """`layer_mlp(config, quant_config, i)`: layer i's MLP (MoE families); None: Llama's everywhere."""
@@ -118,28 +156,8 @@ class LlamaModel(nn.Module):
             if self.stage.holds_layer(i) else HeldElsewhere() for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         # EAGLE-3 heads read the residual stream entering these layers, concatenated, as `aux_hidden`.
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
-        """The final hidden states `[T, H]`; under pipeline parallelism a stage other than the first continues
-        from `previous_stage`, and one other than the last returns what the next stage continues from."""
-        if previous_stage is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden, residual = previous_stage
-        aux = []
-        for i in range(self.stage.start, self.stage.end):
-            if i in self.aux_layers:
-                aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = self.layers[i](positions, hidden, residual)
-        if aux:
-            self.aux_hidden = torch.cat(aux, dim=-1)
-        if self.norm is None:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        self.aux_layers = ()
+        self.aux_hidden = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,12 +182,16 @@ class LlamaForCausalLM(nn.Module):
         and the LM head are never quantized."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config, self.layer_mlp)
+        self.model = self.build_model(config, quant_config)
         # Tied models read logits off the embedding table instead of holding a second copy.
         self.lm_head = (
             None if config.tie_word_embeddings or not self.model.stage.is_last or config.num_labels
             else LMHead(config.vocab_size, config.hidden_size)
         )
+
+    def build_model(self, config: ModelConfig, quant_config: QuantConfig | None) -> DecoderStack:
+        """The decoder stack: Llama's here; Gemma (gemma.py) builds its own layers."""
+        return LlamaModel(config, quant_config, self.layer_mlp)
 
     def layer_mlp(self, config: ModelConfig, quant_config: QuantConfig | None, layer: int) -> nn.Module:
         """Decoder layer `layer`'s MLP: the dense gated one here; MoE families (moe.py) put their experts here."""
@@ -190,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         """The paged attention layer of each decoder layer, in order; the runner assigns their KV caches."""
-        return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
+        return [layer.self_attn.attn for layer in self.model.layers if not isinstance(layer, HeldElsewhere)]
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):
