@@ -118,7 +118,7 @@ class HybridKVCacheManager(KVCacheManager):
         if tables is None:
             tables = self._tables[request_id] = [list(table) for table in cached.tables] or [
                 [] for _ in range(self.num_groups)]
-            self._num_released[request_id] = self._first_seen(0, 0)
+            self._num_released[request_id] = 0  # a hit's leading None entries are skipped, not freed
             self.pool.touch(hits)
             for block in hits:
                 block.reused = True
@@ -147,8 +147,9 @@ class HybridKVCacheManager(KVCacheManager):
             unseen = [block for block in table[released:first] if block is not None]
             table[released:first] = [None] * (first - released)
             self.pool.free(unseen[::-1])
+        # Every window group has let go of the blocks before the nearest of their first seen blocks.
         self._num_released[request_id] = max(released, min(
-            (self._first_seen(group, position) for group in range(self.num_groups)
+            (min(self._first_seen(group, position), len(tables[group])) for group in range(self.num_groups)
              if self.layout.group_windows[group] is not None), default=0))
 
     def _cache_full_blocks(self, request: Request, tables: list[Table], num_tokens: int) -> None:  # type: ignore[override]
