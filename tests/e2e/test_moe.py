@@ -270,3 +270,14 @@ def test_dummy_weights_fill_every_expert(family) -> None:
     assert not torch.equal(experts.w13_weight[0], experts.w13_weight[1])
     [logits] = PagedRunner(model, config).step([(0, list(range(40)), 0)])
     assert logits.isfinite().all() and logits.std() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_equals_hf_on_the_gpu(family) -> None:
+    """The fused MoE Triton kernel (device-side expert sort, grouped GEMMs) inside CUDA graphs, in float32 (IEEE
+    dots), against HF on the CPU; the pool NaN-filled, so a read of a slot no step wrote shows."""
+    llm = LLM(str(family.directory), enable_prefix_caching=False,
+              **{**ENGINE, "device": "cuda", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64})
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
+    assert _greedy(llm, _prompts()) == family.expected
