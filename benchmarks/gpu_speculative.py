@@ -11,7 +11,8 @@ policy's cost where nothing is accepted.
 2. Policy cost: the same row counts, and W1 (`--w1-rows` rows, `--max-tokens` out), with the adaptive policy
    on (n-gram, EAGLE), against off: total tok/s and the ratio. W1 is the best of two engines per config, built
    in turn, two runs each (all recorded as `W1_seconds`). An engine's second run reuses its first run's
-   prefix-cache blocks, so the best is a decode-heavy W1; compare the cold first runs in `W1_seconds` too. Random bf16 llama weights accept nothing
+   prefix-cache blocks, so the best is a decode-heavy W1; compare the cold first runs in `W1_seconds` too. Random
+   bf16 llama weights accept nothing
    (the target: <= 3 % cost); random smollm2 weights in fp32 repeat tokens, which n-gram drafts accept.
 Engines run one after another in one process (each is freed before the next is built).
 """

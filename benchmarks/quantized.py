@@ -8,7 +8,8 @@ values per channel) and the same prompts, one engine after another in one proces
 (`gpu_throughput.run_batchllm`: CUDA graphs, async loop, warm-up on the workload's first rows, every row
 writing exactly `max_tokens` tokens). Configurations: `bf16`, `fp8` (FP8 weights, bf16 KV), `fp8-kv` (FP8
 weights and FP8 KV cache), `kv` (FP8 KV cache only), `w4` (4-bit GPTQ-layout weights, symmetric, groups of
-128: the same values rounded to nearest, through the Triton W4A16 GEMM), `w4-kv` (and FP8 KV cache). Reported: output and total tok/s, the ratio to bf16, the KV pool and its peak use,
+128: the same values rounded to nearest, through the Triton W4A16 GEMM), `w4-kv` (and FP8 KV cache). Reported:
+output and total tok/s, the ratio to bf16, the KV pool and its peak use,
 preemptions. `--profile` adds, per configuration, the top CUDA kernels of a short eager run
 (`--profile-rows` rows x 16 tokens after a prefill), the breakdown asked for when a target is missed.
 

@@ -4,7 +4,8 @@
 
 Workload: "Correct the spelling of: <paragraph>" and "Extract every sentence that mentions X from: <text>",
 chat-templated, greedy, each row writing up to `--max-tokens` tokens. Per row count, both engines run the same
-prompts one after another in one process (warm-up first, best of two runs each); reported: output tok/s of each, the ratio, the
+prompts one after another in one process (warm-up first, best of two runs each); reported: output tok/s of each, the
+ratio, the
 acceptance rate and the outputs' equality. Results go to benchmarks/results/.
 """
 

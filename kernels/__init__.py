@@ -106,9 +106,9 @@ def _triton() -> SimpleNamespace:
     """The Triton implementations, imported on first use (importing them imports and initialises Triton)."""
     from batchllm.kernels.activation import silu_and_mul_triton
     from batchllm.kernels.fp8 import quantize_fp8_per_token_triton
-    from batchllm.kernels.moe import fused_moe_triton
     from batchllm.kernels.int_gemm import int_matmul_triton
     from batchllm.kernels.lora import add_lora_triton
+    from batchllm.kernels.moe import fused_moe_triton
     from batchllm.kernels.rmsnorm import rms_norm_triton
     from batchllm.kernels.rotary import apply_rotary_triton
     from batchllm.kernels.token_bitmask import apply_token_bitmask_triton
