@@ -31,13 +31,15 @@ _FAMILY_CONFIG_PARSERS = {
     "MixtralForCausalLM": "batchllm.model.moe_config",
     "Qwen2MoeForCausalLM": "batchllm.model.moe_config",
     "Qwen3MoeForCausalLM": "batchllm.model.moe_config",
+    "GptOssForCausalLM": "batchllm.model.gpt_oss_config",
 }
 
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
     """Frequency scaling on top of plain RoPE. `linear` uses only `factor`; `llama3` uses the low/high frequency
-    factors; `longrope` (Phi-3's `su`) the per-dimension `short_factor` / `long_factor` and `attention_factor`."""
+    factors; `longrope` (Phi-3's `su`) the per-dimension `short_factor` / `long_factor` and `attention_factor`;
+    `yarn` (gpt-oss) `factor`, the original length, `beta_fast` / `beta_slow`, `truncate` and `attention_factor`."""
 
     rope_type: str
     factor: float
@@ -47,6 +49,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import difflib
 from torch import nn
 
 from batchllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from batchllm.model.gpt_oss import GptOssForCausalLM
 from batchllm.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from batchllm.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from batchllm.model.phi3 import Phi3ForCausalLM
@@ -29,6 +30,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)

@@ -48,7 +48,7 @@ class RotaryEmbedding(nn.Module):
 
 def _inverse_frequencies(dim: int, base: float, scaling: RopeScaling | None,
                          max_positions: int) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies of the `dim` rotated dimensions, and the factor on cos/sin (1 but for LongRoPE)."""
+    """The inverse frequencies of the `dim` rotated dimensions, and the factor on cos/sin (1 but for LongRoPE and YaRN)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
     if scaling is None:
@@ -57,6 +57,8 @@ def _inverse_frequencies(dim: int, base: float, scaling: RopeScaling | None,
         return inv_freq / scaling.factor, 1.0
     if scaling.rope_type == "longrope":
         return _longrope(dim, base, exponents, scaling, max_positions)
+    if scaling.rope_type == "yarn":
+        return _yarn(dim, base, base**exponents, scaling)
     return _llama3_scaled(inv_freq, scaling), 1.0
 
 
@@ -82,6 +84,30 @@ def _longrope(dim: int, base: float, exponents: torch.Tensor, scaling: RopeScali
         attention_factor = 1.0 if scaling.factor <= 1.0 else math.sqrt(
             1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
     return inv_freq, attention_factor
+
+
+def _yarn(dim: int, base: float, pos_freqs: torch.Tensor, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times are kept, a linear ramp over
+    the dimensions between; cos/sin scaled by the attention factor (`attention_factor`, the config parser's mscale).
+    The same float32 operations, in the same order, as transformers' `_compute_yarn_parameters`."""
+    low, high = (_yarn_correction_dim(rotations, dim, base, scaling.original_max_position_embeddings)
+                 for rotations in (scaling.beta_fast, scaling.beta_slow))
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = 1 - ramp
+    interpolated, extrapolated = 1.0 / (scaling.factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation_factor) + extrapolated * extrapolation_factor
+    return inv_freq, 1.0 if scaling.attention_factor is None else scaling.attention_factor
+
+
+def _yarn_correction_dim(rotations: float, dim: int, base: float, original_positions: int) -> float:
+    """The (fractional) dimension whose frequency turns `rotations` times over `original_positions`."""
+    return (dim * math.log(original_positions / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
