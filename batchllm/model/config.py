@@ -93,6 +93,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
     attention_scale: float | None = None  # the score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     attn_logit_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
+    attention_sinks: bool = False  # a learned logit per head joins each attention softmax (gpt-oss)
     final_logit_softcap: float | None = None  # likewise the LM head's logits (Gemma 2)
     rotary_dim: int | None = None  # the rotated leading part of each head; None: all of head_dim (Phi-4-mini)
     local_rope_theta: float | None = None  # the RoPE base of windowed layers when it differs (Gemma 3)

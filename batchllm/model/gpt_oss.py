@@ -2,7 +2,7 @@
 
 Attention: q/k/v/o biases, a learned sink logit per head (`self_attn.sinks` in the checkpoint; the attention
 kernels add it to each softmax's denominator), even layers windowed (128 tokens) and odd ones full, YaRN RoPE: all
-config (gpt_oss_config.py) that `LlamaForCausalLM` follows, but the sinks. MLP (`mlp.router`, `mlp.experts`):
+config (gpt_oss_config.py) that `LlamaForCausalLM` follows. MLP (`mlp.router`, `mlp.experts`):
 a linear router with a bias, the top-k of its logits then a softmax over those k, and experts with biases and
 the clamped SwiGLU (`swigluoai`), run by `FusedMoE`'s kernels.
 
@@ -19,14 +19,12 @@ import torch
 from torch import nn
 
 from batchllm import kernels
-from batchllm.distributed.parallel_state import all_reduce, get_tp
-from batchllm.model.checkpoint_tensor import copy_checked
+from batchllm.distributed.parallel_state import all_reduce
 from batchllm.model.config import ModelConfig
-from batchllm.model.layers.attention import Attention
 from batchllm.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE
-from batchllm.model.llama import DecoderStack, HeldElsewhere, LlamaForCausalLM
-from batchllm.model.quantization.method import loadable
+from batchllm.model.llama import LlamaForCausalLM
 from batchllm.model.quantization.config import QuantConfig
+from batchllm.model.quantization.method import loadable
 
 
 class GptOssExperts(FusedMoE):
@@ -78,13 +76,6 @@ class GptOssMLP(nn.Module):
         return self.experts(hidden, self.router(hidden))
 
 
-def _load_sinks(param: nn.Parameter, loaded, shard_id: None = None) -> None:
-    """This rank's query heads' sink logits: tensor parallelism splits the heads evenly, in order."""
-    tp = get_tp()
-    heads = param.shape[0]
-    copy_checked(param.data, loaded.narrow(0, tp.rank * heads, heads))
-
-
 class GptOssForCausalLM(LlamaForCausalLM):
     # The sink logits sit on the checkpoint's attention module, on our paged attention layer.
     checkpoint_module_renames = {
@@ -95,19 +86,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         ".experts.down_proj_bias": ".experts.w2_bias",
         ".experts.down_proj": ".experts.w2_weight",
     }
-
-    def build_model(self, config: ModelConfig, quant_config: QuantConfig | None) -> DecoderStack:
-        model = super().build_model(config, quant_config)
-        # Llama's attention with its paged layer swapped for one holding the sinks (same heads, scale, window).
-        for layer in model.layers:
-            if isinstance(layer, HeldElsewhere):
-                continue
-            attn = layer.self_attn.attn
-            layer.self_attn.attn = Attention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.params.scale,
-                                             sliding_window=attn.params.sliding_window, sinks=True)
-            layer.self_attn.attn.sinks = loadable(layer.self_attn.attn.sinks.data, _load_sinks,
-                                                  {None: (config.num_heads,)})
-        return model
 
     def layer_mlp(self, config: ModelConfig, quant_config: QuantConfig | None, layer: int) -> nn.Module:
         return GptOssMLP(config, quant_config)

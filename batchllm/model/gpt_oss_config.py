@@ -55,6 +55,7 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     limit = hf["swiglu_limit"]
     moe = GptOssMoEConfig(num_experts=num_experts, num_experts_per_tok=top_k,
                           moe_intermediate_size=required(hf, "intermediate_size"), norm_topk_prob=True,
+                          router_bias=True, expert_bias=True,
                           swiglu_limit=None if limit is None else float(limit))
     eos = hf.get("eos_token_id")
     return ModelConfig(
@@ -74,6 +75,7 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", True)),
         o_proj_bias=bool(hf.get("attention_bias", True)),
+        attention_sinks=True,
         sliding_window=window,
         sliding_window_layers=window_layers,
         bos_token_id=hf.get("bos_token_id"),

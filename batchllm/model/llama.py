@@ -46,7 +46,8 @@ class LlamaSelfAttention(nn.Module):
         self.rotary_emb = rotary_emb
         scale = config.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
         self.attn = Attention(self.num_heads, self.num_kv_heads, config.head_dim, scale=scale,
-                              sliding_window=sliding_window, logit_soft_cap=config.attn_logit_softcap)
+                              sliding_window=sliding_window, logit_soft_cap=config.attn_logit_softcap,
+                              sinks=config.attention_sinks)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

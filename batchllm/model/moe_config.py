@@ -33,6 +33,8 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
     decoder_sparse_step: int = 1
     mlp_only_layers: frozenset[int] = frozenset()
+    router_bias: bool = False  # gpt-oss: the router's linear has a bias
+    expert_bias: bool = False  # gpt-oss: each expert's gate/up and down projections have biases
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes its tokens to experts (HF's rule, Qwen2MoeDecoderLayer)."""

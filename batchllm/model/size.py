@@ -42,6 +42,8 @@ def model_size(config: ModelConfig) -> ModelSize:
         attention += heads * d + 2 * kv * d
     if config.o_proj_bias:
         attention += h
+    if config.attention_sinks:
+        attention += heads
     mlp = 3 * h * config.intermediate_size + (2 * config.intermediate_size + h if config.mlp_bias else 0)
     norms = 2 * h + (2 * d if config.qk_norm else 0)
     classifier = causal_lm_of(config.architecture) != config.architecture
@@ -51,10 +53,10 @@ def model_size(config: ModelConfig) -> ModelSize:
     if config.moe is not None:
         moe = config.moe
         sparse = sum(moe.is_sparse(i) for i in range(config.num_layers))
-        expert = 3 * h * moe.moe_intermediate_size
+        expert = 3 * h * moe.moe_intermediate_size + (2 * moe.moe_intermediate_size + h if moe.expert_bias else 0)
         # A sparse layer: the router, the experts and the gated shared expert instead of the dense MLP.
-        block = h * moe.num_experts + (3 * h * moe.shared_expert_intermediate_size + h
-                                       if moe.shared_expert_intermediate_size else 0)
+        block = (h + moe.router_bias) * moe.num_experts + (3 * h * moe.shared_expert_intermediate_size + h
+                                                           if moe.shared_expert_intermediate_size else 0)
         layers += sparse * (block + moe.num_experts * expert - mlp)
         active = layers - sparse * (moe.num_experts - moe.num_experts_per_tok) * expert
     return ModelSize(layers, config.vocab_size * h, head, classifier or not config.tie_word_embeddings, h, active)

@@ -23,6 +23,7 @@ from batchllm.model.config import ModelConfig
 from batchllm.model.gpt_oss_config import parse_config
 from batchllm.model.layers.rotary import RotaryEmbedding
 from batchllm.model.loader import load_model
+from batchllm.model.size import model_size
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
 from tests.unit.test_model_vs_hf import PagedRunner, hf_logits
@@ -143,6 +144,14 @@ def test_greedy_equals_hf_with_two_tensor_parallel_ranks(checkpoint) -> None:
     llm = LLM(str(checkpoint.directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
     assert _greedy(llm, _prompts()) == checkpoint.expected
     llm.shutdown()
+
+
+def test_model_size_counts_every_expert_bias_and_sink(checkpoint) -> None:
+    """The parameter count from config.json equals what HF builds; a token multiplies by its top-k experts only."""
+    size = model_size(ModelConfig.from_dir(checkpoint.directory))
+    assert size.parameters == sum(p.numel() for p in checkpoint.hf.parameters())
+    per_expert = 3 * 64 * 32 + 2 * 32 + 64  # gate, up, down and their biases
+    assert size.layers - size.active == 4 * (4 - 2) * per_expert
 
 
 def test_mxfp4_checkpoints_are_refused_by_name(checkpoint) -> None:

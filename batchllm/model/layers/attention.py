@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchllm.distributed.parallel_state import get_tp
 from batchllm.forward_context import get_attention_metadata
 from batchllm.model.attention import AttentionParams, attention_backend
+from batchllm.model.checkpoint_tensor import copy_checked
 
 
 class Attention(nn.Module):
@@ -31,12 +33,21 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.params = AttentionParams(scale, sliding_window, logit_soft_cap, sinks)
-        # One learned logit per (this rank's) query head, loaded with the weights.
-        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        # One learned logit per (this rank's) query head, loaded with the weights: the checkpoint holds every
+        # head's, of which tensor parallelism gives each rank its heads' (query heads are split evenly, in order).
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            self.sinks.checkpoint_shapes = {None: (num_heads * get_tp().size,)}
         self.k_scale = self.v_scale = 1.0
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kv_group = 0  # whose block tables index this layer's cache (a hybrid KV cache has several groups)
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight, shard_id: None = None) -> None:
+        heads = param.shape[0]
+        copy_checked(param.data, loaded_weight.narrow(0, get_tp().rank * heads, heads))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """`query [T, Hq, D]`, `key`/`value [T, Hkv, D]` of the flat batch → attention output `[T, Hq * D]`."""
