@@ -48,7 +48,7 @@ class RotaryEmbedding(nn.Module):
 
 def _inverse_frequencies(dim: int, base: float, scaling: RopeScaling | None,
                          max_positions: int) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies of the `dim` rotated dimensions, and the factor on cos/sin (1 but for LongRoPE and YaRN)."""
+    """The inverse frequencies of the `dim` rotated dimensions, and the factor on cos/sin (1 but for LongRoPE, YaRN)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
     if scaling is None:
