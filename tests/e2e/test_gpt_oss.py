@@ -138,10 +138,12 @@ def test_greedy_equals_hf_under_preemption(checkpoint) -> None:
     assert llm.stats.num_preemptions > 0
 
 
-def test_greedy_equals_hf_with_two_tensor_parallel_ranks(checkpoint) -> None:
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"], ids=["tp2", "pp2"])
+def test_greedy_equals_hf_split_over_two_processes(checkpoint, parallel) -> None:
     """TP=2 (gloo): each rank holds 2 of the 4 heads with their sinks and half of every expert's intermediate
-    features (the interleaved gate/up columns de-interleaved before the split), the router whole."""
-    llm = LLM(str(checkpoint.directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    features (the interleaved gate/up columns de-interleaved before the split), the router whole. PP=2: each
+    stage loads only its layers' stacked expert tensors and sinks."""
+    llm = LLM(str(checkpoint.directory), enable_prefix_caching=False, **{parallel: 2}, **ENGINE)
     assert _greedy(llm, _prompts()) == checkpoint.expected
     llm.shutdown()
 
