@@ -191,6 +191,12 @@ def required(hf: dict[str, Any], key: str) -> Any:
     return hf[key]
 
 
+def check_window(window: object) -> None:
+    """config.json's `sliding_window`, when set, is a positive number of positions (every family reads it)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json sliding_window must be a positive number of positions, got {window!r}")
+
+
 def _sliding_window_of(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, frozenset[int]]:
     """The window and the layers that use it, as transformers reads them (its configuration_*.py defaults
     included): Mistral windows every layer; Qwen2/Qwen3 only with `use_sliding_window`, then the layers that
@@ -203,8 +209,7 @@ def _sliding_window_of(hf: dict[str, Any], family: str, num_layers: int) -> tupl
         window = None  # Llama has no window
     if window is None:
         return None, frozenset()
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"config.json sliding_window must be a positive number of positions, got {window!r}")
+    check_window(window)
     if family == "MistralForCausalLM":
         return window, frozenset(range(num_layers))
     layer_types = hf.get("layer_types")

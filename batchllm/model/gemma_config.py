@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchllm.model.config import ModelConfig, RopeScaling, parse_rope, required
+from batchllm.model.config import ModelConfig, RopeScaling, check_window, parse_rope, required
 
 _GEMMA2 = "Gemma2ForCausalLM"
 _GEMMA3 = "Gemma3ForCausalLM"
@@ -110,8 +110,7 @@ def _sliding_windows(text: dict[str, Any], is_gemma2: bool, num_layers: int) -> 
     window = text["sliding_window"]
     if window is None:
         return None, frozenset()
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"config.json sliding_window must be a positive number of positions, got {window!r}")
+    check_window(window)
     layer_types = text.get("layer_types")
     if layer_types is not None:
         if (not isinstance(layer_types, list) or len(layer_types) != num_layers

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.model.config import ModelConfig, RopeScaling, required
+from batchllm.model.config import ModelConfig, RopeScaling, check_window, required
 from batchllm.model.moe_config import MoEConfig
 
 # GptOssConfig's defaults for the keys a config.json may leave out.
@@ -88,8 +88,7 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
 def _windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, frozenset[int]]:
     """The window and its layers: `layer_types`, or GptOssConfig's default (even layers sliding, odd full)."""
     window = hf["sliding_window"]
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"config.json sliding_window must be a positive number of positions, got {window!r}")
+    check_window(window)
     layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                             for i in range(num_layers)]
     if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:

@@ -16,7 +16,7 @@ from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
 from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
 from batchllm.model.default_model import default_model_path
 from batchllm.model.layers.fused_moe import expert_checkpoint_name, expert_target
-from batchllm.model.layers.norm import GemmaRMSNorm, RMSNorm
+from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.quantization import check_on_load, resolve_quantization
 from batchllm.model.quantization.checkpoint import kv_scale_target
 from batchllm.model.quantization.unquantized import check_plain_tensor
@@ -262,7 +262,7 @@ def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     time. A linear layer's `quant_method` quantizes the same values the unquantized model gets, so the two can
     be compared."""
     norm_weights = {id(module.weight): module.identity_weight for module in model.modules()
-                    if isinstance(module, (RMSNorm, GemmaRMSNorm))}
+                    if isinstance(module, RMSNorm)}  # Gemma's norms included
     filled: set[int] = set()  # the parameters of linear layers' weights, filled through their method
     for module_name, layer in model.named_modules():
         method = getattr(layer, "quant_method", None)

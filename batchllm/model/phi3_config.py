@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batchllm.model.config import ModelConfig, RopeScaling, parse_rope, required
+from batchllm.model.config import ModelConfig, RopeScaling, check_window, parse_rope, required
 
 # Phi3Config's defaults for the keys a config.json may leave out.
 _DEFAULT_ORIGINAL_MAX_POSITIONS = 4096
@@ -30,8 +30,8 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     rotary_dim = _rotary_dim(hf, head_dim)
     rope_theta, rope_scaling = _parse_rope(hf, rotary_dim, max_positions)
     window = hf.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"config.json sliding_window must be a positive number of positions, got {window!r}")
+    if window is not None:
+        check_window(window)
     eos = hf.get("eos_token_id", 32000)
     return ModelConfig(
         architecture=architecture,

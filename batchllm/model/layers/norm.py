@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm, numerically HF's `Gemma2RMSNorm` / `Gemma3RMSNorm`: the weight is stored as an offset
     from 1, and the multiply by `1 + weight` happens in float32 before the cast back to the input dtype (the
     other order from `RMSNorm`'s, and what Gemma checkpoints were trained with)."""
@@ -51,21 +51,13 @@ class GemmaRMSNorm(nn.Module):
     identity_weight = 0.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-
-    @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-
-    @overload
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`; or, given the residual stream, `(norm(x + residual), x + residual)` (the add in the input
-        dtype, as HF's decoder layers do it)."""
+        """As `RMSNorm.forward`, with Gemma's order (the residual add in the input dtype, as HF's layers do it)."""
         if residual is not None:
             residual = x + residual
             return self(residual), residual
