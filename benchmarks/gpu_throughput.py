@@ -89,13 +89,13 @@ def run_hf(shape: str, prompts, max_tokens: int) -> dict:
 
 
 def roofline(shape: str, workload: str, prompts, max_tokens: int, seconds: float) -> dict:
-    params = num_params(shape)
+    params, active = num_params(shape), num_params(shape, active=True)
     total_tokens = sum(map(len, prompts)) + len(prompts) * max_tokens
     s = SHAPES[shape]
     kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim(shape) * 2
-    compute_s = 2 * params * total_tokens / MATMUL_FLOPS
+    compute_s = 2 * active * total_tokens / MATMUL_FLOPS
     # Bandwidth bound, assuming every row decodes in lock-step (true for W3's equal lengths): each step reads
-    # the weights once and each row's K/V so far.
+    # the weights once (a MoE's every expert: a large batch chooses them all) and each row's K/V so far.
     kv_reads = sum(kv_bytes_per_token * (len(p) + t) for p in prompts for t in range(max_tokens))
     bandwidth_s = (max_tokens * params * 2 + kv_reads) / COPY_BYTES_PER_S
     return {"compute_roofline_s": round(compute_s, 3), "compute_share": round(compute_s / seconds, 3),

@@ -30,6 +30,23 @@ SHAPES = {
                                                          for i in range(48)],
                        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
                        max_position_embeddings=131072),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (top-8, 768 features each), q/k norms, 4 KV heads of 128.
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          max_position_embeddings=40960),
+    # gpt-oss-20b: 24 layers alternating a 128-token window and full attention, sinks, 32 experts (top-4), YaRN.
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                        rope_theta=150000.0, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                           "beta_slow": 1.0, "truncate": False,
+                                                           "original_max_position_embeddings": 4096},
+                        swiglu_limit=7.0, attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        max_position_embeddings=131072),
     # Not a workload shape: so small that on the CPU a step's time is the host's Python, for host_profile.py.
     "tiny-host": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2048, rope_theta=10000.0, tie_word_embeddings=True,
@@ -79,10 +96,16 @@ def write_random_checkpoint(name: str, root: Path | None = None, device: str = "
     return directory
 
 
-def num_params(name: str) -> int:
+def num_params(name: str, active: bool = False) -> int:
+    """All parameters, or (`active`) those one token multiplies: a MoE layer's top-k experts and its router."""
     s = SHAPES[name]
     h, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     q, kv = s["num_attention_heads"] * head_dim(name), s["num_key_value_heads"] * head_dim(name)
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    experts = s.get("num_experts") or s.get("num_local_experts")
+    mlp = 3 * h * i
+    if experts:
+        expert_size = s.get("moe_intermediate_size", i)
+        mlp = 3 * h * expert_size * (s["num_experts_per_tok"] if active else experts) + h * experts
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
     embeddings = vocab * h * (1 if s["tie_word_embeddings"] else 2)
     return layers * per_layer + embeddings + h

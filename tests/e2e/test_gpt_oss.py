@@ -161,3 +161,14 @@ def test_mxfp4_checkpoints_are_refused_by_name(checkpoint) -> None:
     hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     with pytest.raises(ValueError, match="MXFP4 experts are not supported yet"):
         ModelConfig.from_hf_dict(hf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_equals_hf_on_the_gpu(checkpoint) -> None:
+    """Sinks and windows in the paged Triton attention, the clamped SwiGLU and expert biases in the fused MoE
+    kernel, inside CUDA graphs, in float32 (IEEE dots), against HF on the CPU; the pool NaN-filled."""
+    llm = LLM(str(checkpoint.directory), enable_prefix_caching=False,
+              **{**ENGINE, "device": "cuda", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64})
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
+    assert _greedy(llm, _prompts()) == checkpoint.expected
