@@ -15,6 +15,12 @@ deterministic (one order per shape, so a CUDA-graph step padded to its captured 
 and no zero-filled buffer is needed. The price is `k * H * 4` bytes written and read back per token, small
 next to the expert weights at decode and a few percent of the GEMMs' time at prefill.
 
+Quantized experts are dequantized in registers, tile by tile, and multiplied on the 16-bit tensor cores
+(weight-only quantization: at decode the time is the weights' bytes, which is what quantization cuts):
+`W_FORMAT` FP8 (E4M3 codes are exact in bf16; the row's float32 scale multiplies the accumulator once, after
+the K loop) or MXFP4 (two E2M1 codes per byte, each block of 32 along K with an E8M0 power-of-two scale; the
+code and scale are assembled into float32 bits, exact in bf16 too). See `moe_reference.dequantize_expert`.
+
 Both grids are `(max_blocks * n_tiles,)` with `max_blocks` an upper bound fixed by T, k, E and BLOCK_M: the host
 never reads the number of padded rows (no sync, CUDA-graph safe); programs past it return at once. Block sizes
 follow from the shapes by fixed rules (no autotuning, as for the other kernels); they are first guesses for
@@ -27,12 +33,22 @@ import torch
 import triton
 import triton.language as tl
 
-from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, SWIGLUOAI_ALPHA
+from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
 BLOCK_N = 64  # output columns per program (twice this for gate/up: the gate's and up's tiles)
 BLOCK_K = 64
 NUM_WARPS, NUM_STAGES = 4, 3
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
+DENSE, FP8, MXFP4 = 0, 1, 2  # W_FORMAT
+_FP8, _MXFP4 = tl.constexpr(FP8), tl.constexpr(MXFP4)
+_MX_BLOCK = tl.constexpr(MXFP4_BLOCK)
+
+
+def weight_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
+    """The experts' storage, from their dtype: MXFP4 (uint8 packed), FP8 (E4M3) or dense (the model's dtype)."""
+    if w13.dtype == torch.uint8:
+        return MXFP4
+    return FP8 if w13_scale is not None else DENSE
 
 
 def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -72,15 +88,27 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int,
 
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
-                     w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
+                     w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
+                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See `moe_reference.fused_moe`. hidden's rows may be strided; every last dimension must be dense."""
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"MoE activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
     num_tokens, hidden_size = hidden.shape
-    num_experts, intermediate_size = w2.shape[0], w2.shape[2]
+    num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    assert w13.shape == (num_experts, 2 * intermediate_size, hidden_size), (w13.shape, w2.shape)
-    assert w2.shape[1] == hidden_size and topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    w_format = weight_format(w13, w13_scale)
+    per_byte = 2 if w_format == MXFP4 else 1
+    assert w13.shape == (num_experts, 2 * intermediate_size, hidden_size // per_byte), (w13.shape, w2.shape)
+    assert w2.shape == (num_experts, hidden_size, intermediate_size // per_byte), (w13.shape, w2.shape)
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    if w_format == MXFP4:
+        assert hidden_size % MXFP4_BLOCK == 0 and intermediate_size % MXFP4_BLOCK == 0, (hidden_size, w2.shape)
+        assert w13_scale.shape == (*w13.shape[:2], hidden_size // MXFP4_BLOCK), w13_scale.shape
+        assert w2_scale.shape == (*w2.shape[:2], intermediate_size // MXFP4_BLOCK), w2_scale.shape
+    elif w_format == FP8:
+        assert w13_scale.shape == w13.shape[:2] and w2_scale.shape == w2.shape[:2], (w13_scale.shape, w2_scale.shape)
+    if w_format != DENSE:
+        assert w13_scale.stride(-1) == 1 and w2_scale.stride(-1) == 1, (w13_scale.stride(), w2_scale.stride())
     assert w13_bias is None or w13_bias.shape == (num_experts, 2 * intermediate_size), w13_bias.shape
     assert w2_bias is None or w2_bias.shape == (num_experts, hidden_size), w2_bias.shape
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, (hidden.stride(), w13.stride())
@@ -91,21 +119,24 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     num_pairs, max_blocks = num_tokens * top_k, block_experts.numel()
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
+    common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision, W_FORMAT=w_format,
                   num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    w13_scale, w2_scale = (w13, w2) if w_format == DENSE else (w13_scale, w2_scale)  # placeholders when unread
 
     intermediate = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(max_blocks * triton.cdiv(intermediate_size, BLOCK_N),)](
-        hidden, w13, w13 if w13_bias is None else w13_bias, intermediate, sorted_pairs, block_experts, num_rows,
-        num_pairs, top_k, hidden_size, intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-        0 if w13_bias is None else w13_bias.stride(0), 0.0 if swiglu_limit is None else float(swiglu_limit),
+        hidden, w13, w13_scale, w13 if w13_bias is None else w13_bias, intermediate, sorted_pairs, block_experts,
+        num_rows, num_pairs, top_k, hidden_size, intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), 0 if w13_bias is None else w13_bias.stride(0),
+        0.0 if swiglu_limit is None else float(swiglu_limit),
         HAS_BIAS=w13_bias is not None, ACTIVATION=activation, CLAMP=swiglu_limit is not None, **common,
     )
     weighted = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     _down_kernel[(max_blocks * triton.cdiv(hidden_size, BLOCK_N),)](
-        intermediate, w2, w2 if w2_bias is None else w2_bias, topk_weights.reshape(-1).float(), weighted,
+        intermediate, w2, w2_scale, w2 if w2_bias is None else w2_bias, topk_weights.reshape(-1).float(), weighted,
         sorted_pairs, block_experts, num_rows, num_pairs, intermediate_size, hidden_size, w2.stride(0),
-        w2.stride(1), 0 if w2_bias is None else w2_bias.stride(0), HAS_BIAS=w2_bias is not None, **common,
+        w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), 0 if w2_bias is None else w2_bias.stride(0),
+        HAS_BIAS=w2_bias is not None, **common,
     )
     return weighted.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
 
@@ -123,11 +154,27 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, num_rows_ptr, num_pairs, n_
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_rows_ptr, num_pairs,
-                    top_k, hidden_size, inter_size, stride_x, stride_w_expert, stride_w_row, stride_bias_expert,
-                    swiglu_limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+def _weight_tile(rows_ptr, scale_rows_ptr, k, mask, W_FORMAT: tl.constexpr, DTYPE: tl.constexpr):
+    """The `[BLOCK_K, BLOCK_N]` tile `w^T` (K index `k`, one column per weight row) in the dot's dtype, given
+    pointers to the tile's weight rows `[1, N]` and, for MXFP4, their scale rows."""
+    if W_FORMAT == _MXFP4:
+        packed = tl.load(rows_ptr + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
+        code = tl.where((k % 2)[:, None] == 1, packed >> 4, packed & 0xF)
+        exponent, mantissa = (code >> 1) & 3, code & 1
+        # E2M1 as float32 bits: 0.5 * mantissa when the exponent field is 0, else (1 + mantissa / 2) * 2^(e - 1).
+        bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+        value = (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+        scale = tl.load(scale_rows_ptr + (k // _MX_BLOCK)[:, None], mask=mask, other=127).to(tl.int32)
+        return (value * (scale << 23).to(tl.float32, bitcast=True)).to(DTYPE)  # E8M0: 2^(scale - 127)
+    return tl.load(rows_ptr + k[:, None], mask=mask, other=0.0).to(DTYPE)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_rows_ptr,
+                    num_pairs, top_k, hidden_size, inter_size, stride_x, stride_w_expert, stride_w_row,
+                    stride_s_expert, stride_s_row, stride_bias_expert, swiglu_limit, HAS_BIAS: tl.constexpr,
+                    ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr):
     """`out[pair, n] = act(x[token] . w[e, n] + b[e, n], x[token] . w[e, I + n] + b[e, I + n])` for the block's
     pairs and the tile's intermediate columns n, `token = pair // top_k`."""
     n_tiles = tl.cdiv(inter_size, BLOCK_N)
@@ -141,6 +188,9 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_exp
     x_rows = x_ptr + (pairs // top_k)[:, None] * stride_x
     gate_cols = w_ptr + expert * stride_w_expert + cols[None, :].to(tl.int64) * stride_w_row
     up_cols = gate_cols + inter_size * stride_w_row
+    gate_scales = scale_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
+    up_scales = gate_scales + inter_size * stride_s_row
+    dtype = x_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -148,9 +198,13 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_exp
         in_k = k < hidden_size
         x_tile = tl.load(x_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
         w_mask = in_k[:, None] & in_cols[None, :]
-        gate += tl.dot(x_tile, tl.load(gate_cols + k[:, None], mask=w_mask, other=0.0),
+        gate += tl.dot(x_tile, _weight_tile(gate_cols, gate_scales, k, w_mask, W_FORMAT, dtype),
                        input_precision=DOT_PRECISION)  # [K, N] tiles: w^T
-        up += tl.dot(x_tile, tl.load(up_cols + k[:, None], mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
+        up += tl.dot(x_tile, _weight_tile(up_cols, up_scales, k, w_mask, W_FORMAT, dtype),
+                     input_precision=DOT_PRECISION)
+    if W_FORMAT == _FP8:  # FP8: one scale per weight row, i.e. per output column here
+        gate *= tl.load(scale_ptr + expert * stride_s_expert + cols, mask=in_cols, other=0.0)[None, :]
+        up *= tl.load(scale_ptr + expert * stride_s_expert + inter_size + cols, mask=in_cols, other=0.0)[None, :]
     if HAS_BIAS:
         bias = bias_ptr + expert * stride_bias_expert + cols
         gate += tl.load(bias, mask=in_cols, other=0.0).to(tl.float32)[None, :]
@@ -171,10 +225,10 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_exp
 
 
 @triton.jit
-def _down_kernel(y_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_rows_ptr,
-                 num_pairs, inter_size, hidden_size, stride_w_expert, stride_w_row, stride_bias_expert,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _down_kernel(y_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                 num_rows_ptr, num_pairs, inter_size, hidden_size, stride_w_expert, stride_w_row, stride_s_expert,
+                 stride_s_row, stride_bias_expert, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr):
     """`out[pair, n] = weights[pair] * (y[pair] . w[e, n] + b[e, n])` in float32, for the block's pairs and the
     tile's hidden columns n."""
     n_tiles = tl.cdiv(hidden_size, BLOCK_N)
@@ -187,13 +241,17 @@ def _down_kernel(y_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, sorted_pairs_ptr,
     ks = tl.arange(0, BLOCK_K)
     y_rows = y_ptr + pairs[:, None] * inter_size
     w_cols = w_ptr + expert * stride_w_expert + cols[None, :].to(tl.int64) * stride_w_row
+    w_scales = scale_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
+    dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         k = k0 + ks
         in_k = k < inter_size
         y_tile = tl.load(y_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
-        w_tile = tl.load(w_cols + k[:, None], mask=in_k[:, None] & in_cols[None, :], other=0.0)  # [K, N]: w^T
+        w_tile = _weight_tile(w_cols, w_scales, k, in_k[:, None] & in_cols[None, :], W_FORMAT, dtype)  # w^T
         acc += tl.dot(y_tile, w_tile, input_precision=DOT_PRECISION)
+    if W_FORMAT == _FP8:  # FP8: one scale per weight row
+        acc *= tl.load(scale_ptr + expert * stride_s_expert + cols, mask=in_cols, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_bias_expert + cols, mask=in_cols, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
