@@ -30,7 +30,7 @@ DEFAULTS: dict[str, Any] = dict(
     async_scheduling=None, structured_outputs_backend="xgrammar", enable_lora=False, max_loras=1, max_lora_rank=16,
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
     pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
-    disable_hybrid_kv_cache_manager=False, reasoning_parser=None)
+    disable_hybrid_kv_cache_manager=False, reasoning_parser=None, enable_expert_parallel=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,7 @@ class ModelOptions:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,13 @@ class EngineConfig:
     run by worker processes that this LLM starts (`spawn`) and stops (`shutdown()`, garbage collection or
     interpreter exit). As with any `spawn`, a script building such an LLM needs the
     `if __name__ == "__main__":` guard.
+
+    `enable_expert_parallel=True` (vLLM's name): the MoE layers' experts are placed whole on the tensor-parallel
+    ranks (EP size = `tensor_parallel_size`, per pipeline stage): rank r of N holds experts `[r * E/N, (r + 1) *
+    E/N)`, and each layer sends every token to its chosen experts' ranks and back with an all-to-all
+    (batchllm/model/layers/expert_parallel.py); attention and dense layers stay tensor-parallel. E must be
+    divisible by N. Steps run eagerly (no CUDA graphs: the all-to-all's sizes go through the host). A no-op
+    without tensor parallelism (`tensor_parallel_size=1`) and on a model without experts.
 
     `pipeline_parallel_size=P` splits the decoder layers into P stages of balanced parameter counts (P processes,
     each its own GPU; times `tensor_parallel_size` for both), activations passing down the pipeline; P steps are
@@ -192,6 +200,9 @@ class EngineConfig:
         check_lora_options(a["enable_lora"], a["max_loras"], a["max_lora_rank"])
         tp, pp = a["tensor_parallel_size"], a["pipeline_parallel_size"]
         check_parallel_sizes(tp, pp)
+        if not isinstance(a["enable_expert_parallel"], bool):
+            raise ValueError(f"LLM argument enable_expert_parallel must be True or False, "
+                             f"got {a['enable_expert_parallel']!r}")
         budget = a["max_num_batched_tokens"]
         scheduler = SchedulerConfig(a["max_num_seqs"], GENERATE_STEP_BUDGET if budget is None else budget,
                                     max_loras=a["max_loras"] if a["enable_lora"] else 0,
@@ -224,7 +235,7 @@ class EngineConfig:
                              dtype, max_model_len, a["seed"], a["load_format"], a["enforce_eager"])
         return cls(model, cache, scheduler, budget is not None,
                    device.startswith("cuda") if a["async_scheduling"] is None else a["async_scheduling"],
-                   a["reorder_by_prefix"], ParallelConfig(tp, pp),
+                   a["reorder_by_prefix"], ParallelConfig(tp, pp, a["enable_expert_parallel"]),
                    LoRAConfig(a["enable_lora"], a["max_loras"], a["max_lora_rank"]), spec,
                    QuantizationOptions(a["quantization"], a["kv_cache_dtype"]),
                    StructuredOutputsConfig(a["structured_outputs_backend"]), KVTransferConfig(layout),

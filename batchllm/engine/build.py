@@ -52,6 +52,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
     """The checks of `LLM(...)` that read the model directory (config.json, tokenizer), in its order."""
     import torch
 
+    from batchllm.distributed.parallel_state import check_expert_parallel
     from batchllm.executor.build import check_quantization
     from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
     from batchllm.model.loader import resolve_model_path
@@ -81,6 +82,9 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
                                         model.load_format)
     if spec is not None:
         check_speculative_model(spec, model_path, config.parallel.tensor_parallel_size)
+    parallel = config.parallel
+    if parallel.enable_expert_parallel and parallel.tensor_parallel_size > 1 and model_config.moe is not None:
+        check_expert_parallel(model_config.moe.num_experts, parallel.tensor_parallel_size)
     tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer or model_path,
                                                                       trust_remote_code=model.trust_remote_code)
     eos_token_ids = resolve_eos_token_ids(model_path, tokenizer)
@@ -151,7 +155,8 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
         async_scheduling=config.async_scheduling and config.parallel.pipeline_parallel_size == 1,
         max_loras=config.scheduler.max_loras, max_lora_rank=config.lora.max_lora_rank,
         quantization=config.quantization.quantization, kv_cache_dtype=resolved.kv_cache_dtype,
-        speculative=config.speculative, kv_layout=hybrid_kv_layout(config, resolved.model_config))
+        speculative=config.speculative, kv_layout=hybrid_kv_layout(config, resolved.model_config),
+        enable_expert_parallel=config.parallel.enable_expert_parallel)
 
 
 def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from batchllm.config import CacheConfig, SchedulerConfig
-from batchllm.distributed.parallel_state import all_reduce_min, get_pp, get_tp
+from batchllm.distributed.parallel_state import all_reduce_min, get_ep, get_pp, get_tp
 from batchllm.engine.interfaces import AwaitingGrammar, ModelRunnerOutput, SchedulerOutput
 from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.engine.speculative.config import SpeculativeConfig
@@ -71,6 +71,8 @@ class RunnerConfig:
     kv_link: tuple[Path, int] | None = None
     # A hybrid KV cache's groups (engine/kv_groups.py); None: one group, every block kept.
     kv_layout: KVGroupLayout | None = None
+    # The MoE experts placed whole on the tensor-parallel ranks (model/layers/expert_parallel.py).
+    enable_expert_parallel: bool = False
 
 
 class ModelRunner(StepSampling):
@@ -139,7 +141,9 @@ class ModelRunner(StepSampling):
         self._share_samples = config.async_scheduling and get_tp().size > 1
         self._last_sampled, self._last_rows, self._unread = None, {}, None  # see StepSampling
         # Pipeline stages run eagerly: a decode graph replays the whole model from token ids to hidden states.
-        use_graphs = device.type == "cuda" and not config.enforce_eager and self.pp.size == 1
+        # So do expert-parallel ranks: each MoE layer's all-to-all takes its split sizes from the host.
+        use_graphs = (device.type == "cuda" and not config.enforce_eager and self.pp.size == 1
+                      and get_ep().size == 1)
         self.graphs = self._capture_graphs() if use_graphs else None
         # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
         self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows

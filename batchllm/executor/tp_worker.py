@@ -109,7 +109,8 @@ def _build_runner(args: WorkerArgs):
     else:
         device, backend = config.device, "gloo"
         torch.set_num_threads(args.num_threads)
-    init_model_parallel(args.rank, args.tp_size, args.pp_size, backend, args.init_method, timeout_s=1800)
+    init_model_parallel(args.rank, args.tp_size, args.pp_size, backend, args.init_method, timeout_s=1800,
+                        expert_parallel=config.enable_expert_parallel)
     return ModelRunner(dataclasses.replace(config, device=device))
 
 
