@@ -9,8 +9,9 @@ the clamped SwiGLU (`swigluoai`), run by `FusedMoE`'s kernels.
 The checkpoint stores all of a layer's experts in one tensor per projection, transposed against ours and with
 gate and up interleaved: `experts.gate_up_proj [E, H, 2I]` (column 2j: gate's feature j, column 2j + 1: up's),
 `gate_up_proj_bias [E, 2I]` likewise, `down_proj [E, I, H]`, `down_proj_bias [E, H]`. Each is read whole-shaped
-and handed expert by expert, de-interleaved and transposed, to `FusedMoE.weight_loader`, which keeps this rank's
-slice of the intermediate features as it does for the other MoE families.
+and handed expert by expert, de-interleaved and transposed, to `FusedMoE`'s loaders, which quantize the weights
+as the layer's expert method stores them (`quantization="fp8"`) and keep this rank's slice of the intermediate
+features as they do for the other MoE families.
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchllm import kernels
-from batchllm.distributed.parallel_state import all_reduce
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE
 from batchllm.model.llama import LlamaForCausalLM
 from batchllm.model.quantization.config import QuantConfig
-from batchllm.model.quantization.method import loadable
 
 
 class GptOssExperts(FusedMoE):
@@ -34,35 +32,35 @@ class GptOssExperts(FusedMoE):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
         moe = config.moe
         super().__init__(moe.num_experts, moe.num_experts_per_tok, config.hidden_size, moe.moe_intermediate_size,
-                         renormalize=True, activation="swigluoai", bias=True, quant_config=quant_config)
-        self.swiglu_limit = moe.swiglu_limit
+                         renormalize=True, activation="swigluoai", bias=True, quant_config=quant_config,
+                         swiglu_limit=moe.swiglu_limit)
         experts, hidden, inter = moe.num_experts, config.hidden_size, moe.moe_intermediate_size
         # The checkpoint's whole-layer shapes (shard id None): `load_stacked` cuts them into FusedMoE's shards.
         for name, shape in (("w13_weight", (experts, hidden, 2 * inter)), ("w13_bias", (experts, 2 * inter)),
                             ("w2_weight", (experts, inter, hidden)), ("w2_bias", (experts, hidden))):
-            setattr(self, name, loadable(getattr(self, name).data, self.load_stacked, {None: shape}))
+            param = getattr(self, name)
+            param.weight_loader, param.checkpoint_shapes = self.load_stacked, {None: shape}
 
     def load_stacked(self, param: nn.Parameter, loaded, shard_id: None = None) -> None:
         """One of the checkpoint's stacked expert tensors (a tensor or a lazy `CheckpointSlice`) into `param`,
-        one expert at a time: gate is the even columns of `gate_up_proj`, up the odd ones."""
+        one expert at a time: gate is the even columns of `gate_up_proj`, up the odd ones. A weight goes through
+        `load_full_weight` (quantized there if the experts are), a bias straight to `weight_loader`."""
         is_down = param is self.w2_weight or param is self.w2_bias
-        for expert in range(self.num_experts):
-            tensor = loaded.narrow(0, expert, 1)[0]
+        load = self.weight_loader if param is self.w13_bias or param is self.w2_bias else self.load_full_weight
+        for expert in self.local_experts:
+            tensor = loaded.narrow(0, expert, 1)[0]  # read: a lazy slice's narrow reads
             if is_down:
                 # down_proj[e] is [I, H] (x @ W); ours is [H, I]. Its bias [H] goes as it is.
-                super().weight_loader(param, tensor.t() if tensor.dim() == 2 else tensor, (expert, DOWN))
+                load(param, tensor.t() if tensor.dim() == 2 else tensor, (expert, DOWN))
                 continue
             gate, up = tensor[..., 0::2], tensor[..., 1::2]
             for part, value in ((GATE, gate), (UP, up)):
-                super().weight_loader(param, value.t() if value.dim() == 2 else value, (expert, part))
+                load(param, value.t() if value.dim() == 2 else value, (expert, part))
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # gpt-oss's routing: the k largest logits, then a softmax over those k only (not over every expert).
         top_logits, topk_ids = torch.topk(router_logits.float(), self.top_k, dim=-1)
-        topk_weights = torch.softmax(top_logits, dim=-1)
-        out = kernels.fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
-                                self.w13_bias, self.w2_bias, self.swiglu_limit)
-        return all_reduce(out)
+        return torch.softmax(top_logits, dim=-1), topk_ids
 
 
 class GptOssMLP(nn.Module):

@@ -137,7 +137,15 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                     continue
                 whole = CheckpointSlice(checkpoint.get_slice(stored))
                 expert = expert_target(name, experts) if experts else None
-                shards = [(*expert, whole)] if expert else _shards(name, whole, packed, fused, modules)
+                if expert is not None:  # one expert's projection, into the layer's stacked parameters
+                    module_name, kind, shard_id = expert
+                    try:
+                        filled = modules[module_name].load_expert_tensor(name, kind, whole, read, shard_id)
+                    except ValueError as exc:
+                        raise ValueError(f"{file.name}: {stored}: {exc}") from None
+                    loaded.update((f"{module_name}.{part}", shard_id) for part in filled)
+                    continue
+                shards = _shards(name, whole, packed, fused, modules)
                 for target, shard_id, tensor in shards:
                     module_name, _, kind = target.rpartition(".")
                     layer = modules.get(module_name)
@@ -162,7 +170,9 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                     except ValueError as exc:
                         raise ValueError(f"{file.name}: {stored}: {exc}") from None
                     loaded.add((target, shard_id))
-    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "checkpoint_shapes", [None])}
+    # A scale loaded with its weight is missing only if the weight is: the error names the weight.
+    expected = {(name, shard) for name, p in params.items() if not getattr(p, "filled_with_weight", False)
+                for shard in getattr(p, "checkpoint_shapes", [None])}
     missing = sorted(expert_checkpoint_name(name, shard, experts) if isinstance(shard, tuple)
                      else _checkpoint_name_for(name, shard, packed) for name, shard in expected - loaded)
     if missing or unexpected:
@@ -280,7 +290,7 @@ def fill_dummy_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
         if id(param) in norm_weights:
             param.fill_(norm_weights[id(param)])
             continue
-        if id(param) in filled:
+        if id(param) in filled or getattr(param, "filled_with_weight", False):
             continue
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         for shard_id, shape in getattr(param, "checkpoint_shapes", {None: param.shape}).items():

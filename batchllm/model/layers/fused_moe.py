@@ -11,15 +11,19 @@ Tensor parallelism cuts every expert's intermediate dimension, as a column layer
 holds rows `[r * I_rank, (r + 1) * I_rank)` of each expert's gate and up projections and the same columns of
 its down projection, so its output is a partial sum and one all-reduce after the layer completes it.
 
-Experts are unquantized (the model's dtype) whatever the rest of the model runs in: `quantization="fp8"` on a
-MoE model quantizes the attention and dense MLP linears on load and leaves the experts as they are, and the
-experts of a quantized checkpoint are refused (`check_expert_quantization`).
+How the experts are stored is their `ExpertMethod` (quantization/experts.py): unquantized, or FP8 (an FP8
+checkpoint's experts, or `quantization="fp8"` on load), each a `w13_*` / `w2_*` parameter per part (`weight`,
+`weight_scale`). One expert's checkpoint tensor and its companions are read by the method's linear reader, as a
+linear layer's would be (`load_expert_tensor`), then sliced into place by `weight_loader`.
+
+`local_experts` are the global ids of the experts this rank holds (all of them under tensor parallelism): the
+stacked parameters have one entry per local expert, and the loaders skip the others.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -27,44 +31,32 @@ from torch import nn
 from batchllm import kernels
 from batchllm.distributed.parallel_state import all_reduce, get_tp
 from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
-from batchllm.model.quantization.config import ON_LOAD, QuantConfig
-from batchllm.model.quantization.method import loadable
+from batchllm.model.quantization.config import QuantConfig
+from batchllm.model.quantization.experts import expert_method
+from batchllm.model.quantization.method import Reader, loadable
+from batchllm.model.quantization.unquantized import check_plain_tensor
 
 GATE, UP, DOWN = "gate", "up", "down"  # an expert's projections: the parts of a shard id (expert, part)
-# `<module>.experts.<e>.<projection>.<weight|bias>`: one expert's tensor in an HF checkpoint.
+# `<module>.experts.<e>.<projection>.<kind>`: one expert's tensor in an HF checkpoint.
 _EXPERT_TENSOR = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>[^.]+)\.(?P<kind>[^.]+)$")
 
 
-def expert_target(name: str, projections: Mapping[str, str]) -> tuple[str, Hashable] | None:
-    """`model.layers.0.mlp.experts.3.up_proj.weight` → (`model.layers.0.mlp.experts.w13_weight`, (3, "up")),
-    given the family's checkpoint projection names → part (`{"gate_proj": "gate", "up_proj": "up", ...}`); None
-    for a tensor of no expert. A quantized expert's tensor (`qweight`, `weight_scale`, ...) is refused by name."""
+def expert_target(name: str, projections: Mapping[str, str]) -> tuple[str, str, tuple[int, str]] | None:
+    """`model.layers.0.mlp.experts.3.up_proj.weight_scale` → (`model.layers.0.mlp.experts`, "weight_scale",
+    (3, "up")), given the family's checkpoint projection names → part (`{"gate_proj": "gate", ...}`); None for a
+    tensor of no expert."""
     match = _EXPERT_TENSOR.match(name)
     if match is None or match["projection"] not in projections:
         return None
-    if match["kind"] not in ("weight", "bias"):
-        raise ValueError(f"{name}: quantized MoE experts ({match['kind']!r} tensors) are not supported; only "
-                         f"unquantized (bf16 / fp16 / fp32) experts load")
-    part = projections[match["projection"]]
-    stacked = "w2" if part == DOWN else "w13"
-    return f"{match['module']}.{stacked}_{match['kind']}", (int(match["expert"]), part)
+    return match["module"], match["kind"], (int(match["expert"]), projections[match["projection"]])
 
 
 def expert_checkpoint_name(param_name: str, shard_id: tuple[int, str], projections: Mapping[str, str]) -> str:
-    """Inverse of `expert_target`, so a missing-tensor error names the checkpoint tensor."""
+    """The checkpoint tensor behind a stacked parameter's shard, so a missing-tensor error names it."""
     module, _, stacked = param_name.rpartition(".")
     expert, part = shard_id
     projection = next(hf for hf, ours in projections.items() if ours == part)
     return f"{module}.{expert}.{projection}.{stacked.partition('_')[2]}"
-
-
-def check_expert_quantization(quant_config: QuantConfig | None) -> None:
-    """Experts stay unquantized: fine when the model is quantized on load, refused for a quantized checkpoint,
-    whose experts are stored in a format this layer does not read."""
-    if quant_config is not None and quant_config.checkpoint_format is not ON_LOAD:
-        raise ValueError(f"MoE experts of a quantized checkpoint ({quant_config.checkpoint_format}, "
-                         f"{quant_config.method}) are not supported yet; use the unquantized (bf16) checkpoint, "
-                         f"optionally with quantization='fp8' (which leaves the experts unquantized)")
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,39 +75,87 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, activation: str = "silu", bias: bool = False,
-                 quant_config: QuantConfig | None = None) -> None:
+                 quant_config: QuantConfig | None = None, swiglu_limit: float | None = None) -> None:
         super().__init__()
-        check_expert_quantization(quant_config)
+        self.expert_method = expert_method(quant_config)
         self.tp = get_tp()
         if intermediate_size % self.tp.size:
             raise ValueError(f"the experts' {intermediate_size} intermediate features cannot be split over "
                              f"tensor_parallel_size={self.tp.size}")
-        self.num_experts, self.top_k, self.renormalize, self.activation = num_experts, top_k, renormalize, activation
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation, self.swiglu_limit = activation, swiglu_limit
         self.intermediate_size = intermediate_size // self.tp.size  # this rank's, per expert
-        size, experts = self.intermediate_size, range(num_experts)
-        gate_up = [(e, part) for e in experts for part in (GATE, UP)]
-        # torch.empty: the checkpoint (or the dummy initialiser) fills every expert.
-        self.w13_weight = loadable(torch.empty(num_experts, 2 * size, hidden_size), self.weight_loader,
-                                   {shard: (intermediate_size, hidden_size) for shard in gate_up})
-        self.w2_weight = loadable(torch.empty(num_experts, hidden_size, size), self.weight_loader,
-                                  {(e, DOWN): (hidden_size, intermediate_size) for e in experts})
-        self.w13_bias = loadable(torch.empty(num_experts, 2 * size), self.weight_loader,
-                                 {shard: (intermediate_size,) for shard in gate_up}) if bias else None
-        self.w2_bias = loadable(torch.empty(num_experts, hidden_size), self.weight_loader,
-                                {(e, DOWN): (hidden_size,) for e in experts}) if bias else None
+        self.local_experts = range(num_experts)
+        size, experts = self.intermediate_size, self.local_experts
+        gate_up = {(e, part): (intermediate_size, hidden_size) for e in experts for part in (GATE, UP)}
+        down = {(e, DOWN): (hidden_size, intermediate_size) for e in experts}
+        self._add_parts("w13", 2 * size, hidden_size, gate_up)
+        self._add_parts("w2", hidden_size, size, down)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = self._stacked((2 * size,), None, {shard: shape[:1] for shard, shape in gate_up.items()})
+            self.w2_bias = self._stacked((hidden_size,), None, {shard: shape[:1] for shard, shape in down.items()})
+            self.w13_bias.input_pack = self.w2_bias.input_pack = None
+
+    def _add_parts(self, stacked: str, rows: int, cols: int, shapes: dict[tuple[int, str], tuple[int, int]]) -> None:
+        """The parameters of one stacked weight (`w13` / `w2`), as the expert method describes its parts."""
+        for name, spec in self.expert_method.parts(rows, cols).items():
+            param = self._stacked(spec.shape, spec.dtype, shapes)
+            param.input_pack = spec.input_pack
+            if name != "weight":
+                param.filled_with_weight = True  # a scale: loaded with its weight, never on its own
+            else:
+                param.weight_loader = self.load_full_weight
+            setattr(self, f"{stacked}_{name}", param)
+
+    def _stacked(self, shape: tuple[int, ...], dtype: torch.dtype | None, shapes: Mapping) -> nn.Parameter:
+        # torch.empty: the checkpoint (or the dummy initialiser) fills every local expert.
+        return loadable(torch.empty(len(self.local_experts), *shape, dtype=dtype), self.weight_loader, shapes)
+
+    def load_expert_tensor(self, name: str, kind: str, tensor: CheckpointSlice, read: Reader,
+                           shard_id: tuple[int, str]) -> list[str]:
+        """One expert's checkpoint tensor `name` (`kind`: its last name) into place; the names of the parameters
+        it filled (none for a companion, which is read with its weight)."""
+        method = self.expert_method.linear
+        if kind in method.companion_tensors:
+            return []
+        stacked = "w2" if shard_id[1] == DOWN else "w13"
+        param = getattr(self, f"{stacked}_{kind}", None) if kind in ("weight", "bias") else None
+        if param is None:
+            raise ValueError(f"is a {kind!r} tensor, which MoE experts of this model "
+                             f"({self.expert_method.config.method if self.expert_method.config else 'unquantized'}"
+                             f") do not have")
+        if kind == "bias":
+            check_plain_tensor(tensor, param.checkpoint_shapes[shard_id])
+            self.weight_loader(param, tensor, shard_id)
+            return [f"{stacked}_bias"]
+        parts = method.read_weight(name, tensor, read, param.checkpoint_shapes[shard_id])
+        for part, value in parts.items():
+            self.weight_loader(getattr(self, f"{stacked}_{part}"), value, shard_id)
+        return [f"{stacked}_{part}" for part in parts]
+
+    def load_full_weight(self, weight: nn.Parameter, full: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """A full-precision HF weight (random, for `load_format="dummy"`) quantized as the method stores it."""
+        stacked = "w2" if shard_id[1] == DOWN else "w13"
+        for part, value in self.expert_method.linear.quantize_weight(full).items():
+            self.weight_loader(getattr(self, f"{stacked}_{part}"), value, shard_id)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | CheckpointSlice,
                       shard_id: tuple[int, str]) -> None:
-        """Copy this rank's slice of expert e's full HF tensor (`[I, H]` gate / up, `[H, I]` down, or a bias) into
-        the stacked parameter: gate and up rows `[rank * I_rank, (rank + 1) * I_rank)` into the first and second
-        half of `w13[e]`, the same columns of down into `w2[e]`."""
+        """Copy this rank's slice of expert e's full HF tensor (`[I, H]` gate / up, `[H, I]` down, a bias or a
+        scale) into the stacked parameter: gate and up rows `[rank * I_rank, (rank + 1) * I_rank)` into the first
+        and second half of `w13[e]`, the same input features of down into `w2[e]` (in stored columns, for a part
+        that packs several features in one). Experts of other ranks are skipped."""
         expert, part = shard_id
+        if expert not in self.local_experts:
+            return
         size, rank = self.intermediate_size, self.tp.rank
-        target = param.data[expert]
+        target = param.data[expert - self.local_experts.start]
         if part == DOWN:
-            if loaded_weight.dim() == 2:
-                loaded_weight = loaded_weight.narrow(1, rank * size, size)
-            elif rank != 0:
+            pack = param.input_pack
+            if pack is not None:
+                loaded_weight = loaded_weight.narrow(loaded_weight.dim() - 1, rank * size // pack, size // pack)
+            elif param is self.w2_bias and rank != 0:
                 # The down projection's bias joins every rank's partial sum: only rank 0's may carry it.
                 loaded_weight = torch.zeros(target.shape, dtype=target.dtype, device=target.device)
             copy_checked(target, loaded_weight)
@@ -123,8 +163,16 @@ class FusedMoE(nn.Module):
         offset = 0 if part == GATE else size
         copy_checked(target.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
 
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(topk_weights [T, k] float32, topk_ids [T, k])` of the router's logits."""
+        return select_experts(router_logits, self.top_k, self.renormalize)
+
+    def run_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the chosen experts' outputs."""
+        return kernels.fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                                 self.w13_bias, self.w2_bias, self.swiglu_limit,
+                                 getattr(self, "w13_weight_scale", None), getattr(self, "w2_weight_scale", None))
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = kernels.fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
-                                self.w13_bias, self.w2_bias)
-        return all_reduce(out)
+        topk_weights, topk_ids = self.route(router_logits)
+        return all_reduce(self.run_experts(hidden, topk_weights, topk_ids))

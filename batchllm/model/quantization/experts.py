@@ -1,0 +1,74 @@
+"""Expert methods: how a `FusedMoE` layer stores its experts' weights, by quantization.
+
+A MoE layer holds every expert's projections stacked, `w13 [E, 2 * I, H]` and `w2 [E, H, I]` (layers/fused_moe.py),
+so its storage is not a linear layer's; but one expert's projection in a checkpoint is an ordinary `[out, in]`
+weight with the usual companions (scales), read and quantized exactly as a linear layer's would be. An
+`ExpertMethod` therefore says only two things:
+
+- `parts(rows, cols)`: the parameters that stand for a stacked `[rows, cols]` weight (without the experts'
+  dimension): name suffix → (shape, dtype or None for the model's, `input_pack`: input features per stored
+  column, None for a part with no input dimension). The layer allocates them for `w13` and `w2` and slices them
+  for tensor parallelism by that description.
+- `linear`: the linear method whose `read_weight` (a checkpoint tensor and its companions → parts) and
+  `quantize_weight` (a full-precision weight → parts: random weights, quantization on load) convert one
+  expert's projection.
+
+The multiply is the same for every method (`kernels.fused_moe` reads the formats from the parts' dtypes): FP8
+experts are E4M3 with one float32 scale per row, dequantized in the kernel's registers.
+
+Recipe: experts in a new format. A `parts` description here and one line in `EXPERT_METHODS` (the key is
+`QuantConfig.method`), the linear method that reads its checkpoint tensors (quantization/registry.py), and the
+kernel's reading of the format (kernels/moe.py and its reference, moe_reference.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchllm.model.quantization.config import FP8, QuantConfig
+from batchllm.model.quantization.fp8 import FP8_DTYPE
+from batchllm.model.quantization.method import QuantMethod
+from batchllm.model.quantization.registry import linear_method
+
+
+@dataclass(frozen=True, slots=True)
+class PartSpec:
+    shape: tuple[int, ...]  # without the experts' dimension
+    dtype: torch.dtype | None  # None: the model's dtype
+    input_pack: int | None  # input features per stored column (the last dimension); None: no input dimension
+
+
+class ExpertMethod:
+    """Unquantized experts: one `weight` part in the model's dtype."""
+
+    def __init__(self, config: QuantConfig | None) -> None:
+        self.config = config
+        self.linear: QuantMethod = linear_method(config)
+
+    def parts(self, rows: int, cols: int) -> dict[str, PartSpec]:
+        return {"weight": PartSpec((rows, cols), None, 1)}
+
+
+class Fp8ExpertMethod(ExpertMethod):
+    """E4M3 experts with one float32 scale per output row, from any FP8 checkpoint layout the FP8 linear method
+    reads (per tensor, per channel, 128 × 128 blocks requantized per row) or quantized on load."""
+
+    def parts(self, rows: int, cols: int) -> dict[str, PartSpec]:
+        return {"weight": PartSpec((rows, cols), FP8_DTYPE, 1), "weight_scale": PartSpec((rows,), torch.float32, None)}
+
+
+EXPERT_METHODS: dict[str | None, type[ExpertMethod]] = {None: ExpertMethod, FP8: Fp8ExpertMethod}
+
+
+def expert_method(quant_config: QuantConfig | None) -> ExpertMethod:
+    """The method of a MoE layer built with `quant_config` (None: unquantized); a format whose experts the layer
+    cannot hold is refused by name."""
+    method = None if quant_config is None else quant_config.method
+    method_class = EXPERT_METHODS.get(method)
+    if method_class is None:
+        known = ", ".join("unquantized" if name is None else repr(name) for name in EXPERT_METHODS)
+        raise ValueError(f"MoE experts quantized as {quant_config.checkpoint_format or method!r} ({method}) are not "
+                         f"supported; supported expert formats: {known}")
+    return method_class(quant_config)
