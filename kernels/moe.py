@@ -29,15 +29,14 @@ Hopper, not yet timed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
-BLOCK_N = 64  # output columns per program (twice this for gate/up: the gate's and up's tiles)
-BLOCK_K = 64
-NUM_WARPS, NUM_STAGES = 4, 3
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
 DENSE, FP8, MXFP4 = 0, 1, 2  # W_FORMAT
 _FP8, _MXFP4 = tl.constexpr(FP8), tl.constexpr(MXFP4)
@@ -51,11 +50,21 @@ def weight_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
     return FP8 if w13_scale is not None else DENSE
 
 
-def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Rows per block, by the mean rows an expert gets: small blocks at decode (fewer padding rows, each a
-    wasted multiply of the expert's weight tile), larger ones at prefill (fewer re-reads of the weights)."""
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    block_m: int  # rows (pairs) per block, all of one expert
+    block_n: int  # output columns per program (twice this for gate/up: the gate's and up's tiles)
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_tiles(num_tokens: int, top_k: int, num_experts: int) -> Tiles:
+    """Tiles by the mean rows an expert gets: small row blocks at decode (fewer padding rows, each a wasted
+    multiply of the expert's weight tile), larger ones at prefill (fewer re-reads of the weights)."""
     rows_per_expert = num_tokens * top_k / num_experts
-    return 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    return Tiles(block_m, 64, 64)
 
 
 def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int,
@@ -114,17 +123,17 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, (hidden.stride(), w13.stride())
     if num_tokens == 0:
         return hidden.new_empty(num_tokens, hidden_size)
-    block_m = choose_block_m(num_tokens, top_k, num_experts)
-    sorted_pairs, block_experts, num_rows = align_pairs_by_expert(topk_ids, num_experts, block_m)
+    tiles = choose_tiles(num_tokens, top_k, num_experts)
+    sorted_pairs, block_experts, num_rows = align_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
     num_pairs, max_blocks = num_tokens * top_k, block_experts.numel()
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision, W_FORMAT=w_format,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
+                  W_FORMAT=w_format, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     w13_scale, w2_scale = (w13, w2) if w_format == DENSE else (w13_scale, w2_scale)  # placeholders when unread
 
     intermediate = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(max_blocks * triton.cdiv(intermediate_size, BLOCK_N),)](
+    _gate_up_kernel[(max_blocks * triton.cdiv(intermediate_size, tiles.block_n),)](
         hidden, w13, w13_scale, w13 if w13_bias is None else w13_bias, intermediate, sorted_pairs, block_experts,
         num_rows, num_pairs, top_k, hidden_size, intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), 0 if w13_bias is None else w13_bias.stride(0),
@@ -132,7 +141,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         HAS_BIAS=w13_bias is not None, ACTIVATION=activation, CLAMP=swiglu_limit is not None, **common,
     )
     weighted = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    _down_kernel[(max_blocks * triton.cdiv(hidden_size, BLOCK_N),)](
+    _down_kernel[(max_blocks * triton.cdiv(hidden_size, tiles.block_n),)](
         intermediate, w2, w2_scale, w2 if w2_bias is None else w2_bias, topk_weights.reshape(-1).float(), weighted,
         sorted_pairs, block_experts, num_rows, num_pairs, intermediate_size, hidden_size, w2.stride(0),
         w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), 0 if w2_bias is None else w2_bias.stride(0),
