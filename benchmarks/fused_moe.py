@@ -51,7 +51,7 @@ def expert_weights(experts: int, rows: int, cols: int, fmt: str, gen: torch.Gene
     return packed, scales, rows * cols // 2 + rows * cols // 32
 
 
-def run(shape: str, tokens: int, fmt: str, bandwidth: float, peak: float) -> dict:
+def run(shape: str, tokens: int, fmt: str, bandwidth: float, peak: float, check: bool = True) -> dict:
     experts, k, hidden, inter, activation = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -62,11 +62,13 @@ def run(shape: str, tokens: int, fmt: str, bandwidth: float, peak: float) -> dic
     limit = 7.0 if activation == "swigluoai" else None
 
     def call():
-        return moe.fused_moe_triton(x, w13, w2, weights, ids, activation, swiglu_limit=limit, w13_scale=s13, w2_scale=s2)
+        return moe.fused_moe_triton(x, w13, w2, weights, ids, activation, swiglu_limit=limit, w13_scale=s13,
+                                    w2_scale=s2)
 
-    out = call()
-    expected = fused_moe(x, w13, w2, weights, ids, activation, swiglu_limit=limit, w13_scale=s13, w2_scale=s2)
-    error = ((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    out, error = call(), None
+    if check:
+        expected = fused_moe(x, w13, w2, weights, ids, activation, swiglu_limit=limit, w13_scale=s13, w2_scale=s2)
+        error = ((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
     ms = triton.testing.do_bench(call, return_mode="median")
     graph_ms = _graph_ms(call)
     chosen = int(torch.unique(ids).numel())
@@ -94,12 +96,11 @@ def sweep(shape: str, tokens: int, fmt: str, bandwidth: float, peak: float) -> l
     rows = tokens * k / experts
     block_ms = [16] if rows <= 16 else [16, 32] if rows <= 64 else [64, 128]
     results = []
-    for block_m, block_n, block_k, warps, stages in itertools.product(block_ms, (32, 64, 128), (64, 128),
-                                                                       (4, 8), (3, 4)):
+    for block_m, block_n, block_k, warps, stages in itertools.product(block_ms, (64, 128), (64, 128), (4, 8), (3, 4)):
         tiles = moe.Tiles(block_m, block_n, block_k, warps, stages)
         moe.choose_tiles = lambda *_, tiles=tiles: tiles
         try:
-            r = run(shape, tokens, fmt, bandwidth, peak)
+            r = run(shape, tokens, fmt, bandwidth, peak, check=False)  # the default tiles' run checks
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile (shared memory) is skipped
             print(f"  {tiles}: {type(exc).__name__}")
             continue

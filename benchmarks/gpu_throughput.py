@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: the engine's (by model size)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", default=None, help="batchllm's (fp8, mxfp4, ...); the peer stays bf16")
     parser.add_argument("--also-sync", action="store_true",
                         help="also run batchllm with async_scheduling=False (the default is on for CUDA)")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
@@ -123,9 +124,10 @@ def main() -> None:
     max_tokens = args.max_tokens or workload.output_tokens
     prompts = make_prompts(workload, rows, SHAPES[args.shape]["vocab_size"])
     directory = make_shape_dir(args.shape)
-    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args)}
+    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, quantization=args.quantization)}
     if args.also_sync:
-        systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False)
+        systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False,
+                                                quantization=args.quantization)
         # bf16 on random weights: a batch of another size may flip a near-tie, so this is a share, not a bound.
         pairs = zip(systems["batchllm"].pop("token_ids"), systems["batchllm_sync"].pop("token_ids"))
         systems["batchllm"]["rows_equal_to_sync"] = sum(a == b for a, b in pairs)
@@ -160,12 +162,14 @@ def main() -> None:
         print(f"batchllm / HF generate_batch total tok/s: {ratio:.1f}x")
     _, hw = hardware("cuda")
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
+              "quantization": args.quantization,
               "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
     card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
     budget = f"-b{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
-    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}-seqs{args.max_num_seqs}{budget}"
-            f"-{card}.json")
+    quant = f"-{args.quantization}" if args.quantization else ""
+    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{args.max_num_seqs}"
+            f"{budget}-{card}.json")
     save_record(name, record, args.out)
 
 
