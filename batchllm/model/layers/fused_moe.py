@@ -17,7 +17,9 @@ checkpoint's experts, or `quantization="fp8"` on load), each a `w13_*` / `w2_*` 
 linear layer's would be (`load_expert_tensor`), then sliced into place by `weight_loader`.
 
 `local_experts` are the global ids of the experts this rank holds (all of them under tensor parallelism): the
-stacked parameters have one entry per local expert, and the loaders skip the others.
+stacked parameters have one entry per local expert, and the loaders skip the others. Under expert parallelism
+(`enable_expert_parallel=True`) rank r of n holds experts `[r * E/n, (r + 1) * E/n)` whole, and `forward` sends
+the tokens to their experts' ranks and back (expert_parallel.py) instead of all-reducing partial sums.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 from torch import nn
 
 from batchllm import kernels
-from batchllm.distributed.parallel_state import all_reduce, get_tp
+from batchllm.distributed.parallel_state import TensorParallel, all_reduce, get_ep, get_tp
 from batchllm.model.checkpoint_tensor import CheckpointSlice, copy_checked
+from batchllm.model.layers.expert_parallel import expert_parallel_moe
 from batchllm.model.quantization.config import QuantConfig
 from batchllm.model.quantization.experts import expert_method
 from batchllm.model.quantization.method import Reader, loadable
@@ -78,14 +81,16 @@ class FusedMoE(nn.Module):
                  quant_config: QuantConfig | None = None, swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.expert_method = expert_method(quant_config)
-        self.tp = get_tp()
+        self.ep = get_ep()
+        # The split of each expert's features: none under expert parallelism, where each expert is whole on its rank.
+        self.tp = get_tp() if self.ep.size == 1 else TensorParallel()
         if intermediate_size % self.tp.size:
             raise ValueError(f"the experts' {intermediate_size} intermediate features cannot be split over "
                              f"tensor_parallel_size={self.tp.size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.activation, self.swiglu_limit = activation, swiglu_limit
         self.intermediate_size = intermediate_size // self.tp.size  # this rank's, per expert
-        self.local_experts = range(num_experts)
+        self.local_experts = self.ep.local_experts(num_experts)
         size, experts = self.intermediate_size, self.local_experts
         gate_up = {(e, part): (intermediate_size, hidden_size) for e in experts for part in (GATE, UP)}
         down = {(e, DOWN): (hidden_size, intermediate_size) for e in experts}
@@ -115,9 +120,9 @@ class FusedMoE(nn.Module):
     def load_expert_tensor(self, name: str, kind: str, tensor: CheckpointSlice, read: Reader,
                            shard_id: tuple[int, str]) -> list[str]:
         """One expert's checkpoint tensor `name` (`kind`: its last name) into place; the names of the parameters
-        it filled (none for a companion, which is read with its weight)."""
+        it filled (none for a companion, which is read with its weight, or for another rank's expert)."""
         method = self.expert_method.linear
-        if kind in method.companion_tensors:
+        if kind in method.companion_tensors or shard_id[0] not in self.local_experts:
             return []
         stacked = "w2" if shard_id[1] == DOWN else "w13"
         param = getattr(self, f"{stacked}_{kind}", None) if kind in ("weight", "bias") else None
@@ -175,4 +180,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)
+        if self.ep.size > 1:
+            return expert_parallel_moe(hidden, topk_weights, topk_ids, self.ep, len(self.local_experts),
+                                       self.run_experts)
         return all_reduce(self.run_experts(hidden, topk_weights, topk_ids))
