@@ -41,6 +41,15 @@ def test_gpt_oss_greedy_equals_hf_with_the_experts_split_over_two_ranks(checkpoi
     llm.shutdown()
 
 
+@pytest.mark.parametrize("family", ["mixtral"], indirect=True)
+def test_greedy_equals_hf_with_expert_parallel_stages(family) -> None:  # noqa: F811
+    """PP=2 × TP=2 (four processes): each stage's two ranks form its expert-parallel group over its own layer."""
+    llm = LLM(str(family.directory), enable_prefix_caching=False, pipeline_parallel_size=2, **EXPERT_PARALLEL,
+              **ENGINE)
+    assert _greedy(llm, _prompts()) == family.expected
+    llm.shutdown()
+
+
 def _load_as_rank(directory, rank: int, monkeypatch) -> torch.nn.Module:
     """The model rank `rank` of two builds and loads under expert parallelism (no process group is needed)."""
     monkeypatch.setattr(parallel_state, "_state", parallel_state.TensorParallel(rank, 2))
