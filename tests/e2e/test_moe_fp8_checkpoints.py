@@ -246,3 +246,55 @@ def test_tensor_parallel_2_follows_the_simulation(qwen3_ragged_blocks) -> None:
             difference = abs(output.logprobs[position][token].logprob - expected[position, token].item())
             assert difference < TP_TOLERANCE, (row, position, difference)
             assert expected[position].max() - expected[position, token] < TP_TOLERANCE, (row, position)
+
+
+@pytest.fixture(scope="module")
+def mixtral_channel(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("mixtral-channel")
+    save_tiny_checkpoint(FAMILIES["mixtral"](), base / "original")
+    write_fp8_checkpoint("mixtral", "channel", base / "original", base / "fp8")
+    return base / "fp8"
+
+
+def edited(checkpoint: Path, directory: Path, change) -> Path:
+    """A copy of `checkpoint` whose tensors `change(tensors)` edits in place."""
+    directory.mkdir()
+    shutil.copy(checkpoint / "config.json", directory)
+    tensors = load_file(checkpoint / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts.2.w1"
+
+
+def test_input_scales_of_the_experts_are_ignored(mixtral_channel, tmp_path) -> None:
+    """A static `input_scale` beside every weight (activation_scheme "static"): ignored, as the linears' are (our
+    activations are scaled per token, and the experts' are not quantized at all)."""
+    def add_input_scales(tensors):
+        for name in [name for name in tensors if name.endswith(".weight_scale")]:
+            tensors[name.removesuffix("weight_scale") + "input_scale"] = torch.tensor([0.0123])
+
+    with_scales = load_model(edited(mixtral_channel, tmp_path / "ckpt", add_input_scales), "cpu", torch.float32)[0]
+    plain = dict(load_model(mixtral_channel, "cpu", torch.float32)[0].named_parameters())
+    for name, param in with_scales.named_parameters():
+        assert torch.equal(param.view(torch.uint8), plain[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("case", ["zero-point", "4-bit", "int8"])
+def test_an_expert_tensor_we_do_not_read_is_refused_by_name(mixtral_channel, tmp_path, case) -> None:
+    def change(tensors):
+        if case == "zero-point":  # an asymmetric scheme's zero points: dropping them would shift every weight
+            tensors[f"{EXPERT}.weight_zero_point"] = torch.zeros(32, 1, dtype=torch.int8)
+        elif case == "4-bit":  # a compressed-tensors pack-quantized expert: 8 codes per int32
+            tensors[f"{EXPERT}.weight_packed"] = torch.zeros(32, 8, dtype=torch.int32)
+            tensors[f"{EXPERT}.weight_shape"] = torch.tensor([32, 64])
+            del tensors[f"{EXPERT}.weight"]
+        else:  # INT8 codes in place of E4M3 ones
+            tensors[f"{EXPERT}.weight"] = torch.ones(32, 64, dtype=torch.int8)
+
+    directory = edited(mixtral_channel, tmp_path / "ckpt", change)
+    tensor = {"zero-point": "weight_zero_point", "4-bit": "weight_packed", "int8": "weight"}[case]
+    with pytest.raises(ValueError, match=f"{EXPERT}.{tensor}: .*{'int8' if case == 'int8' else tensor}"):
+        load_model(directory, "cpu", torch.float32)

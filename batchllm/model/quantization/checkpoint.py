@@ -29,6 +29,10 @@ def fp8_weight(name: str, weight: torch.Tensor, read: Callable[[str], torch.Tens
     (a bf16 checkpoint with `quantization="fp8"`, or a layer a quantized checkpoint left out) is quantized
     here; `read(tensor_name)` returns another checkpoint tensor or raises KeyError naming it."""
     if weight.dtype != FP8_DTYPE:
+        # Integer or other 8-bit codes (an INT8 or E5M2 tensor) are no values to quantize: their scales are not read.
+        if not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
+            raise ValueError(f"is {str(weight.dtype).removeprefix('torch.')}; an FP8 checkpoint's weights are read "
+                             f"as float8_e4m3fn, or as bf16/fp16/fp32 for a layer it left unquantized")
         return quantize_fp8_per_channel(weight)
     prefix = name.removesuffix("weight")
     if config.checkpoint_format == FP8_BLOCK:
