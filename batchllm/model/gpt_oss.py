@@ -11,7 +11,8 @@ gate and up interleaved: `experts.gate_up_proj [E, H, 2I]` (column 2j: gate's fe
 `gate_up_proj_bias [E, 2I]` likewise, `down_proj [E, I, H]`, `down_proj_bias [E, H]`. Each is read whole-shaped
 and handed expert by expert, de-interleaved and transposed, to `FusedMoE`'s loaders, which quantize the weights
 as the layer's expert method stores them (`quantization="fp8"`) and keep this rank's slice of the intermediate
-features as they do for the other MoE families.
+features as they do for the other MoE families. MXFP4 checkpoints (the released models) store the experts'
+weights as blocks and scales instead, read by gpt_oss_mxfp4.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 from torch import nn
 
 from batchllm.model.config import ModelConfig
+from batchllm.model.gpt_oss_mxfp4 import MXFP4_RENAMES, use_mxfp4_checkpoint
 from batchllm.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE
 from batchllm.model.llama import LlamaForCausalLM
-from batchllm.model.quantization.config import QuantConfig
+from batchllm.model.quantization.config import MXFP4, QuantConfig
 
 
 class GptOssExperts(FusedMoE):
@@ -40,6 +42,8 @@ class GptOssExperts(FusedMoE):
                             ("w2_weight", (experts, inter, hidden)), ("w2_bias", (experts, hidden))):
             param = getattr(self, name)
             param.weight_loader, param.checkpoint_shapes = self.load_stacked, {None: shape}
+        if quant_config is not None and quant_config.checkpoint_format == MXFP4:
+            use_mxfp4_checkpoint(self, experts, hidden, inter)
 
     def load_stacked(self, param: nn.Parameter, loaded, shard_id: None = None) -> None:
         """One of the checkpoint's stacked expert tensors (a tensor or a lazy `CheckpointSlice`) into `param`,
@@ -78,6 +82,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     # The sink logits sit on the checkpoint's attention module, on our paged attention layer.
     checkpoint_module_renames = {
         ".self_attn.sinks": ".self_attn.attn.sinks",
+        **MXFP4_RENAMES,
         # `_bias` first: `.experts.gate_up_proj` is a prefix of it.
         ".experts.gate_up_proj_bias": ".experts.w13_bias",
         ".experts.gate_up_proj": ".experts.w13_weight",

@@ -3,7 +3,8 @@
 What differs from Llama's reading: q/k/v/o biases always, `layer_types` alternating sliding (`sliding_window`,
 128 in the released models) and full attention, YaRN RoPE (`rope_type: "yarn"`), and a MoE MLP in every layer
 (`num_local_experts`, top-`num_experts_per_tok` of the router's logits then a softmax over those k) whose experts
-apply the clamped SwiGLU (`swiglu_limit`). MXFP4 expert checkpoints (the released ones) are refused by name.
+apply the clamped SwiGLU (`swiglu_limit`). The experts of MXFP4 checkpoints (the released ones, `quantization_config`
+read by quantization/formats.py) load through gpt_oss_mxfp4.py.
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ class GptOssMoEConfig(MoEConfig):
 
 def parse_config(hf: dict[str, Any]) -> ModelConfig:
     architecture = (hf.get("architectures") or ["GptOssForCausalLM"])[0]
-    quantization = hf.get("quantization_config") or {}
-    if quantization.get("quant_method") == "mxfp4":
-        raise ValueError(f"{architecture}: MXFP4 experts are not supported yet (config.json quantization_config "
-                         f"quant_method='mxfp4'); use a bf16 checkpoint of the model")
     hf = {**_DEFAULTS, **{key: value for key, value in hf.items() if value is not None}}
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{architecture}: only hidden_act='silu' is supported, got {hf['hidden_act']!r}")

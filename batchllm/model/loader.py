@@ -19,6 +19,7 @@ from batchllm.model.layers.fused_moe import expert_checkpoint_name, expert_targe
 from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.quantization import check_on_load, resolve_quantization
 from batchllm.model.quantization.checkpoint import kv_scale_target
+from batchllm.model.quantization.config import MXFP4
 from batchllm.model.quantization.unquantized import check_plain_tensor
 from batchllm.model.registry import get_model_class
 
@@ -74,6 +75,9 @@ def load_model(
     config = ModelConfig.from_hf_dict(hf_config)
     quant = resolve_quantization(hf_config, quantization)
     check_on_load(quant, quantization, load_format)
+    if quant is not None and quant.method == MXFP4 and config.moe is None:
+        raise ValueError(f"quantization='mxfp4' quantizes the experts of MoE models, and {config.architecture} has "
+                         f"none (its linear layers would stay unquantized)")
     # Parameters are created uninitialised, directly on the device and in the target dtype.
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, quant)

@@ -23,6 +23,8 @@ from batchllm.model.config import ModelConfig
 from batchllm.model.gpt_oss_config import parse_config
 from batchllm.model.layers.rotary import RotaryEmbedding
 from batchllm.model.loader import load_model
+from batchllm.model.quantization import QuantConfig, resolve_quantization
+from batchllm.model.quantization.config import MXFP4
 from batchllm.model.size import model_size
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
@@ -156,11 +158,14 @@ def test_model_size_counts_every_expert_bias_and_sink(checkpoint) -> None:
     assert size.layers - size.active == 4 * (4 - 2) * per_expert
 
 
-def test_mxfp4_checkpoints_are_refused_by_name(checkpoint) -> None:
+def test_mxfp4_checkpoints_read_as_mxfp4_experts(checkpoint) -> None:
+    """The released checkpoints' quantization_config: MXFP4 experts, the rest unquantized (loaded and compared
+    with HF in test_gpt_oss_mxfp4.py)."""
     hf = json.loads((checkpoint.directory / "config.json").read_text())
-    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
-    with pytest.raises(ValueError, match="MXFP4 experts are not supported yet"):
-        ModelConfig.from_hf_dict(hf)
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                 "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    assert ModelConfig.from_hf_dict(hf).moe.num_experts == 4
+    assert resolve_quantization(hf, None) == QuantConfig(MXFP4, MXFP4)
 
 
 @pytest.mark.gpu

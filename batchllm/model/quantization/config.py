@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8, INT = "fp8", "int"  # QuantConfig.method
+# QuantConfig.method (and checkpoint_format of gpt-oss's checkpoints): MoE experts only, E2M1 with E8M0 block scales
+MXFP4 = "mxfp4"
 # checkpoint_format values
 ON_LOAD, COMPRESSED_TENSORS, FP8_PER_TENSOR, FP8_BLOCK = None, "compressed-tensors", "fp8-per-tensor", "fp8-block"
 GPTQ, AWQ = "gptq", "awq"
@@ -13,7 +15,7 @@ GPTQ, AWQ = "gptq", "awq"
 
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
-    method: str  # FP8 or INT
+    method: str  # FP8, INT or MXFP4
     checkpoint_format: str | None = ON_LOAD  # how quantized tensors are stored; None: the checkpoint is not
     block_shape: tuple[int, int] | None = None  # FP8_BLOCK: (rows, cols) of one weight_scale_inv entry
     # INT weights:

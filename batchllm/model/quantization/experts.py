@@ -14,7 +14,8 @@ weight with the usual companions (scales), read and quantized exactly as a linea
   expert's projection.
 
 The multiply is the same for every method (`kernels.fused_moe` reads the formats from the parts' dtypes): FP8
-experts are E4M3 with one float32 scale per row, dequantized in the kernel's registers.
+experts are E4M3 with one float32 scale per row, MXFP4 experts packed E2M1 codes with one E8M0 scale per block of
+32 input features, both dequantized in the kernel's registers.
 
 Recipe: experts in a new format. A `parts` description here and one line in `EXPERT_METHODS` (the key is
 `QuantConfig.method`), the linear method that reads its checkpoint tensors (quantization/registry.py), and the
@@ -27,9 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from batchllm.model.quantization.config import FP8, QuantConfig
+from batchllm.kernels.moe_reference import MXFP4_BLOCK
+from batchllm.model.quantization.config import FP8, MXFP4, QuantConfig
 from batchllm.model.quantization.fp8 import FP8_DTYPE
 from batchllm.model.quantization.method import QuantMethod
+from batchllm.model.quantization.mxfp4 import Mxfp4ExpertWeights
 from batchllm.model.quantization.registry import linear_method
 
 
@@ -45,7 +48,8 @@ class ExpertMethod:
 
     def __init__(self, config: QuantConfig | None) -> None:
         self.config = config
-        self.linear: QuantMethod = linear_method(config)
+        # What converts one expert's projection: `read_weight`, `quantize_weight`, `companion_tensors`.
+        self.linear: QuantMethod | Mxfp4ExpertWeights = linear_method(config)
 
     def parts(self, rows: int, cols: int) -> dict[str, PartSpec]:
         return {"weight": PartSpec((rows, cols), None, 1)}
@@ -59,7 +63,26 @@ class Fp8ExpertMethod(ExpertMethod):
         return {"weight": PartSpec((rows, cols), FP8_DTYPE, 1), "weight_scale": PartSpec((rows,), torch.float32, None)}
 
 
-EXPERT_METHODS: dict[str | None, type[ExpertMethod]] = {None: ExpertMethod, FP8: Fp8ExpertMethod}
+class Mxfp4ExpertMethod(ExpertMethod):
+    """MXFP4 experts (quantization/mxfp4.py): `weight [rows, cols / 2]` uint8, two E2M1 codes a byte, and
+    `weight_scale [rows, cols / 32]` uint8 E8M0, one per block of 32 input features. From gpt-oss's checkpoints
+    or quantized on load; the model's linear layers stay unquantized (the registry's MXFP4 linear method)."""
+
+    def __init__(self, config: QuantConfig) -> None:
+        super().__init__(config)
+        self.linear = Mxfp4ExpertWeights(config)
+
+    def parts(self, rows: int, cols: int) -> dict[str, PartSpec]:
+        if cols % MXFP4_BLOCK:
+            raise ValueError(f"MXFP4 experts hold their input features in blocks of {MXFP4_BLOCK}: a rank's "
+                             f"[{rows}, {cols}] expert weight does not divide into them (hidden_size and the "
+                             f"experts' intermediate_size / tensor_parallel_size must be multiples of {MXFP4_BLOCK})")
+        return {"weight": PartSpec((rows, cols // 2), torch.uint8, 2),
+                "weight_scale": PartSpec((rows, cols // MXFP4_BLOCK), torch.uint8, MXFP4_BLOCK)}
+
+
+EXPERT_METHODS: dict[str | None, type[ExpertMethod]] = {None: ExpertMethod, FP8: Fp8ExpertMethod,
+                                                        MXFP4: Mxfp4ExpertMethod}
 
 
 def expert_method(quant_config: QuantConfig | None) -> ExpertMethod:

@@ -7,12 +7,15 @@ Each producer's keys, as written:
 - AWQ (AutoAWQ): `bits` / `w_bit`, `group_size` / `q_group_size`, `zero_point`, `version` ("gemm").
 - compressed-tensors (llm-compressor): `config_groups` of `weights` / `input_activations` schemes, a `format`
   per group or for all; `float-quantized` (FP8) or `pack-quantized` (integer, weight-only).
+- MXFP4 (gpt-oss, as transformers' Mxfp4Config writes it): `quant_method: "mxfp4"`, `modules_to_not_convert`
+  (the released checkpoints: attention, router, embeddings, lm_head). Only MoE experts are ever MXFP4.
 
 `FORMATS` maps each `quant_method` to its reader; its keys are also the names users pass as `quantization=`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +28,7 @@ from batchllm.model.quantization.config import (
     FP8_PER_TENSOR,
     GPTQ,
     INT,
+    MXFP4,
     QuantConfig,
 )
 
@@ -32,7 +36,10 @@ SUPPORTED = ("quantization='fp8' (quantize a bf16/fp16/fp32 checkpoint on load);
              "'float-quantized' (8-bit float weights, channel or tensor strategy) or HF quant_method 'fp8' (per-tensor "
              "weight_scale or weight_block_size blocks); 4- and 8-bit integer weight-only checkpoints: GPTQ "
              "(checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), AWQ version 'gemm' (4-bit), and "
-             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not)")
+             "compressed-tensors 'pack-quantized' (group or channel strategy, symmetric or not); MXFP4 MoE experts "
+             "(4-bit E2M1 in blocks of 32 with an E8M0 scale): gpt-oss's own checkpoints (quant_method 'mxfp4'), or "
+             "quantization='mxfp4' (a bf16/fp16/fp32 MoE checkpoint's experts quantized on load, the other layers "
+             "unquantized)")
 
 _INT_BITS = (4, 8)
 
@@ -162,11 +169,30 @@ def _compressed_tensors_group(name: str, group: Mapping[str, Any], fmt: Any) -> 
     return QuantConfig(FP8, COMPRESSED_TENSORS)
 
 
+# The module names an MXFP4 checkpoint may leave unconverted: transformers only ever converts gpt-oss's experts,
+# so these (and norms) change nothing; an entry naming anything else may name experts stored otherwise.
+_MXFP4_UNCONVERTED = re.compile(r"(^|[.*])(self_attn|router|embed_tokens|lm_head|[a-z_]*norm)([.*]|$)")
+
+
+def _mxfp4(stored: Mapping[str, Any]) -> QuantConfig:
+    kept = stored.get("modules_to_not_convert") or []
+    if not isinstance(kept, list | tuple) or not all(isinstance(name, str) for name in kept):
+        raise ValueError(f"config.json quantization_config.modules_to_not_convert={kept!r} must be a list of names")
+    others = [name for name in kept if "expert" in name or not _MXFP4_UNCONVERTED.search(name)]
+    if others:
+        raise ValueError(f"the MXFP4 quantization_config leaves {others!r} unconverted (modules_to_not_convert); "
+                         f"batchllm reads MXFP4 checkpoints whose experts are all MXFP4, leaving only attention, "
+                         f"the router, the embeddings and lm_head unconverted")
+    return QuantConfig(MXFP4, MXFP4)
+
+
 _RANDOM_INT = QuantConfig(INT)  # 4-bit, groups of 128, symmetric
 FORMATS: dict[str, CheckpointFormat] = {
     "fp8": CheckpointFormat(_fp8, QuantConfig(FP8), quantizes_on_load=True),
     "gptq": CheckpointFormat(_gptq, _RANDOM_INT),
     "awq": CheckpointFormat(_awq, _RANDOM_INT),
     "compressed-tensors": CheckpointFormat(_compressed_tensors, _RANDOM_INT),
+    # Experts quantized on load by rounding to nearest (quantization/mxfp4.py); every other layer unquantized.
+    "mxfp4": CheckpointFormat(_mxfp4, QuantConfig(MXFP4), quantizes_on_load=True),
 }
 QUANTIZATION_METHODS = tuple(FORMATS)

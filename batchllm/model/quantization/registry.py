@@ -22,7 +22,7 @@ that method's checkpoint reader (`int_checkpoint.py`, `checkpoint.py`) and `form
 
 from __future__ import annotations
 
-from batchllm.model.quantization.config import FP8, INT, QuantConfig
+from batchllm.model.quantization.config import FP8, INT, MXFP4, QuantConfig
 from batchllm.model.quantization.fp8_method import Fp8LinearMethod
 from batchllm.model.quantization.int_method import IntLinearMethod
 from batchllm.model.quantization.method import QuantMethod
@@ -33,6 +33,9 @@ LINEAR_METHODS: dict[str, type[QuantMethod]] = {
     UNQUANTIZED: UnquantizedLinearMethod,
     FP8: Fp8LinearMethod,
     INT: IntLinearMethod,
+    # MXFP4 quantizes MoE experts only (quantization/experts.py): gpt-oss's checkpoints keep attention, the router,
+    # the embeddings and lm_head in bf16, and quantization="mxfp4" leaves a model's linear layers as they are.
+    MXFP4: UnquantizedLinearMethod,
 }
 
 

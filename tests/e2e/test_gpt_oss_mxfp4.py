@@ -1,0 +1,140 @@
+"""gpt-oss with MXFP4 experts (the released checkpoints' format) end to end against HF transformers.
+
+The tiny checkpoint is test_gpt_oss.py's model (4 layers, windows, sinks, YaRN, the clamp, top-2 of 4 experts)
+with an intermediate size of 64, so that each of two tensor-parallel ranks holds two whole blocks of 32, saved
+as transformers lays out an MXFP4 gpt-oss checkpoint (`*_blocks [E, rows, cols / 32, 16]`, `*_scales
+[E, rows, cols / 32]`, the rows of `gate_up_proj` interleaving gate and up) with the quantization_config the
+released models carry. Its codes and block scales are random bytes (scales 2^-6 to 2^-4, every E2M1 code), not
+made by batchllm's quantizer: the reference is HF loading the same file with `Mxfp4Config(dequantize=True)`
+(its own decoding, on the CPU) and running its float32 eager model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from batchllm import LLM, SamplingParams
+from batchllm.kernels.moe_reference import dequantize_mxfp4
+from batchllm.model.loader import load_model
+from batchllm.model.quantization import resolve_quantization
+from tests.e2e.test_gemma import _hf_greedy
+from tests.e2e.test_gpt_oss import SHAPE
+from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
+
+MXFP4_SHAPE = {**SHAPE, "intermediate_size": 64}
+# What the released gpt-oss checkpoints' config.json says.
+QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _random_mxfp4(generator: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks `[*shape, 16]` of random bytes (two random E2M1 codes each) and scales `shape` of 2^-6 to 2^-4."""
+    blocks = torch.randint(0, 256, (*shape, 16), generator=generator).to(torch.uint8)
+    return blocks, torch.randint(127 - 6, 127 - 3, shape, generator=generator).to(torch.uint8)
+
+
+def test_dequantize_mxfp4_equals_transformers() -> None:
+    """Our decoding (kernels and loader's layout, `[rows, cols / 2]` per row) of random blocks and scales (every
+    code, scales from 2^-127 to 2^127) against transformers' own, which returns `[E, cols, rows]`."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=generator).to(torch.uint8)
+    scales = torch.randint(0, 255, (3, 8, 4), generator=generator).to(torch.uint8)
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    ours = dequantize_mxfp4(blocks.flatten(-2), scales).transpose(1, 2)
+    assert torch.equal(ours, reference)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, HF model, HF greedy tokens, their logprobs)."""
+    directory = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**MXFP4_SHAPE), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # as test_gpt_oss.py: sinks and biases far from trivial
+            param.normal_(1.0 if "norm" in name else 0.0, 1.0 if name.endswith("sinks") else 0.1)
+    model.save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name in [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(name).shape  # HF's bf16 layout is [E, in, out]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _random_mxfp4(generator, experts, rows, cols // 32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}))
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                              experts_implementation="eager",
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    expected, logprobs = _hf_greedy(hf, _prompts())
+    return directory, hf, expected, logprobs
+
+
+def test_experts_load_as_hf_dequantizes_them(checkpoint) -> None:
+    """Each expert's gate, up and down weights, decoded from our stacked parts, equal HF's dequantized
+    `gate_up_proj` (gate the even columns, up the odd ones) and `down_proj`, transposed to `[out, in]`."""
+    directory, hf, _, _ = checkpoint
+    model, _ = load_model(directory, "cpu", torch.float32)
+    ours, theirs = model.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts
+    assert ours.w13_weight.dtype == torch.uint8 and ours.w13_bias.dtype == torch.float32
+    w13, w2 = dequantize_mxfp4(ours.w13_weight, ours.w13_weight_scale), dequantize_mxfp4(ours.w2_weight,
+                                                                                          ours.w2_weight_scale)
+    gate_up = theirs.gate_up_proj.transpose(1, 2)  # [E, 2I, H], rows interleaved
+    assert torch.equal(w13, torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1))
+    assert torch.equal(w2, theirs.down_proj.transpose(1, 2))
+
+
+def test_greedy_and_logprobs_equal_hf(checkpoint) -> None:
+    directory, _, expected, expected_logprobs = checkpoint
+    llm = LLM(str(directory), enable_prefix_caching=False, **ENGINE)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(_prompts(), with_logprobs, use_tqdm=False)]
+    assert [o.token_ids for o in outputs] == expected
+    logprobs = [[step[token].logprob for token, step in zip(o.token_ids, o.logprobs)] for o in outputs]
+    # Float32 on both sides from the same decoded weights; only the order of the sums differs (as test_gpt_oss).
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
+
+
+def test_greedy_equals_hf_under_chunked_prefill_and_preemption(checkpoint) -> None:
+    directory, _, expected, _ = checkpoint
+    chunked = LLM(str(directory), enable_prefix_caching=False, max_num_batched_tokens=10, **ENGINE)
+    assert _greedy(chunked, _prompts()) == expected
+    preempted = LLM(str(directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 16})
+    preempted.runner.kv_cache.tensor.fill_(float("nan"))
+    assert _greedy(preempted, _prompts()) == expected
+    assert preempted.stats.num_preemptions > 0
+
+
+def test_greedy_equals_hf_under_tensor_parallelism(checkpoint) -> None:
+    """TP=2 (gloo): each rank holds 32 of every expert's 64 intermediate features, one block of its down
+    projection's scales, and the gate and up rows de-interleaved before the split."""
+    directory, _, expected, _ = checkpoint
+    llm = LLM(str(directory), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    assert _greedy(llm, _prompts()) == expected
+    llm.shutdown()
+
+
+def test_a_split_that_cuts_a_block_is_refused(checkpoint) -> None:
+    """test_gpt_oss.py's intermediate size, 32, over two ranks leaves 16 features a rank: half a block."""
+    directory = checkpoint[0]
+    narrow = directory.parent / "narrow"
+    narrow.mkdir()
+    config = json.loads((directory / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+    with pytest.raises(Exception, match="multiples of 32"):
+        LLM(str(narrow), load_format="dummy", tensor_parallel_size=2, **ENGINE)
+
+
+@pytest.mark.parametrize("kept", [["model.layers.*.mlp.experts"], ["model.layers.0"], ["model.layers.*.mlp"]])
+def test_experts_left_unconverted_are_refused(checkpoint, kept) -> None:
+    config = json.loads((checkpoint[0] / "config.json").read_text())
+    config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": kept}
+    with pytest.raises(ValueError, match="leaves .* unconverted"):
+        resolve_quantization(config, None)
+
