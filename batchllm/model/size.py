@@ -12,14 +12,17 @@ from batchllm.model.config import ModelConfig, causal_lm_of
 class ModelSize:
     """Parameters by role: `layers` (attention, MLP and their norms), the token `embedding`, the `head` a logits
     row multiplies (tied to the embedding or not) and whether the checkpoint stores the head apart.
-    `active_layers`: the part of `layers` one token multiplies by, fewer than `layers` in a Mixture-of-Experts
-    model (only its top-k experts; None: all of them, a dense model)."""
+    `linear`: the part of `layers` in linear weights (attention and MLP projections, every expert's), which a
+    quantized model holds in fewer bits; the rest of `layers` (norms, biases, the MoE router) stays in the model's
+    dtype. `active_layers`: the part of `layers` one token multiplies by, fewer than `layers` in a
+    Mixture-of-Experts model (only its top-k experts; None: all of them, a dense model)."""
 
     layers: int
     embedding: int
     head: int
     head_stored: bool
     final_norm: int
+    linear: int
     active_layers: int | None = None
 
     @property
@@ -37,18 +40,21 @@ def model_size(config: ModelConfig) -> ModelSize:
     """The parameter count of a Llama-family model (batchllm/model/llama.py, and its MoE families, moe.py) from its
     config alone."""
     h, heads, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    attention = h * heads * d + 2 * h * kv * d + heads * d * h
+    attention_linear = h * heads * d + 2 * h * kv * d + heads * d * h
+    attention = attention_linear
     if config.attention_bias:
         attention += heads * d + 2 * kv * d
     if config.o_proj_bias:
         attention += h
     if config.attention_sinks:
         attention += heads
-    mlp = 3 * h * config.intermediate_size + (2 * config.intermediate_size + h if config.mlp_bias else 0)
+    mlp_linear = 3 * h * config.intermediate_size
+    mlp = mlp_linear + (2 * config.intermediate_size + h if config.mlp_bias else 0)
     norms = 2 * h + (2 * d if config.qk_norm else 0)
     classifier = causal_lm_of(config.architecture) != config.architecture
     head = config.num_labels * h if classifier else config.vocab_size * h
     layers = config.num_layers * (attention + mlp + norms)
+    linear = config.num_layers * (attention_linear + mlp_linear)
     active = None
     if config.moe is not None:
         moe = config.moe
@@ -58,5 +64,8 @@ def model_size(config: ModelConfig) -> ModelSize:
         block = (h + moe.router_bias) * moe.num_experts + (3 * h * moe.shared_expert_intermediate_size + h
                                                            if moe.shared_expert_intermediate_size else 0)
         layers += sparse * (block + moe.num_experts * expert - mlp)
+        shared = moe.shared_expert_intermediate_size or 0
+        linear += sparse * (3 * h * (moe.num_experts * moe.moe_intermediate_size + shared) - mlp_linear)
         active = layers - sparse * (moe.num_experts - moe.num_experts_per_tok) * expert
-    return ModelSize(layers, config.vocab_size * h, head, classifier or not config.tie_word_embeddings, h, active)
+    return ModelSize(layers, config.vocab_size * h, head, classifier or not config.tie_word_embeddings, h, linear,
+                     active)

@@ -31,7 +31,7 @@ from batchllm.connectors.jobs.job import MAX_BATCH_ROWS, JobSettings, RowRequest
 from batchllm.connectors.jobs.jsonl_batch import JsonlSource, run_jsonl_job
 from batchllm.connectors.jobs.openai_batch import CHAT_URL
 from batchllm.connectors.jobs.parquet_job import MANIFEST_NAME, run_parquet_job, table_planner
-from batchllm.connectors.jobs.run_estimate import Estimate, Workload, estimate_run, machine_for
+from batchllm.connectors.jobs.run_estimate import Estimate, Workload, estimate_run, machine_for, weight_bytes
 from batchllm.connectors.jobs.sources import input_format_of, open_table_source
 from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, resolve_options, resolve_sampling_params
 from batchllm.connectors.prompts import PromptEncoder
@@ -92,7 +92,7 @@ class DryRunReport:
         """The report as the command prints it."""
         engine, rows, work, estimate, unit = self.engine, self.rows, self.rows.work, self.estimate, self.row_word
         size = model_size(engine.model_config)
-        weights = size.layers * engine.linear_weight_bits / 8 + (size.parameters - size.layers) * engine.dtype_bytes
+        weights = weight_bytes(size, engine)
         facts = [("input", f"{self.input} ({self.input_format}): {self.total_rows:,} {unit}s"),
                  ("output", f"{self.output}: {self.output_note}"),
                  ("model", f"{engine.model_path}: {engine.model_config.architecture}, {size.parameters:,} parameters, "

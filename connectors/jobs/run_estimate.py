@@ -5,8 +5,8 @@ traffic at the device's bandwidth, plus the host's work for the step and for eac
 and the device are not assumed to overlap). What it assumes:
 
 - Size: the parameter count follows from config.json (`model_size`, equal to what the checkpoint holds);
-  no weight is read. Linear layers sit on the device at `linear_weight_bits` (FP8: 8, 4-bit checkpoints on a
-  GPU: 4), the rest at the run's dtype.
+  no weight is read. Linear weights (a MoE model's experts included) sit on the device at `linear_weight_bits`
+  (FP8: 8, 4-bit checkpoints on a GPU: 4), the rest (norms, biases, routers, embeddings) at the run's dtype.
 - Prefill: 2 FLOPs per active decoder-layer weight (of a MoE model's experts, the top-k) per prompt token,
   causal attention 2 * layers * q_dim * L^2 per prompt of L tokens, the LM head once per prompt; steps of
   max_num_batched_tokens each read the weights once.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.model.config import ModelConfig
-from batchllm.model.size import model_size
+from batchllm.model.size import ModelSize, model_size
 
 # (name fragment, dense bf16 TFLOP/s, memory TB/s), from NVIDIA's data sheets; the first fragment in the card's
 # name wins, so more specific names come first.
@@ -125,13 +125,20 @@ class Estimate:
         return self.prefill_seconds + self.decode_seconds
 
 
+def weight_bytes(size: ModelSize, engine: Any) -> float:
+    """The bytes of every weight `engine` (an `EnginePreview`) holds: the linear weights (experts included) at its
+    `linear_weight_bits`, the rest at its dtype. Scales are left out (one float32 per row or group: a few in a
+    thousand of an FP8 or 4-bit weight at real widths)."""
+    return size.linear * engine.linear_weight_bits / 8 + (size.parameters - size.linear) * engine.dtype_bytes
+
+
 def estimate_run(work: Workload, engine: Any, machine: Machine) -> Estimate:
     """The run time of `work` on `engine` (an `EnginePreview`) and `machine`; see the module docstring."""
     config: ModelConfig = engine.model_config
     size = model_size(config)
     pools = engine.pooling_params is not None
     head = 0 if pools else size.head  # a pooled row stops at the hidden states (a classifier's head is tiny)
-    weight_bytes = size.layers * engine.linear_weight_bits / 8 + head * engine.dtype_bytes
+    weight_bytes = size.linear * engine.linear_weight_bits / 8 + (size.layers - size.linear + head) * engine.dtype_bytes
     q_dim = config.num_heads * config.head_dim
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
         1 if engine.kv_cache_dtype == "fp8" else engine.dtype_bytes)
