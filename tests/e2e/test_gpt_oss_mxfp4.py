@@ -24,6 +24,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.kernels.moe_reference import dequantize_mxfp4
 from batchllm.model.loader import load_model
 from batchllm.model.quantization import resolve_quantization
+from batchllm.model.quantization.mxfp4 import quantize_mxfp4
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_gpt_oss import SHAPE
 from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
@@ -60,6 +61,7 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():
         for name, param in model.named_parameters():  # as test_gpt_oss.py: sinks and biases far from trivial
             param.normal_(1.0 if "norm" in name else 0.0, 1.0 if name.endswith("sinks") else 0.1)
+    model.save_pretrained(directory.parent / "bf16")  # the same model unquantized, for quantization="mxfp4"
     model.save_pretrained(directory)
     tensors = load_file(directory / "model.safetensors")
     generator = torch.Generator().manual_seed(1)
@@ -138,3 +140,53 @@ def test_experts_left_unconverted_are_refused(checkpoint, kept) -> None:
     with pytest.raises(ValueError, match="leaves .* unconverted"):
         resolve_quantization(config, None)
 
+
+
+def _experts(llm: LLM):
+    return [layer.mlp.experts for layer in llm.runner.model.model.layers]
+
+
+def test_quantization_mxfp4_quantizes_a_bf16_checkpoints_experts_on_load(checkpoint) -> None:
+    """Each expert of the bf16 checkpoint quantized on load: its de-interleaved, transposed HF weights through
+    the quantizer (tested in tests/unit/test_mxfp4_quantize.py); attention and router stay float32."""
+    bf16 = checkpoint[0].parent / "bf16"
+    model, _ = load_model(bf16, "cpu", torch.float32, quantization="mxfp4")
+    hf = load_file(bf16 / "model.safetensors")
+    experts = model.model.layers[2].mlp.experts
+    gate_up, down = hf["model.layers.2.mlp.experts.gate_up_proj"], hf["model.layers.2.mlp.experts.down_proj"]
+    for expert in range(4):
+        w13 = torch.cat((gate_up[expert, :, 0::2], gate_up[expert, :, 1::2]), dim=1).t()
+        assert [torch.equal(a, b) for a, b in zip(quantize_mxfp4(w13), (experts.w13_weight[expert],
+                                                                        experts.w13_weight_scale[expert]))] == [True] * 2
+        packed, scales = quantize_mxfp4(down[expert].t())
+        assert torch.equal(packed, experts.w2_weight[expert]) and torch.equal(scales, experts.w2_weight_scale[expert])
+    assert model.model.layers[2].self_attn.qkv_proj.weight.dtype == torch.float32
+
+
+def test_dummy_weights_with_quantization_mxfp4_generate(checkpoint) -> None:
+    """Benchmarks' gpt-oss: random weights, experts quantized from the values the unquantized dummy model gets."""
+    bf16 = checkpoint[0].parent / "bf16"
+    quantized = LLM(str(bf16), load_format="dummy", quantization="mxfp4", enable_prefix_caching=False, **ENGINE)
+    plain = LLM(str(bf16), load_format="dummy", enable_prefix_caching=False, **ENGINE)
+    assert all(len(tokens) == MAX_NEW for tokens in _greedy(quantized, _prompts()))
+    for ours, dense in zip(_experts(quantized), _experts(plain)):
+        for expert in range(4):
+            packed, scales = quantize_mxfp4(dense.w13_weight[expert])
+            assert torch.equal(packed, ours.w13_weight[expert]) and torch.equal(scales, ours.w13_weight_scale[expert])
+
+
+def test_dummy_weights_of_an_mxfp4_config_are_random_codes(checkpoint) -> None:
+    """The released config.json with load_format="dummy": random codes under one scale, 2^-7."""
+    llm = LLM(str(checkpoint[0]), load_format="dummy", enable_prefix_caching=False, **ENGINE)
+    assert all(len(tokens) == MAX_NEW for tokens in _greedy(llm, _prompts()))
+    experts = _experts(llm)[0]
+    assert experts.w13_weight.dtype == torch.uint8 and experts.w13_weight.unique().numel() > 200
+    assert experts.w2_weight_scale.unique().tolist() == [120]
+
+
+def test_quantization_mxfp4_needs_experts(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match="quantizes the experts of MoE models, and LlamaForCausalLM has none"):
+        load_model(tmp_path, "cpu", torch.float32, load_format="dummy", quantization="mxfp4")
