@@ -10,6 +10,9 @@ embeddings, norms and lm_head stay as they are, the `modules_to_not_convert` of 
   fit the per-row scales of our kernels), so the reference holds that documented requantization of
   `codes x weight_scale_inv`, and the loaded weights are also checked against the bound of it.
 - compressed-tensors `float-quantized`, strategy channel: `weight_scale [out, 1]` = row absmax / 448, read as is.
+- HF / AutoFP8 per tensor (`quant_method: "fp8"`, no block size; Mixtral-8x7B-Instruct-v0.1-FP8's layout): a
+  scalar `weight_scale` = tensor absmax / 448, and with `activation_scheme: "static"` a scalar `input_scale` per
+  weight, which we ignore (our activations are scaled per token, the experts' not quantized).
 
 Reference: HF transformers' model in float64 with every quantized weight replaced by its dequantized value, and
 the linear layers' activations quantized per token (test_fp8_vs_simulation's `fake_quantize`): our linears are
@@ -48,7 +51,7 @@ E4M3, E4M3_MAX = torch.float8_e4m3fn, 448.0
 ROUTERS = {"mixtral": "block_sparse_moe.gate", "qwen3-moe": "mlp.gate"}
 EXPERT_PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3-moe": ("gate_proj", "up_proj", "down_proj")}
 BLOCKS = {"blocks-16x16": [16, 16], "blocks-40x24": [40, 24]}
-FORMATS = [*BLOCKS, "channel"]
+FORMATS = [*BLOCKS, "channel", "tensor"]
 TP_TOLERANCE = 0.25  # nats; see test_tensor_parallel_2_follows_the_simulation
 
 
@@ -85,6 +88,9 @@ def quantization_config(family: str, fmt: str, num_layers: int) -> dict:
         config = compressed_tensors_config("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"},
                                            FP8_TOKEN_ACTIVATIONS)
         return {**config, "ignore": ["lm_head", f"re:.*{ROUTERS[family]}$"]}
+    if fmt == "tensor":
+        return {"quant_method": "fp8", "activation_scheme": "static",
+                "ignored_layers": ["lm_head", *(f"model.layers.{n}.{ROUTERS[family]}" for n in range(num_layers))]}
     kept = [f"model.layers.{n}.{module}" for n in range(num_layers)
             for module in ("input_layernorm", "post_attention_layernorm", ROUTERS[family])]
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": BLOCKS[fmt],
@@ -104,6 +110,11 @@ def write_fp8_checkpoint(family: str, fmt: str, original: Path, directory: Path)
             scale = (weight.float().abs().amax(1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)  # [out, 1]
             stored[name], stored[prefix + "weight_scale"] = to_e4m3(weight, scale), scale
             reference[name] = stored[name].double() * scale.double()  # exact
+        elif fmt == "tensor":
+            scale = (weight.float().abs().amax() / E4M3_MAX).clamp_min(1e-12)  # a scalar
+            stored[name], stored[prefix + "weight_scale"] = to_e4m3(weight, scale), scale
+            stored[prefix + "input_scale"] = torch.tensor(0.0123)
+            reference[name] = stored[name].double() * scale.double()
         else:
             stored[name], stored[prefix + "weight_scale_inv"] = quantize_blocks(weight, BLOCKS[fmt])
             reference[name] = fake_quantize(dequantize_blocks(stored[name], stored[prefix + "weight_scale_inv"],
@@ -267,19 +278,6 @@ def edited(checkpoint: Path, directory: Path, change) -> Path:
 
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.2.w1"
-
-
-def test_input_scales_of_the_experts_are_ignored(mixtral_channel, tmp_path) -> None:
-    """A static `input_scale` beside every weight (activation_scheme "static"): ignored, as the linears' are (our
-    activations are scaled per token, and the experts' are not quantized at all)."""
-    def add_input_scales(tensors):
-        for name in [name for name in tensors if name.endswith(".weight_scale")]:
-            tensors[name.removesuffix("weight_scale") + "input_scale"] = torch.tensor([0.0123])
-
-    with_scales = load_model(edited(mixtral_channel, tmp_path / "ckpt", add_input_scales), "cpu", torch.float32)[0]
-    plain = dict(load_model(mixtral_channel, "cpu", torch.float32)[0].named_parameters())
-    for name, param in with_scales.named_parameters():
-        assert torch.equal(param.view(torch.uint8), plain[name].view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("case", ["zero-point", "4-bit", "int8"])
