@@ -15,7 +15,8 @@ class ModelSize:
     `linear`: the part of `layers` in linear weights (attention and MLP projections, every expert's), which a
     quantized model holds in fewer bits; the rest of `layers` (norms, biases, the MoE router) stays in the model's
     dtype. `active_layers`: the part of `layers` one token multiplies by, fewer than `layers` in a
-    Mixture-of-Experts model (only its top-k experts; None: all of them, a dense model)."""
+    Mixture-of-Experts model (only its top-k experts; None: all of them, a dense model). `experts`: the part of
+    `linear` in the routed experts' projections, which MXFP4 alone quantizes."""
 
     layers: int
     embedding: int
@@ -24,6 +25,7 @@ class ModelSize:
     final_norm: int
     linear: int
     active_layers: int | None = None
+    experts: int = 0
 
     @property
     def active(self) -> int:
@@ -55,7 +57,7 @@ def model_size(config: ModelConfig) -> ModelSize:
     head = config.num_labels * h if classifier else config.vocab_size * h
     layers = config.num_layers * (attention + mlp + norms)
     linear = config.num_layers * (attention_linear + mlp_linear)
-    active = None
+    active, experts = None, 0
     if config.moe is not None:
         moe = config.moe
         sparse = sum(moe.is_sparse(i) for i in range(config.num_layers))
@@ -67,5 +69,6 @@ def model_size(config: ModelConfig) -> ModelSize:
         shared = moe.shared_expert_intermediate_size or 0
         linear += sparse * (3 * h * (moe.num_experts * moe.moe_intermediate_size + shared) - mlp_linear)
         active = layers - sparse * (moe.num_experts - moe.num_experts_per_tok) * expert
+        experts = sparse * 3 * h * moe.num_experts * moe.moe_intermediate_size
     return ModelSize(layers, config.vocab_size * h, head, classifier or not config.tie_word_embeddings, h, linear,
-                     active)
+                     active, experts)

@@ -50,6 +50,7 @@ class EnginePreview:
     dtype_name: str  # the weights' and activations' dtype, e.g. "bfloat16"
     dtype_bytes: int
     linear_weight_bits: int  # bits per weight of the linear layers, as they sit on the device
+    expert_weight_bits: float  # the same of a MoE model's routed experts, scales included where they are MXFP4
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_tokens: int | None  # tokens the KV pool holds, where known before a run (see the module docstring)
@@ -72,7 +73,8 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
     """The checks of `LLM(model, **engine_kwargs)` up to its weights, in its order; see the module docstring."""
     import torch
 
-    from batchllm.model.quantization import FP8, INT, resolve_quantization
+    from batchllm.kernels.moe_reference import MXFP4_BLOCK
+    from batchllm.model.quantization import FP8, INT, MXFP4, resolve_quantization
 
     kwargs = dict(engine_kwargs or {})
     if "model" in kwargs:
@@ -87,6 +89,8 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
         linear_bits = 8
     elif quant is not None and quant.method == INT and device_type == "cuda":  # the CPU dequantizes on load
         linear_bits = quant.bits
+    # MXFP4 quantizes only the experts: E2M1 codes and one E8M0 scale byte per block.
+    expert_bits = 4 + 8 / MXFP4_BLOCK if quant is not None and quant.method == MXFP4 else linear_bits
     kv_bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
                           * (1 if resolved.kv_cache_dtype == "fp8" else dtype_bytes))
     gpus = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
@@ -98,8 +102,8 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
     return EnginePreview(resolved.model_path, config.pooling.task, resolved.tokenizer, model_config, max_model_len,
                          resolved.pooling_params, resolved.embedding_dim, resolved.pinned_quantization,
                          resolved.kv_cache_dtype, device_type, config.model.dtype, dtype_bytes, linear_bits,
-                         config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, kv_tokens, gpus,
-                         resolved.structured,
+                         expert_bits, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                         kv_tokens, gpus, resolved.structured,
                          AdapterRegistry(model_config, config.lora.max_lora_rank, config.lora.enable_lora))
 
 

@@ -6,7 +6,8 @@ and the device are not assumed to overlap). What it assumes:
 
 - Size: the parameter count follows from config.json (`model_size`, equal to what the checkpoint holds);
   no weight is read. Linear weights (a MoE model's experts included) sit on the device at `linear_weight_bits`
-  (FP8: 8, 4-bit checkpoints on a GPU: 4), the rest (norms, biases, routers, embeddings) at the run's dtype.
+  (FP8: 8, 4-bit checkpoints on a GPU: 4), but MXFP4 experts at 4.25 bits (their scales included), the rest
+  (norms, biases, routers, embeddings) at the run's dtype.
 - Prefill: 2 FLOPs per active decoder-layer weight (of a MoE model's experts, the top-k) per prompt token,
   causal attention 2 * layers * q_dim * L^2 per prompt of L tokens, the LM head once per prompt; steps of
   max_num_batched_tokens each read the weights once.
@@ -128,8 +129,15 @@ class Estimate:
 def weight_bytes(size: ModelSize, engine: Any) -> float:
     """The bytes of every weight `engine` (an `EnginePreview`) holds: the linear weights (experts included) at its
     `linear_weight_bits`, the rest at its dtype. Scales are left out (one float32 per row or group: a few in a
-    thousand of an FP8 or 4-bit weight at real widths)."""
-    return size.linear * engine.linear_weight_bits / 8 + (size.parameters - size.linear) * engine.dtype_bytes
+    thousand of an FP8 or 4-bit weight at real widths), but for MXFP4 experts' (`expert_weight_bits`)."""
+    return _linear_bytes(size, engine) + (size.parameters - size.linear) * engine.dtype_bytes
+
+
+def _linear_bytes(size: ModelSize, engine: Any) -> float:
+    """The linear weights' bytes: MoE experts at the engine's `expert_weight_bits` (MXFP4: 4.25, its E8M0 scale
+    per 32 weights included; else the other linears' width), which a model without experts need not say."""
+    experts = size.experts * engine.expert_weight_bits / 8 if size.experts else 0
+    return (size.linear - size.experts) * engine.linear_weight_bits / 8 + experts
 
 
 def estimate_run(work: Workload, engine: Any, machine: Machine) -> Estimate:
@@ -138,7 +146,7 @@ def estimate_run(work: Workload, engine: Any, machine: Machine) -> Estimate:
     size = model_size(config)
     pools = engine.pooling_params is not None
     head = 0 if pools else size.head  # a pooled row stops at the hidden states (a classifier's head is tiny)
-    weight_bytes = size.linear * engine.linear_weight_bits / 8 + (size.layers - size.linear + head) * engine.dtype_bytes
+    weight_bytes = _linear_bytes(size, engine) + (size.layers - size.linear + head) * engine.dtype_bytes
     q_dim = config.num_heads * config.head_dim
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
         1 if engine.kv_cache_dtype == "fp8" else engine.dtype_bytes)

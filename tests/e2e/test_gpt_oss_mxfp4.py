@@ -21,10 +21,13 @@ from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from batchllm import LLM, SamplingParams
+from batchllm.connectors.jobs.engine_preview import preview_engine
+from batchllm.connectors.jobs.run_estimate import weight_bytes
 from batchllm.kernels.moe_reference import dequantize_mxfp4
 from batchllm.model.loader import load_model
 from batchllm.model.quantization import resolve_quantization
 from batchllm.model.quantization.mxfp4 import quantize_mxfp4
+from batchllm.model.size import model_size
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_gpt_oss import SHAPE
 from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
@@ -155,9 +158,9 @@ def test_quantization_mxfp4_quantizes_a_bf16_checkpoints_experts_on_load(checkpo
     experts = model.model.layers[2].mlp.experts
     gate_up, down = hf["model.layers.2.mlp.experts.gate_up_proj"], hf["model.layers.2.mlp.experts.down_proj"]
     for expert in range(4):
-        w13 = torch.cat((gate_up[expert, :, 0::2], gate_up[expert, :, 1::2]), dim=1).t()
-        assert [torch.equal(a, b) for a, b in zip(quantize_mxfp4(w13), (experts.w13_weight[expert],
-                                                                        experts.w13_weight_scale[expert]))] == [True] * 2
+        packed, scales = quantize_mxfp4(torch.cat((gate_up[expert, :, 0::2], gate_up[expert, :, 1::2]), dim=1).t())
+        assert torch.equal(packed, experts.w13_weight[expert])
+        assert torch.equal(scales, experts.w13_weight_scale[expert])
         packed, scales = quantize_mxfp4(down[expert].t())
         assert torch.equal(packed, experts.w2_weight[expert]) and torch.equal(scales, experts.w2_weight_scale[expert])
     assert model.model.layers[2].self_attn.qkv_proj.weight.dtype == torch.float32
@@ -190,3 +193,18 @@ def test_quantization_mxfp4_needs_experts(tmp_path) -> None:
         "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 64}))
     with pytest.raises(ValueError, match="quantizes the experts of MoE models, and LlamaForCausalLM has none"):
         load_model(tmp_path, "cpu", torch.float32, load_format="dummy", quantization="mxfp4")
+
+
+@pytest.mark.parametrize("quantization", [None, "mxfp4"], ids=["checkpoint", "on-load"])
+def test_the_weight_bytes_counted_are_the_bytes_the_engine_holds(checkpoint, quantization) -> None:
+    """The dry run's and the run estimate's weight bytes (config.json only) against the parameters `load_model`
+    builds: MXFP4 experts at 4.25 bits (their scales included), everything else in float32."""
+    directory = checkpoint[0] if quantization is None else checkpoint[0].parent / "bf16"
+    model, config = load_model(directory, "cpu", torch.float32, quantization=quantization)
+    held = sum(param.numel() * param.element_size() for param in model.parameters())
+    preview = preview_engine(str(directory), {"quantization": quantization, "device": "cpu",
+                                              "skip_tokenizer_init": True})
+    size = model_size(config)
+    assert size.experts == sum(p.numel() * 2 for name, p in model.named_parameters()
+                               if name.endswith(("w13_weight", "w2_weight")))  # two codes a byte
+    assert weight_bytes(size, preview) == held

@@ -56,7 +56,8 @@ def test_quantize_mxfp4_equals_the_reference(magnitude) -> None:
 
 
 def test_the_midpoints_round_to_even_codes() -> None:
-    """Hand-worked: in a block of scale 1, 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4."""
+    """Worked by hand: in a block of scale 1, 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4,
+    5 → 4."""
     values = torch.zeros(1, 32)
     values[0, :8] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, -5.0])
     packed, scales = quantize_mxfp4(values)

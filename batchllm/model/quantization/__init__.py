@@ -1,6 +1,6 @@
 """Which quantization a model runs with: asked for by the user, or detected from a checkpoint's config.json.
 
-Two kinds of quantized weights:
+Three kinds of quantized weights:
 
 - FP8 (E4M3) weights with per-output-channel scales and activations quantized per token on the fly
   (`fp8.py`): quantized on load from a bf16/fp16/fp32 checkpoint (`quantization="fp8"`), or read from
@@ -10,6 +10,8 @@ Two kinds of quantized weights:
 - 4- and 8-bit integer weights with 16-bit activations (W4A16, `int_packed.py`), read from GPTQ (AutoGPTQ /
   GPTQModel), AWQ (AutoAWQ GEMM) and compressed-tensors `pack-quantized` checkpoints (`formats.py` parses
   their quantization_config, `int_checkpoint.py` their tensors).
+- MXFP4 MoE experts (E2M1 codes, one E8M0 scale per 32 weights; `mxfp4.py`, `experts.py`): gpt-oss's
+  checkpoints, or quantized on load (`quantization="mxfp4"`); the model's other layers stay unquantized.
 
 The model constructor takes the resolved `QuantConfig` and passes it to each linear layer it builds, which takes
 its `QuantMethod` from `registry.py` (`method.py` is the interface; `unquantized.py`, `fp8_method.py` and
@@ -31,14 +33,15 @@ from batchllm.model.quantization.config import (
     GPTQ,
     INT,
     KV_CACHE_DTYPES,
+    MXFP4,
     ON_LOAD,
     QuantConfig,
 )
 from batchllm.model.quantization.formats import FORMATS, QUANTIZATION_METHODS, SUPPORTED, checkpoint_quantization
 
 __all__ = ["AWQ", "COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_PER_TENSOR", "GPTQ", "INT", "KV_CACHE_DTYPES",
-           "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "check_on_load", "pinned_quantization",
-           "resolve_kv_cache_dtype", "resolve_quantization"]
+           "MXFP4", "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "check_on_load",
+           "pinned_quantization", "resolve_kv_cache_dtype", "resolve_quantization"]
 
 def resolve_quantization(hf_config: Mapping[str, Any], requested: str | None) -> QuantConfig | None:
     """The quantization for `LLM(quantization=requested)` on a checkpoint with this config.json; a clear
