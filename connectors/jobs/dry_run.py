@@ -93,10 +93,13 @@ class DryRunReport:
         engine, rows, work, estimate, unit = self.engine, self.rows, self.rows.work, self.estimate, self.row_word
         size = model_size(engine.model_config)
         weights = weight_bytes(size, engine)
+        stored_as = engine.dtype_name
+        if engine.linear_weight_bits != 8 * engine.dtype_bytes:
+            stored_as += f" with {engine.linear_weight_bits}-bit linear weights (experts included)"
         facts = [("input", f"{self.input} ({self.input_format}): {self.total_rows:,} {unit}s"),
                  ("output", f"{self.output}: {self.output_note}"),
                  ("model", f"{engine.model_path}: {engine.model_config.architecture}, {size.parameters:,} parameters, "
-                           f"{weights / 1e9:.2f} GB as {engine.dtype_name} on {engine.device_type}, max_model_len "
+                           f"{weights / 1e9:.2f} GB as {stored_as} on {engine.device_type}, max_model_len "
                            f"{engine.max_model_len:,}"),
                  (f"{unit}s", f"{work.prompts:,} would run, {rows.failed:,} would fail")]
         if work.prompts:

@@ -65,6 +65,9 @@ def test_the_cli_flag_reaches_the_moe_engine(moe_with_tokenizer, fp8_texts, tmp_
     pq.write_table(pa.table({"q": QUESTIONS}), tmp_path / "in.parquet")
     run = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--model", str(moe_with_tokenizer),
            "--prompt-column", "q", "--max-tokens", str(MAX_NEW), "--temperature", "0", "--no-progress"]
+    assert main([*run, "--quantization", "fp8", "--dry-run"]) == 0
+    assert "GB as float32 with 8-bit linear weights (experts included) on cpu" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
     assert main([*run, "--quantization", "fp8"]) == 0, capsys.readouterr().err
     assert pq.read_table(tmp_path / "out").to_pydict()["generated_text"] == fp8_texts
 
