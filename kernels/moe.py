@@ -18,8 +18,9 @@ next to the expert weights at decode and a few percent of the GEMMs' time at pre
 Quantized experts are dequantized in registers, tile by tile, and multiplied on the 16-bit tensor cores
 (weight-only quantization: at decode the time is the weights' bytes, which is what quantization cuts):
 `W_FORMAT` FP8 (E4M3 codes are exact in bf16; the row's float32 scale multiplies the accumulator once, after
-the K loop) or MXFP4 (two E2M1 codes per byte, each block of 32 along K with an E8M0 power-of-two scale; the
-code and scale are assembled into float32 bits, exact in bf16 too). See `moe_reference.dequantize_expert`.
+the K loop) or MXFP4 (one dot per block of 32 along K, its power-of-two scale applied to the product: see
+moe_mxfp4.py, which also expands MXFP4 experts for the dense kernel at prefill). See
+`moe_reference.dequantize_expert` for the formats.
 
 Both grids are `(max_blocks * n_tiles,)` with `max_blocks` an upper bound fixed by T, k, E and BLOCK_M: the host
 never reads the number of padded rows (no sync, CUDA-graph safe); programs past it return at once. Block sizes
@@ -35,10 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
+from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_group_dot
 from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
 DENSE, FP8, MXFP4 = 0, 1, 2  # W_FORMAT
+DEQUANTIZE_MAX_BLOCK_M = 32  # MXFP4 experts are expanded to the dense dtype for larger row blocks (prefill)
 _FP8, _MXFP4 = tl.constexpr(FP8), tl.constexpr(MXFP4)
 _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)
 
@@ -63,8 +66,12 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int) -> Tiles:
     """Tiles by the mean rows an expert gets: small row blocks at decode (fewer padding rows, each a wasted
     multiply of the expert's weight tile), larger ones at prefill (fewer re-reads of the weights)."""
     rows_per_expert = num_tokens * top_k / num_experts
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
-    return Tiles(block_m, 64, 64)
+    if rows_per_expert <= 16:
+        return Tiles(16, 64, 64)
+    if rows_per_expert <= 64:
+        return Tiles(32, 64, 64)
+    # benchmarks/fused_moe.py --sweep, Qwen3-30B-A3B experts at 8,192 tokens on an H100: 1.31x the 64-row tiles.
+    return Tiles(128, 128, 64, num_warps=8)
 
 
 def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int,
@@ -124,6 +131,10 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if num_tokens == 0:
         return hidden.new_empty(num_tokens, hidden_size)
     tiles = choose_tiles(num_tokens, top_k, num_experts)
+    if w_format == MXFP4 and tiles.block_m > DEQUANTIZE_MAX_BLOCK_M:
+        # Prefill: compute-bound; the dense kernel on the experts expanded once (moe_mxfp4.py says why).
+        w13, w2 = (dequantize_mxfp4_triton(w, s, hidden.dtype) for w, s in ((w13, w13_scale), (w2, w2_scale)))
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     sorted_pairs, block_experts, num_rows = align_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
     num_pairs, max_blocks = num_tokens * top_k, block_experts.numel()
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
@@ -163,18 +174,9 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, num_rows_ptr, num_pairs, n_
 
 
 @triton.jit
-def _weight_tile(rows_ptr, scale_rows_ptr, k, mask, W_FORMAT: tl.constexpr, DTYPE: tl.constexpr):
-    """The `[BLOCK_K, BLOCK_N]` tile `w^T` (K index `k`, one column per weight row) in the dot's dtype, given
-    pointers to the tile's weight rows `[1, N]` and, for MXFP4, their scale rows."""
-    if W_FORMAT == _MXFP4:
-        packed = tl.load(rows_ptr + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
-        code = tl.where((k % 2)[:, None] == 1, packed >> 4, packed & 0xF)
-        exponent, mantissa = (code >> 1) & 3, code & 1
-        # E2M1 as float32 bits: 0.5 * mantissa when the exponent field is 0, else (1 + mantissa / 2) * 2^(e - 1).
-        bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
-        value = (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-        scale = tl.load(scale_rows_ptr + (k // _MX_BLOCK)[:, None], mask=mask, other=127).to(tl.int32)
-        return (value * (scale << 23).to(tl.float32, bitcast=True)).to(DTYPE)  # E8M0: 2^(scale - 127)
+def _weight_tile(rows_ptr, k, mask, DTYPE: tl.constexpr):
+    """The `[BLOCK_K, BLOCK_N]` tile `w^T` (K index `k`, one column per weight row) of a dense or FP8 weight in
+    the dot's dtype, given pointers to the tile's weight rows `[1, N]`."""
     return tl.load(rows_ptr + k[:, None], mask=mask, other=0.0).to(DTYPE)
 
 
@@ -202,15 +204,21 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr
     dtype = x_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden_size, BLOCK_K):
-        k = k0 + ks
-        in_k = k < hidden_size
-        x_tile = tl.load(x_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
-        w_mask = in_k[:, None] & in_cols[None, :]
-        gate += tl.dot(x_tile, _weight_tile(gate_cols, gate_scales, k, w_mask, W_FORMAT, dtype),
-                       input_precision=DOT_PRECISION)  # [K, N] tiles: w^T
-        up += tl.dot(x_tile, _weight_tile(up_cols, up_scales, k, w_mask, W_FORMAT, dtype),
-                     input_precision=DOT_PRECISION)
+    if W_FORMAT == _MXFP4:
+        for group in range(0, hidden_size // _MX_BLOCK):
+            gate += mx_group_dot(x_rows, real[:, None], gate_cols, gate_scales, in_cols[None, :], group, dtype,
+                                 DOT_PRECISION)
+            up += mx_group_dot(x_rows, real[:, None], up_cols, up_scales, in_cols[None, :], group, dtype,
+                               DOT_PRECISION)
+    else:
+        for k0 in range(0, hidden_size, BLOCK_K):
+            k = k0 + ks
+            in_k = k < hidden_size
+            x_tile = tl.load(x_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
+            w_mask = in_k[:, None] & in_cols[None, :]
+            gate += tl.dot(x_tile, _weight_tile(gate_cols, k, w_mask, dtype),
+                           input_precision=DOT_PRECISION)  # [K, N] tiles: w^T
+            up += tl.dot(x_tile, _weight_tile(up_cols, k, w_mask, dtype), input_precision=DOT_PRECISION)
     if W_FORMAT == _FP8:  # FP8: one scale per weight row, i.e. per output column here
         gate *= tl.load(scale_ptr + expert * stride_s_expert + cols, mask=in_cols, other=0.0)[None, :]
         up *= tl.load(scale_ptr + expert * stride_s_expert + inter_size + cols, mask=in_cols, other=0.0)[None, :]
@@ -253,12 +261,17 @@ def _down_kernel(y_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted
     w_scales = scale_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        k = k0 + ks
-        in_k = k < inter_size
-        y_tile = tl.load(y_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
-        w_tile = _weight_tile(w_cols, w_scales, k, in_k[:, None] & in_cols[None, :], W_FORMAT, dtype)  # w^T
-        acc += tl.dot(y_tile, w_tile, input_precision=DOT_PRECISION)
+    if W_FORMAT == _MXFP4:
+        for group in range(0, inter_size // _MX_BLOCK):
+            acc += mx_group_dot(y_rows, real[:, None], w_cols, w_scales, in_cols[None, :], group, dtype,
+                                DOT_PRECISION)
+    else:
+        for k0 in range(0, inter_size, BLOCK_K):
+            k = k0 + ks
+            in_k = k < inter_size
+            y_tile = tl.load(y_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
+            w_tile = _weight_tile(w_cols, k, in_k[:, None] & in_cols[None, :], dtype)  # w^T
+            acc += tl.dot(y_tile, w_tile, input_precision=DOT_PRECISION)
     if W_FORMAT == _FP8:  # FP8: one scale per weight row
         acc *= tl.load(scale_ptr + expert * stride_s_expert + cols, mask=in_cols, other=0.0)[None, :]
     if HAS_BIAS:

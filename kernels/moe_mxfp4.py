@@ -1,0 +1,75 @@
+"""MXFP4 experts in the fused MoE kernel (kernels/moe.py): the E2M1 decoding and one E8M0 block's products.
+
+An MXFP4 weight row stores 32 values per block as 16 bytes (value 2j in the low nibble of byte j, 2j + 1 in the
+high one) and one power-of-two scale. Rather than interleave the two nibbles back into K order (a register
+shuffle per element), `mx_group_dot` splits the activations instead: `x[:, even k] @ low codes + x[:, odd k] @
+high codes`, two dots of K = 16 over the block's contiguous 16 bytes per weight row, and the block's scale
+multiplies the [M, N] product once per column (the codes themselves are exact in bf16 and fp16). That is the
+decode path (few rows per expert: the weights' bytes are the time). At prefill the multiply is compute-bound and
+K = 16 dots waste the tensor cores, so `dequantize_mxfp4_triton` expands the experts to the activations' dtype once
+and the dense kernel runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchllm.kernels.moe_reference import MXFP4_BLOCK
+
+_HALF_BLOCK = tl.constexpr(MXFP4_BLOCK // 2)  # bytes per block
+
+
+@triton.jit
+def e2m1_values(code):
+    """int32 E2M1 codes (0..15) → their float32 values, assembled as float32 bits: 0.5 * mantissa when the
+    exponent field is 0, else (1 + mantissa / 2) * 2^(exponent - 1); bit 3 is the sign."""
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_factor(scale):
+    """uint8 E8M0 scales → 2^(scale - 127) as float32 (0 for scale 0, whose 2^-127 is below float32's normals)."""
+    return (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_group_dot(x_rows, x_mask, w_rows, s_rows, n_mask, group, DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`[M, N]` float32: `x[:, 32 g : 32 g + 32] @ w[N, 32 g : 32 g + 32]^T` for block `group` g, given x's row
+    pointers `[M, 1]` (masked by `x_mask`), the weight rows' byte pointers `[1, N]` and their scale rows' `[1, N]`
+    (masked by `n_mask`)."""
+    j = tl.arange(0, _HALF_BLOCK)
+    k_even = 2 * j + group * (2 * _HALF_BLOCK)
+    x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)
+    x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
+    packed = tl.load(w_rows + (j + group * _HALF_BLOCK)[:, None], mask=n_mask, other=0).to(tl.int32)  # [16, N]
+    low = e2m1_values(packed & 0xF).to(DTYPE)
+    high = e2m1_values(packed >> 4).to(DTYPE)
+    part = tl.dot(x_even, low, input_precision=DOT_PRECISION) + tl.dot(x_odd, high, input_precision=DOT_PRECISION)
+    return part * e8m0_factor(tl.load(s_rows + group, mask=n_mask, other=127))
+
+
+def dequantize_mxfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[..., K]` in `dtype` of MXFP4 `packed [..., K / 2]` with `scales [..., K / 32]` (moe_reference's
+    `dequantize_mxfp4`), both dense."""
+    assert packed.is_contiguous() and scales.is_contiguous() and packed.numel() == scales.numel() * 16
+    out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dtype, device=packed.device)
+    block = 1024
+    _dequantize_kernel[(triton.cdiv(packed.numel(), block),)](packed, scales, out, packed.numel(), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _dequantize_kernel(packed_ptr, scales_ptr, out_ptr, num_bytes, BLOCK: tl.constexpr):
+    # Every row holds whole blocks, so byte i's scale is scales[i // 16] whatever the row length.
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    real = i < num_bytes
+    packed = tl.load(packed_ptr + i, mask=real, other=0).to(tl.int32)
+    factor = e8m0_factor(tl.load(scales_ptr + i // _HALF_BLOCK, mask=real, other=127))
+    low, high = e2m1_values(packed & 0xF) * factor, e2m1_values(packed >> 4) * factor
+    values = tl.reshape(tl.join(low, high), [2 * BLOCK])  # low, high, low, high, ...: K order
+    out = 2 * tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + out, values.to(out_ptr.dtype.element_ty), mask=out < 2 * num_bytes)
