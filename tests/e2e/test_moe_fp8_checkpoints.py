@@ -91,10 +91,11 @@ def quantization_config(family: str, fmt: str, num_layers: int) -> dict:
     if fmt == "tensor":
         return {"quant_method": "fp8", "activation_scheme": "static",
                 "ignored_layers": ["lm_head", *(f"model.layers.{n}.{ROUTERS[family]}" for n in range(num_layers))]}
+    # Qwen3-30B-A3B-FP8's list: lm_head, then each layer's input_layernorm, router and post_attention_layernorm.
     kept = [f"model.layers.{n}.{module}" for n in range(num_layers)
-            for module in ("input_layernorm", "post_attention_layernorm", ROUTERS[family])]
+            for module in ("input_layernorm", ROUTERS[family], "post_attention_layernorm")]
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": BLOCKS[fmt],
-            "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.norm", *kept]}
+            "modules_to_not_convert": ["lm_head", *kept]}
 
 
 def write_fp8_checkpoint(family: str, fmt: str, original: Path, directory: Path) -> dict[str, torch.Tensor]:
