@@ -125,6 +125,14 @@ def test_greedy_equals_hf_under_tensor_parallelism(checkpoint) -> None:
     llm.shutdown()
 
 
+def test_greedy_equals_hf_under_expert_parallelism(checkpoint) -> None:
+    """EP=2 (gloo): each rank holds two whole experts, blocks and scales unsplit."""
+    directory, _, expected, _ = checkpoint
+    llm = LLM(str(directory), enable_prefix_caching=False, tensor_parallel_size=2, enable_expert_parallel=True,
+              **ENGINE)
+    assert _greedy(llm, _prompts()) == expected
+    llm.shutdown()
+
 def test_a_split_that_cuts_a_block_is_refused(checkpoint) -> None:
     """test_gpt_oss.py's intermediate size, 32, over two ranks leaves 16 features a rank: half a block."""
     directory = checkpoint[0]
@@ -208,3 +216,4 @@ def test_the_weight_bytes_counted_are_the_bytes_the_engine_holds(checkpoint, qua
     assert size.experts == sum(p.numel() * 2 for name, p in model.named_parameters()
                                if name.endswith(("w13_weight", "w2_weight")))  # two codes a byte
     assert weight_bytes(size, preview) == held
+
