@@ -261,39 +261,44 @@ def test_tensor_parallel_2_follows_the_simulation(qwen3_ragged_blocks) -> None:
 
 
 @pytest.fixture(scope="module")
-def mixtral_channel(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("mixtral-channel")
+def mixtral_fp8(tmp_path_factory) -> Path:
+    """Mixtral per channel and in [40, 24] blocks: `<directory>/channel`, `<directory>/blocks-40x24`."""
+    base = tmp_path_factory.mktemp("mixtral")
     save_tiny_checkpoint(FAMILIES["mixtral"](), base / "original")
-    write_fp8_checkpoint("mixtral", "channel", base / "original", base / "fp8")
-    return base / "fp8"
+    for fmt in ("channel", "blocks-40x24"):
+        write_fp8_checkpoint("mixtral", fmt, base / "original", base / fmt)
+    return base
 
 
-def edited(checkpoint: Path, directory: Path, change) -> Path:
-    """A copy of `checkpoint` whose tensors `change(tensors)` edits in place."""
+EXPERT = "model.layers.1.block_sparse_moe.experts.2.w1"  # [32, 64]
+# case: (format, the edit of the checkpoint's tensors, what the error says after the tensor's name)
+REFUSED = {
+    # an asymmetric scheme's zero points: dropping them would shift every weight
+    "zero-point": ("channel", lambda t: t.update({f"{EXPERT}.weight_zero_point": torch.zeros(32, 1, dtype=torch.int8)}),
+                   "weight_zero_point: is a 'weight_zero_point' tensor"),
+    # a compressed-tensors pack-quantized expert: 8 codes per int32
+    "4-bit": ("channel", lambda t: t.update({f"{EXPERT}.weight_packed": torch.zeros(32, 8, dtype=torch.int32),
+                                             f"{EXPERT}.weight_shape": torch.tensor([32, 64])})
+              or t.pop(f"{EXPERT}.weight"), "weight_packed: is a 'weight_packed' tensor"),
+    "int8": ("channel", lambda t: t.update({f"{EXPERT}.weight": torch.ones(32, 64, dtype=torch.int8)}),
+             "weight: is int8"),
+    "scale-rows": ("channel", lambda t: t.update({f"{EXPERT}.weight_scale": t[f"{EXPERT}.weight_scale"][:16]}),
+                   "weight: weight_scale has 16 values"),
+    # whole blocks only (floor, not ceil): no scale for the partial edge block
+    "edge-block": ("blocks-40x24", lambda t: t.update({f"{EXPERT}.weight_scale_inv":
+                                                       t[f"{EXPERT}.weight_scale_inv"][:, :2]}),
+                   r"weight: weight_scale_inv has shape \(1, 2\), expected \(1, 3\)"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_an_expert_tensor_we_do_not_read_or_of_the_wrong_shape_is_refused_by_name(mixtral_fp8, tmp_path, case):
+    fmt, change, message = REFUSED[case]
+    directory = tmp_path / "ckpt"
     directory.mkdir()
-    shutil.copy(checkpoint / "config.json", directory)
-    tensors = load_file(checkpoint / "model.safetensors")
+    shutil.copy(mixtral_fp8 / fmt / "config.json", directory)
+    tensors = load_file(mixtral_fp8 / fmt / "model.safetensors")
     change(tensors)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
-EXPERT = "model.layers.1.block_sparse_moe.experts.2.w1"
-
-
-@pytest.mark.parametrize("case", ["zero-point", "4-bit", "int8"])
-def test_an_expert_tensor_we_do_not_read_is_refused_by_name(mixtral_channel, tmp_path, case) -> None:
-    def change(tensors):
-        if case == "zero-point":  # an asymmetric scheme's zero points: dropping them would shift every weight
-            tensors[f"{EXPERT}.weight_zero_point"] = torch.zeros(32, 1, dtype=torch.int8)
-        elif case == "4-bit":  # a compressed-tensors pack-quantized expert: 8 codes per int32
-            tensors[f"{EXPERT}.weight_packed"] = torch.zeros(32, 8, dtype=torch.int32)
-            tensors[f"{EXPERT}.weight_shape"] = torch.tensor([32, 64])
-            del tensors[f"{EXPERT}.weight"]
-        else:  # INT8 codes in place of E4M3 ones
-            tensors[f"{EXPERT}.weight"] = torch.ones(32, 64, dtype=torch.int8)
-
-    directory = edited(mixtral_channel, tmp_path / "ckpt", change)
-    tensor = {"zero-point": "weight_zero_point", "4-bit": "weight_packed", "int8": "weight"}[case]
-    with pytest.raises(ValueError, match=f"{EXPERT}.{tensor}: .*{'int8' if case == 'int8' else tensor}"):
+    with pytest.raises(ValueError, match=f"model.safetensors: {EXPERT}.{message}"):
         load_model(directory, "cpu", torch.float32)
