@@ -23,7 +23,9 @@ def check_plain_tensor(tensor: CheckpointSlice, expected: tuple[int, ...]) -> No
     values mean nothing without its scales."""
     check_shape(tensor, expected)
     if tensor.is_fp8:
-        raise ValueError("is an FP8 tensor, but config.json has no quantization_config saying how it is scaled")
+        raise ValueError("is an FP8 tensor, but the model keeps this layer unquantized: config.json has no "
+                         "quantization_config saying how it is scaled, or the layer is one held in the model dtype "
+                         "whatever the checkpoint (a MoE router, a norm, the embeddings)")
 
 
 class UnquantizedLinearMethod(QuantMethod):
