@@ -57,7 +57,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
     from batchllm.model.config import ModelConfig, architecture_of, read_hf_config
     from batchllm.model.loader import resolve_model_path
     from batchllm.model.pooling_config import pooled_dim, resolve_pooling
-    from batchllm.model.quantization import pinned_quantization
+    from batchllm.model.quantization import check_expert_split, pinned_quantization, resolve_quantization
     from batchllm.model.registry import get_model_class
     from batchllm.model.size import model_size
     from batchllm.model.spec_checks import check_speculative_model
@@ -85,6 +85,9 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
     parallel = config.parallel
     if parallel.enable_expert_parallel and parallel.tensor_parallel_size > 1 and model_config.moe is not None:
         check_expert_parallel(model_config.moe.num_experts, parallel.tensor_parallel_size)
+    if not parallel.enable_expert_parallel and model_config.moe is not None:
+        check_expert_split(resolve_quantization(hf_config, quantization), model_config.moe.moe_intermediate_size,
+                           parallel.tensor_parallel_size)
     tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer or model_path,
                                                                       trust_remote_code=model.trust_remote_code)
     eos_token_ids = resolve_eos_token_ids(model_path, tokenizer)

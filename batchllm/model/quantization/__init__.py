@@ -41,7 +41,10 @@ from batchllm.model.quantization.formats import FORMATS, QUANTIZATION_METHODS, S
 
 __all__ = ["AWQ", "COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_PER_TENSOR", "GPTQ", "INT", "KV_CACHE_DTYPES",
            "MXFP4", "ON_LOAD", "QUANTIZATION_METHODS", "SUPPORTED", "QuantConfig", "check_on_load",
-           "pinned_quantization", "resolve_kv_cache_dtype", "resolve_quantization"]
+           "check_expert_split", "pinned_quantization", "resolve_kv_cache_dtype", "resolve_quantization"]
+
+_MXFP4_BLOCK = 32  # input features per E8M0 scale (kernels/moe_reference.py's MXFP4_BLOCK; this module is torch-free)
+
 
 def resolve_quantization(hf_config: Mapping[str, Any], requested: str | None) -> QuantConfig | None:
     """The quantization for `LLM(quantization=requested)` on a checkpoint with this config.json; a clear
@@ -76,6 +79,16 @@ def check_on_load(quant: QuantConfig | None, requested: str | None, load_format:
         raise ValueError(f"quantization={requested!r} reads {requested} checkpoints (config.json with a "
                          f"quantization_config), and this checkpoint is not quantized; quantizing on load is "
                          f"supported for {on_load} only")
+
+
+def check_expert_split(quant: QuantConfig | None, intermediate_size: int, tensor_parallel_size: int) -> None:
+    """MXFP4 experts split over tensor-parallel ranks in whole blocks of 32 of each expert's intermediate features
+    (the down projection's input): refused before any process starts otherwise."""
+    if quant is not None and quant.method == MXFP4 and (intermediate_size // tensor_parallel_size) % _MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts split over tensor_parallel_size={tensor_parallel_size} in whole blocks of "
+                         f"{_MXFP4_BLOCK}: each rank's share of the experts' {intermediate_size} intermediate "
+                         f"features must be a multiple of {_MXFP4_BLOCK} (use a smaller tensor_parallel_size, or "
+                         f"enable_expert_parallel=True)")
 
 
 def pinned_quantization(hf_config: Mapping[str, Any], requested: str | None) -> str | None:
