@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config, Qwen2MoeConfig
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from batchllm import LLM, SamplingParams
@@ -30,6 +30,7 @@ from batchllm.model.size import model_size
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_gpt_oss import SHAPE
 from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
+from tests.unit.test_model_vs_hf import save_tiny_checkpoint
 
 MXFP4_SHAPE = {**SHAPE, "intermediate_size": 64}
 # What the released gpt-oss checkpoints' config.json says.
@@ -216,3 +217,33 @@ def test_the_weight_bytes_counted_are_the_bytes_the_engine_holds(checkpoint, qua
                                if name.endswith(("w13_weight", "w2_weight")))  # two codes a byte
     assert weight_bytes(size, preview) == held
 
+
+
+def test_quantization_mxfp4_on_a_qwen2_moe_checkpoint_equals_hf_on_the_dequantized_experts(tmp_path) -> None:
+    """Per-expert checkpoint tensors (`experts.{e}.gate_proj` ...) quantized on load; the shared expert, the dense
+    layer and attention stay float32. The reference: HF's model with each expert replaced by transformers' own
+    decoding of our codes and scales (`convert_moe_packed_tensors`), a dense-weight path that shares nothing with
+    our kernels."""
+    save_tiny_checkpoint(Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=256, intermediate_size=96, moe_intermediate_size=32,
+                                        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                        shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                        norm_topk_prob=False), tmp_path)
+    llm = LLM(str(tmp_path), quantization="mxfp4", enable_prefix_caching=False, **ENGINE)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager",
+                                              experts_implementation="eager").eval()
+    for ours, layer in zip(llm.runner.model.model.layers, hf.model.layers):
+        if not hasattr(layer.mlp, "experts"):
+            assert ours.mlp.gate_up_proj.weight.dtype == torch.float32
+            continue
+        assert ours.mlp.shared_expert.gate_up_proj.weight.dtype == torch.float32
+        for stacked, hf_name in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            packed, scales = getattr(ours.mlp.experts, f"{stacked}_weight"), getattr(ours.mlp.experts,
+                                                                                   f"{stacked}_weight_scale")
+            decoded = convert_moe_packed_tensors(packed.unflatten(-1, (-1, 16)), scales, dtype=torch.float32)
+            original = getattr(layer.mlp.experts, hf_name)
+            decoded = decoded.transpose(1, 2).contiguous()
+            # 4-bit rounding of normal weights: about 12 % of their norm; a misplaced row would be over 100 %.
+            assert (decoded - original).norm() < 0.2 * original.norm()
+            original.data = decoded
+    assert _greedy(llm, _prompts()) == _hf_greedy(hf, _prompts())[0]
