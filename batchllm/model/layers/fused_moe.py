@@ -13,8 +13,9 @@ its down projection, so its output is a partial sum and one all-reduce after the
 
 How the experts are stored is their `ExpertMethod` (quantization/experts.py): unquantized, FP8 (an FP8
 checkpoint's experts, or `quantization="fp8"` on load) or MXFP4 (gpt-oss's checkpoints, or `quantization="mxfp4"`),
-each a `w13_*` / `w2_*` parameter per part (`weight`, `weight_scale`). One expert's checkpoint tensor and its companions are read by the method's linear reader, as a
-linear layer's would be (`load_expert_tensor`), then sliced into place by `weight_loader`.
+each a `w13_*` / `w2_*` parameter per part (`weight`, `weight_scale`). One expert's checkpoint tensor and its
+companions are read by the method's linear reader, as a linear layer's would be (`load_expert_tensor`), then
+sliced into place by `weight_loader`.
 
 `local_experts` are the global ids of the experts this rank holds (all of them under tensor parallelism): the
 stacked parameters have one entry per local expert, and the loaders skip the others. Under expert parallelism
