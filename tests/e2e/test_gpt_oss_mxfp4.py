@@ -12,7 +12,10 @@ made by batchllm's quantizer: the reference is HF loading the same file with `Mx
 from __future__ import annotations
 
 import json
+import shutil
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,7 +25,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from batchllm import LLM, SamplingParams
 from batchllm.connectors.jobs.engine_preview import preview_engine
 from batchllm.connectors.jobs.run_estimate import weight_bytes
+from batchllm.entrypoints.cli.main import main
 from batchllm.kernels.moe_reference import dequantize_mxfp4
+from batchllm.model.default_model import default_model_path
 from batchllm.model.loader import load_model
 from batchllm.model.quantization import resolve_quantization
 from batchllm.model.quantization.mxfp4 import quantize_mxfp4
@@ -247,3 +252,18 @@ def test_quantization_mxfp4_on_a_qwen2_moe_checkpoint_equals_hf_on_the_dequantiz
             assert (decoded - original).norm() < 0.2 * original.norm()
             original.data = decoded
     assert _greedy(llm, _prompts()) == _hf_greedy(hf, _prompts())[0]
+
+
+def test_the_dry_run_says_the_experts_are_mxfp4(checkpoint, tmp_path, capsys) -> None:
+    """`batchllm run --dry-run` on the MXFP4 checkpoint (config.json and a tokenizer: no weight is read)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(checkpoint[0] / "config.json", model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_path() / name).is_file():
+            shutil.copy(default_model_path() / name, model)
+    pq.write_table(pa.table({"q": ["What is MXFP4?"]}), tmp_path / "in.parquet")
+    assert main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--model", str(model), "--prompt-column",
+                 "q", "--device", "cpu", "--max-tokens", "8", "--dry-run"]) == 0, capsys.readouterr().err
+    assert "with 4.25-bit MXFP4 experts (scales included)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
