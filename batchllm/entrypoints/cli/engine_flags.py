@@ -47,9 +47,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=ENGINE_DEFAULTS["load_format"],
                         help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=ENGINE_DEFAULTS["quantization"],
-                        help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales), or name a "
-                             "quantized checkpoint's format (gptq, awq, compressed-tensors; FP8 and integer "
-                             "checkpoints are detected without it)")
+                        help="engine: quantize the weights on load (fp8: E4M3 with per-channel scales; mxfp4: a "
+                             "MoE model's experts only, E2M1 in blocks of 32), or name a quantized checkpoint's "
+                             "format (gptq, awq, compressed-tensors; FP8, integer and MXFP4 checkpoints are "
+                             "detected without it)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=ENGINE_DEFAULTS["kv_cache_dtype"],
                         help="engine: the KV cache's dtype (auto: the model's; fp8: E4M3, twice the tokens)")
     parser.add_argument("--structured-outputs-backend", choices=tuple(GRAMMAR_BACKENDS),
