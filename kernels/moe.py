@@ -18,8 +18,9 @@ next to the expert weights at decode and a few percent of the GEMMs' time at pre
 Quantized experts are dequantized in registers, tile by tile, and multiplied on the 16-bit tensor cores
 (weight-only quantization: at decode the time is the weights' bytes, which is what quantization cuts):
 `W_FORMAT` FP8 (E4M3 codes are exact in bf16; the row's float32 scale multiplies the accumulator once, after
-the K loop) or MXFP4 (one dot per block of 32 along K, its power-of-two scale applied to the product: see
-moe_mxfp4.py, which also expands MXFP4 experts for the dense kernel at prefill). See
+the K loop) or MXFP4 (E2M1 values times their block's power of two, exact in bf16, the activations split
+into even and odd features instead of the nibbles interleaved: see moe_mxfp4.py, which also expands MXFP4
+experts for the dense kernel at prefill). See
 `moe_reference.dequantize_expert` for the formats.
 
 Both grids are `(max_blocks * n_tiles,)` with `max_blocks` an upper bound fixed by T, k, E and BLOCK_M: the host
@@ -36,14 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_group_dot
+from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_tile_dot
 from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
 DENSE, FP8, MXFP4 = 0, 1, 2  # W_FORMAT
 DEQUANTIZE_MAX_BLOCK_M = 32  # MXFP4 experts are expanded to the dense dtype for larger row blocks (prefill)
 _FP8, _MXFP4 = tl.constexpr(FP8), tl.constexpr(MXFP4)
-_MX_BLOCK = tl.constexpr(MXFP4_BLOCK)
 
 
 def weight_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
@@ -205,11 +205,11 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W_FORMAT == _MXFP4:
-        for group in range(0, hidden_size // _MX_BLOCK):
-            gate += mx_group_dot(x_rows, real[:, None], gate_cols, gate_scales, in_cols[None, :], group, dtype,
-                                 DOT_PRECISION)
-            up += mx_group_dot(x_rows, real[:, None], up_cols, up_scales, in_cols[None, :], group, dtype,
-                               DOT_PRECISION)
+        for k0 in range(0, hidden_size, BLOCK_K):
+            gate += mx_tile_dot(x_rows, real[:, None], gate_cols, gate_scales, in_cols[None, :], k0, hidden_size,
+                                BLOCK_K, dtype, DOT_PRECISION)
+            up += mx_tile_dot(x_rows, real[:, None], up_cols, up_scales, in_cols[None, :], k0, hidden_size,
+                              BLOCK_K, dtype, DOT_PRECISION)
     else:
         for k0 in range(0, hidden_size, BLOCK_K):
             k = k0 + ks
@@ -262,9 +262,9 @@ def _down_kernel(y_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W_FORMAT == _MXFP4:
-        for group in range(0, inter_size // _MX_BLOCK):
-            acc += mx_group_dot(y_rows, real[:, None], w_cols, w_scales, in_cols[None, :], group, dtype,
-                                DOT_PRECISION)
+        for k0 in range(0, inter_size, BLOCK_K):
+            acc += mx_tile_dot(y_rows, real[:, None], w_cols, w_scales, in_cols[None, :], k0, inter_size, BLOCK_K,
+                               dtype, DOT_PRECISION)
     else:
         for k0 in range(0, inter_size, BLOCK_K):
             k = k0 + ks

@@ -2,12 +2,10 @@
 
 An MXFP4 weight row stores 32 values per block as 16 bytes (value 2j in the low nibble of byte j, 2j + 1 in the
 high one) and one power-of-two scale. Rather than interleave the two nibbles back into K order (a register
-shuffle per element), `mx_group_dot` splits the activations instead: `x[:, even k] @ low codes + x[:, odd k] @
-high codes`, two dots of K = 16 over the block's contiguous 16 bytes per weight row, and the block's scale
-multiplies the [M, N] product once per column (the codes themselves are exact in bf16 and fp16). That is the
-decode path (few rows per expert: the weights' bytes are the time). At prefill the multiply is compute-bound and
-K = 16 dots waste the tensor cores, so `dequantize_mxfp4_triton` expands the experts to the activations' dtype once
-and the dense kernel runs.
+shuffle per element), `mx_tile_dot` splits the activations instead: `x[:, even k] @ low values + x[:, odd k] @
+high values`, two dots over a tile's contiguous bytes per weight row. That is the decode path (few rows per
+expert: the weights' bytes are the time). At prefill the multiply is compute-bound, so
+`dequantize_mxfp4_triton` expands the experts to the activations' dtype once and the dense kernel runs.
 """
 
 from __future__ import annotations
@@ -37,19 +35,24 @@ def e8m0_factor(scale):
 
 
 @triton.jit
-def mx_group_dot(x_rows, x_mask, w_rows, s_rows, n_mask, group, DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """`[M, N]` float32: `x[:, 32 g : 32 g + 32] @ w[N, 32 g : 32 g + 32]^T` for block `group` g, given x's row
-    pointers `[M, 1]` (masked by `x_mask`), the weight rows' byte pointers `[1, N]` and their scale rows' `[1, N]`
-    (masked by `n_mask`)."""
-    j = tl.arange(0, _HALF_BLOCK)
-    k_even = 2 * j + group * (2 * _HALF_BLOCK)
-    x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)
-    x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
-    packed = tl.load(w_rows + (j + group * _HALF_BLOCK)[:, None], mask=n_mask, other=0).to(tl.int32)  # [16, N]
-    low = e2m1_values(packed & 0xF).to(DTYPE)
-    high = e2m1_values(packed >> 4).to(DTYPE)
-    part = tl.dot(x_even, low, input_precision=DOT_PRECISION) + tl.dot(x_odd, high, input_precision=DOT_PRECISION)
-    return part * e8m0_factor(tl.load(s_rows + group, mask=n_mask, other=127))
+def mx_tile_dot(x_rows, x_mask, w_rows, s_rows, n_mask, k0, size, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """`[M, N]` float32: `x[:, k0 : k0 + BLOCK_K] @ w[N, k0 : k0 + BLOCK_K]^T` (features past `size` are zero),
+    given x's row pointers `[M, 1]` (masked by `x_mask`), the weight rows' byte pointers `[1, N]` and their scale
+    rows' `[1, N]` (masked by `n_mask`). `k0` and BLOCK_K are multiples of the 32-value block."""
+    j = tl.arange(0, BLOCK_K // 2)  # the tile's bytes in each weight row
+    k_even = k0 + 2 * j
+    in_k = k_even < size
+    x_even = tl.load(x_rows + k_even[None, :], mask=x_mask & in_k[None, :], other=0.0)
+    x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask & in_k[None, :], other=0.0)
+    w_mask = n_mask & in_k[:, None]
+    packed = tl.load(w_rows + (j + k0 // 2)[:, None], mask=w_mask, other=0).to(tl.int32)  # [BLOCK_K / 2, N]
+    # Codes times powers of two: exact in bf16 / fp16, so scaling before the dot costs no precision.
+    factor = e8m0_factor(tl.load(s_rows + (j // _HALF_BLOCK + k0 // (2 * _HALF_BLOCK))[:, None], mask=w_mask,
+                                 other=127))
+    low = (e2m1_values(packed & 0xF) * factor).to(DTYPE)
+    high = (e2m1_values(packed >> 4) * factor).to(DTYPE)
+    return tl.dot(x_even, low, input_precision=DOT_PRECISION) + tl.dot(x_odd, high, input_precision=DOT_PRECISION)
 
 
 def dequantize_mxfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
