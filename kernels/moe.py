@@ -42,7 +42,7 @@ from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUO
 
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
 DENSE, FP8, MXFP4 = 0, 1, 2  # W_FORMAT
-DEQUANTIZE_MAX_BLOCK_M = 32  # MXFP4 experts are expanded to the dense dtype for larger row blocks (prefill)
+
 _FP8, _MXFP4 = tl.constexpr(FP8), tl.constexpr(MXFP4)
 
 
@@ -131,8 +131,10 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if num_tokens == 0:
         return hidden.new_empty(num_tokens, hidden_size)
     tiles = choose_tiles(num_tokens, top_k, num_experts)
-    if w_format == MXFP4 and tiles.block_m > DEQUANTIZE_MAX_BLOCK_M:
-        # Prefill: compute-bound; the dense kernel on the experts expanded once (moe_mxfp4.py says why).
+    if w_format == MXFP4 and num_tokens * top_k > num_experts:
+        # Measured on an H100 (gpt-oss-20b experts, benchmarks/README.md): the in-register MXFP4 path is slower than
+        # expanding the experts once and running the dense kernel for every batch but the smallest (T = 1: 0.35 ms
+        # against ~0.65 ms; T = 256: 3.3 ms against ~1.2 ms).
         w13, w2 = (dequantize_mxfp4_triton(w, s, hidden.dtype) for w, s in ((w13, w13_scale), (w2, w2_scale)))
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     sorted_pairs, block_experts, num_rows = align_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
