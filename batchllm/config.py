@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("recompute", "swap")
+ADMISSION_POLICIES = ("kv_aware", "optimistic")  # batchllm/engine/admission.py
 
 
 @dataclass(slots=True)
@@ -45,6 +46,10 @@ class SchedulerConfig:
     swap_min_tokens: int = 32
     # Pipeline parallelism: steps in flight at once, each with requests of its own (see engine_core.py).
     num_micro_batches: int = 1
+    # "kv_aware": admit a request only when the pool holds it and the running ones to their expected ends;
+    # "optimistic": whenever its prompt fits now (admission.py). EngineConfig (LLM, the CLI, the doors) defaults to
+    # "kv_aware"; a SchedulerConfig built by hand keeps the old policy, which the scheduler's preemption tests drive.
+    admission_policy: str = "optimistic"
 
     def validate(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
@@ -53,6 +58,8 @@ class SchedulerConfig:
                  "max_num_batched_tokens", self.max_num_batched_tokens, "an int >= 1")
         _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
                  " or ".join(map(repr, PREEMPTION_MODES)))
+        _require(self.admission_policy in ADMISSION_POLICIES, "admission_policy", self.admission_policy,
+                 " or ".join(map(repr, ADMISSION_POLICIES)))
         _require(isinstance(self.num_micro_batches, int) and self.num_micro_batches >= 1, "pipeline_parallel_size",
                  self.num_micro_batches, "an int >= 1")
 

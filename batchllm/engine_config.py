@@ -30,7 +30,8 @@ DEFAULTS: dict[str, Any] = dict(
     async_scheduling=None, structured_outputs_backend="xgrammar", enable_lora=False, max_loras=1, max_lora_rank=16,
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
     pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
-    disable_hybrid_kv_cache_manager=False, reasoning_parser=None, enable_expert_parallel=False)
+    disable_hybrid_kv_cache_manager=False, reasoning_parser=None, enable_expert_parallel=False,
+    admission_policy="kv_aware")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,13 @@ class EngineConfig:
     is recomputed all the same. `stats` reports the blocks moved each way, the host tier's prefix hits, bytes
     and copy time. See batchllm/engine/host_tier.py.
 
+    `admission_policy`: "kv_aware" (default) admits a row only when the KV pool holds it, with the running rows, to
+    the end of the output expected of each: `max_tokens` when it is forced (`ignore_eos`, or `min_tokens ==
+    max_tokens`), else a high quantile of the lengths of the rows already finished in this run, with a margin, so
+    rows that stop early still run in large batches. "optimistic" (vLLM's policy) admits a row whenever its prompt
+    fits and preempts when the pool runs dry, recomputing the preempted rows' prefill. Preemption stays the
+    fallback of both; `stats` reports preemptions and recomputed tokens. See batchllm/engine/admission.py.
+
     `reasoning_parser` ("qwen3", "deepseek_r1", "openai_gptoss"; vLLM's names): split a thinking model's output into
     `CompletionOutput.reasoning` and the answer (`text`); the table doors and jobs add a `reasoning` column, the
     server `reasoning_content`. See batchllm/reasoning/.
@@ -206,7 +214,8 @@ class EngineConfig:
         budget = a["max_num_batched_tokens"]
         scheduler = SchedulerConfig(a["max_num_seqs"], GENERATE_STEP_BUDGET if budget is None else budget,
                                     max_loras=a["max_loras"] if a["enable_lora"] else 0,
-                                    preemption_mode=a["preemption_mode"], num_micro_batches=pp)
+                                    preemption_mode=a["preemption_mode"], num_micro_batches=pp,
+                                    admission_policy=a["admission_policy"])
         cache.validate()
         scheduler.validate()
         if a["preemption_mode"] == "swap" and not a["swap_space"]:

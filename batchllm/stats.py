@@ -52,6 +52,8 @@ class EngineStats:
     kv_handoffs: int = 0  # requests admitted with their prompt's K/V from the prefill engine
     kv_handoff_blocks: int = 0
     kv_handoffs_recomputed: int = 0  # handed over without K/V (the buffer was full), computed by the decode engine
+    # Prefill done twice: tokens whose K/V a preemption by recompute threw away, computed again (of num_prefill_tokens).
+    num_recomputed_tokens: int = 0
 
     @classmethod
     def collect(cls, scheduler_stats: SchedulerStats, kv_cache: KVCacheManager, runner: Any,

@@ -1,8 +1,19 @@
-"""Admission: which waiting requests can run at all, and where an admitted request's K/V comes from.
+"""Admission: which waiting requests can run at all, whether the pool has room for one now, and where an admitted
+request's K/V comes from.
 
-In order: a KV connector that holds the request's whole computed context (swapped out to the host tier, or computed
-by a prefill engine), a fork parent whose prompt blocks it shares, the prefix cache (device blocks, then a
-connector's), and fresh blocks for the rest. Mixed into `Scheduler` (scheduler.py), whose state it reads.
+Room (`admission_policy`): "kv_aware" (the default) admits a request only when the free pool holds it, with every
+running request, to the end of the output the scheduler expects of each (output_length.py: `max_tokens` for forced
+outputs, else a length learned from the rows finished in this run); the blocks each needs are the KV manager's
+answer (`num_blocks_to_hold`: a window group holds at most its window), less the prefix-cache hits that other
+requests hold already. Preempting a request throws its prefill away, and a full batch of forced outputs admitted
+optimistically preempts again and again. "optimistic" admits whatever fits the prompt now (vLLM's policy; it is
+TensorRT-LLM's MAX_UTILIZATION as "kv_aware" with forced outputs is its GUARANTEED_NO_EVICT) and leaves the rest to
+preemption. Preemption stays the fallback of both: an estimate can prove short.
+
+Where the K/V comes from, in order: a KV connector that holds the request's whole computed context (swapped out to
+the host tier, or computed by a prefill engine), a fork parent whose prompt blocks it shares, the prefix cache
+(device blocks, then a connector's), and fresh blocks for the rest. Mixed into `Scheduler` (scheduler.py), whose
+state it reads.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import KVConnector
+from batchllm.engine.output_length import OutputLengthEstimator
 from batchllm.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -25,6 +37,9 @@ class Admission:
     connectors: list[KVConnector]
     requests: dict[str, Request]
     _scheduled_now: dict[str, int]  # request id → tokens scheduled in the step being built
+    running: list[Request]
+    output_lengths: OutputLengthEstimator
+    _reserved_blocks: int | None  # blocks the running requests still need to reach their expected ends; None: unknown
 
     def _admission_error(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
@@ -53,7 +68,7 @@ class Admission:
             num_held = connector.get_num_held_tokens(request)
             if num_held:
                 num_new = min(request.num_tokens - num_held, budget)
-                if not kv.allocate_held(request, connector, num_held, num_new):
+                if not self._has_room(request, 0) or not kv.allocate_held(request, connector, num_held, num_new):
                     return None
                 request.num_computed_tokens = num_held
                 return num_new, None
@@ -61,6 +76,8 @@ class Admission:
         if parent is _WAIT:
             return None
         if parent is not None:
+            if not self._has_room(request, 0):  # counted whole: its shared prompt blocks are few beside its output
+                return None
             # Share the parent's prompt blocks and recompute only the last prompt token, whose logits this
             # sample needs; its write into the shared last block triggers the copy-on-write.
             kv.fork(parent, request, request.num_prompt_tokens)
@@ -73,6 +90,8 @@ class Admission:
                 return None
             return num_new, allocation
         cached = kv.find_cached_prefix(request)
+        if not self._has_room(request, kv.num_blocks_in_use(cached)):
+            return None
         num_cached = cached.num_blocks * kv.block_size
         num_new = min(request.num_tokens - num_cached, budget)
         allocation = kv.allocate_slots(request, num_new, cached)
@@ -82,6 +101,29 @@ class Admission:
         kv.stats.hits += num_cached
         request.num_computed_tokens = num_cached
         return num_new, allocation
+
+    def _has_room(self, request: Request, num_shared_blocks: int) -> bool:
+        """KV-aware admission: whether the free pool holds `request` (of whose blocks `num_shared_blocks` are held by
+        other requests already) and every running request to the ends expected of them. The first request always
+        has room: alone it fits, since max_model_len never exceeds the pool."""
+        if self.config.admission_policy != "kv_aware" or not self.running:
+            return True
+        kv = self.kv_cache
+        if self._reserved_blocks is None:
+            self._reserved_blocks = sum(self._blocks_to_grow(running) for running in self.running)
+        expected = self.output_lengths.expected_num_tokens(request, self.config.max_model_len)
+        need = kv.num_blocks_to_hold(expected) - num_shared_blocks
+        return self._reserved_blocks + need <= kv.pool.num_free_blocks
+
+    def _blocks_to_grow(self, request: Request) -> int:
+        """The blocks a running request still takes from the pool to reach the end expected of it."""
+        expected = self.output_lengths.expected_num_tokens(request, self.config.max_model_len)
+        return max(0, self.kv_cache.num_blocks_to_hold(expected) - self.kv_cache.num_blocks_held(request))
+
+    def _reserve_for(self, request: Request) -> None:
+        """`request` was just admitted: what it still needs joins the running requests' reserve."""
+        if self._reserved_blocks is not None:
+            self._reserved_blocks += self._blocks_to_grow(request)
 
     def _fork_parent(self, request: Request) -> Request | object | None:
         """The running request whose prompt K/V this one can share, `_WAIT` if that parent is still

@@ -62,6 +62,22 @@ class HybridKVCacheManager(KVCacheManager):
     def _key(self, group: int, block_hash: bytes) -> bytes:
         return block_hash + group.to_bytes(2, "little")
 
+    def num_blocks_to_hold(self, num_tokens: int) -> int:
+        """Every group's blocks; a window group holds no more than its window needs. A decode at length l > window
+        holds the blocks from the one with position l - window on: cdiv(window + r, block_size) of them where
+        r = (l - window) mod block_size, at most cdiv(window + block_size - 1, block_size). (A prefill chunk of n
+        tokens briefly holds up to n more; preemption covers that.)"""
+        full = cdiv(num_tokens, self.block_size)
+        return sum(full if window is None else min(full, cdiv(window + self.block_size - 1, self.block_size))
+                   for window in self.layout.group_windows)
+
+    def num_blocks_held(self, request: Request) -> int:
+        tables = self._tables.get(request.request_id, ())
+        return sum(1 for table in tables for block in table if block is not None)
+
+    def num_blocks_in_use(self, cached: GroupedPrefix) -> int:  # type: ignore[override]
+        return sum(1 for table in cached.tables for block in table if block is not None and block.ref_cnt > 0)
+
     def find_cached_prefix(self, request: Request) -> GroupedPrefix:
         if not self.pool.enable_caching or (request.pooling is not None and request.pooling.reads_every_token):
             return _NO_PREFIX

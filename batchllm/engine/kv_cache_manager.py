@@ -252,6 +252,19 @@ class KVCacheManager:
     def block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self._blocks.get(request.request_id, ())]
 
+    # KV-aware admission (admission.py) asks these; a manager whose requests hold blocks differently answers for it.
+    def num_blocks_to_hold(self, num_tokens: int) -> int:
+        """The most blocks a request holds on its way to a length of `num_tokens` tokens."""
+        return cdiv(num_tokens, self.block_size)
+
+    def num_blocks_held(self, request: Request) -> int:
+        return len(self._blocks.get(request.request_id, ()))
+
+    def num_blocks_in_use(self, cached: CachedPrefix) -> int:
+        """Of a cached prefix's device blocks, those that other requests hold already: reusing them takes nothing
+        from the free pool (a cached block in the free queue does)."""
+        return sum(1 for block in cached.device if block.ref_cnt > 0)
+
     def free(self, request: Request) -> None:
         self._loading.discard(request.request_id)
         blocks = self._blocks.pop(request.request_id, [])

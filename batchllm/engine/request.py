@@ -53,6 +53,9 @@ class Request:
     # The runner already holds this request's state (block table, generator); cleared on preemption.
     known_to_runner: bool = False
     num_preemptions: int = 0
+    # The tokens before this position had their K/V computed, then thrown away by a preemption: computing them
+    # again is recomputation (`SchedulerStats.num_recomputed_tokens`).
+    num_recompute_until: int = 0
     output_logprobs: list[SampledToken] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
     error: str | None = None

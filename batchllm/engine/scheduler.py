@@ -32,6 +32,7 @@ from batchllm.engine.admission import Admission
 from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, SchedulerOutput
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import connector_metadata
+from batchllm.engine.output_length import OutputLengthEstimator
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.engine.speculative.speculator import Speculator
 from batchllm.engine.step_results import StepResults
@@ -45,6 +46,8 @@ class SchedulerStats:
     num_decode_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens computed again because a preemption by recompute threw their K/V away (prefill work done twice).
+    num_recomputed_tokens: int = 0
     num_chunked_prefills: int = 0  # scheduled prompt chunks that stopped short of the prompt's end
     max_step_tokens: int = 0
     max_running: int = 0
@@ -82,6 +85,8 @@ class Scheduler(Admission, StepResults):
         self._rejected: list[Request] = []
         self._preempted_this_step = False
         self._scheduled_now: dict[str, int] = {}  # request id → tokens scheduled in the step being built
+        self.output_lengths = OutputLengthEstimator()  # learns from the finished rows (step_results.py)
+        self._reserved_blocks: int | None = None  # admission.py: recounted in each step that admits
 
     def add_request(self, request: Request, error: str | None = None) -> None:
         """Queue `request`, or reject it (with `error`, or when it cannot run) to be reported by the next step."""
@@ -100,6 +105,7 @@ class Scheduler(Admission, StepResults):
     def reset_stats(self) -> None:
         self.stats = SchedulerStats(num_blocks=self.kv_cache.pool.num_blocks)
         self.kv_cache.reset_stats()
+        self.output_lengths.reset()  # a new run's rows: their lengths are learned afresh
         if self.speculator is not None:
             self.speculator.reset_stats()
 
@@ -184,6 +190,7 @@ class Scheduler(Admission, StepResults):
         # Requests whose K/V this step loads from a connector join `running` but compute from the next step on
         # (kv_cache_manager.py), at most a step's budget of them, so the copies run while this step computes.
         num_loading_tokens = 0
+        self._reserved_blocks = None
         while (not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs
                and num_loading_tokens < self.config.max_num_batched_tokens and len(scheduled) < max_rows):
             request = self.waiting[0]
@@ -201,6 +208,7 @@ class Scheduler(Admission, StepResults):
                 adapters.add(lora.cache_key)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            self._reserve_for(request)
             self.running.append(request)
             if self.kv_cache.is_loading(request):
                 num_loading_tokens += num_new
@@ -239,6 +247,7 @@ class Scheduler(Admission, StepResults):
                 and self.kv_cache.swap_out(request))
         if not swap:
             self.kv_cache.free(request)
+            request.num_recompute_until = max(request.num_recompute_until, request.num_computed_tokens)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.known_to_runner = False
@@ -264,6 +273,8 @@ class Scheduler(Admission, StepResults):
         full_table = new_data is not None or allocation.copied
         block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids
         stats = self.stats
+        if start < request.num_recompute_until:
+            stats.num_recomputed_tokens += min(start + num_new, request.num_recompute_until) - start
         if new_data is None and end - start == 1 and start >= request.num_prompt_tokens:
             stats.num_decode_tokens += num_new
         else:

@@ -14,6 +14,7 @@ from batchllm.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from batchllm.config import SchedulerConfig
+    from batchllm.engine.output_length import OutputLengthEstimator
     from batchllm.engine.scheduler import SchedulerStats
     from batchllm.engine.speculative.speculator import Speculator
 
@@ -27,6 +28,7 @@ class StepResults:
     running: list[Request]
     waiting: deque[Request]
     _finished_ids: list[str]
+    output_lengths: OutputLengthEstimator
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens, stop what must stop, and free the finished requests' blocks."""
@@ -63,6 +65,7 @@ class StepResults:
         if finished:
             for request in finished:
                 request.finished_time = now
+                self.output_lengths.observe(request)
                 self._free(request)
                 if self.speculator is not None:
                     self.speculator.forget(request)

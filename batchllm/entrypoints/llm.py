@@ -58,7 +58,8 @@ class LLM(PoolingCalls):
                  preemption_mode: str = "recompute", pipeline_parallel_size: int = 1,
                  disaggregated: dict[str, int] | None = None, task: str = "generate", pooling: str | None = None,
                  normalize: bool | None = None, disable_hybrid_kv_cache_manager: bool = False,
-                 reasoning_parser: str | None = None, enable_expert_parallel: bool = False) -> None:
+                 reasoning_parser: str | None = None, enable_expert_parallel: bool = False,
+                 admission_policy: str = "kv_aware") -> None:
         # Every keyword as the user wrote it: EngineConfig checks them all, as it does for the CLI and the doors.
         arguments = {name: value for name, value in locals().items() if name != "self"}
         start = time.perf_counter()

@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from batchllm.config import PREEMPTION_MODES
+from batchllm.config import ADMISSION_POLICIES, PREEMPTION_MODES
 from batchllm.engine.structured.manager import GRAMMAR_BACKENDS
 from batchllm.engine_config import DEFAULTS
 from batchllm.entrypoints.cli.types import disaggregated_layout, speculative_config
@@ -24,7 +24,7 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
                 "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
-                      "speculative_config", "preemption_mode", "disaggregated", "task", "pooling", "normalize",
+                      "speculative_config", "preemption_mode", "admission_policy", "disaggregated", "task", "pooling", "normalize",
                       "disable_hybrid_kv_cache_manager", "reasoning_parser", "enable_expert_parallel")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
@@ -59,6 +59,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "faster, for many distinct --schema-column schemas)")
     parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=ENGINE_DEFAULTS["preemption_mode"],
                         help="engine: what a preempted request's K/V does: recompute, or swap to --swap-space and back")
+    parser.add_argument("--admission-policy", choices=ADMISSION_POLICIES, default=ENGINE_DEFAULTS["admission_policy"],
+                        help="engine: kv_aware admits a row only when the KV pool holds it to its expected end "
+                             "(max_tokens if forced, else learned from finished rows); optimistic admits whenever the "
+                             "prompt fits and preempts (recomputing) when the pool runs dry")
     parser.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                         default=ENGINE_DEFAULTS["speculative_config"],
                         help='engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
