@@ -127,11 +127,15 @@ class HostTier(KVConnector):
             self.load(swapped, blocks)
             self.stats.swapped_in_blocks += len(swapped)
             return
-        matched = self._matched.pop(request.request_id)
-        self.hold(matched)
-        self.load(matched, blocks)
-        self.stats.loaded_blocks += len(matched)
-        self.stats.host_prefix_hits += num_external_tokens
+        self.load_prefix(self._matched.pop(request.request_id), blocks, num_external_tokens)
+
+    def load_prefix(self, host_blocks: list[KVCacheBlock], device_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Load cached host blocks of a prompt's prefix (`num_tokens` of its tokens) into fresh device blocks: held
+        first, so that the allocation's spills, reported afterwards, cannot take them."""
+        self.hold(host_blocks)
+        self.load(host_blocks, device_blocks)
+        self.stats.loaded_blocks += len(host_blocks)
+        self.stats.host_prefix_hits += num_tokens
 
     def save_preempted(self, request: Request, blocks: list[KVCacheBlock]) -> bool:
         """Swap out: copy the device blocks of the request's computed tokens here, unless too few host blocks are

@@ -8,8 +8,12 @@ Invariants, beside those of `KVCacheManager`:
   `(j + 1) * block_size <= p - window + 1`: no query at p or later sees a key of it. Never earlier: a step's
   queries start at the computed position, and their windows reach back from there;
 - a freed block keeps its prefix-cache entry until the pool hands it out again; a prefix hit of n blocks needs
-  every full-attention group's blocks 0..n-1 and each window group's blocks that a query at n * block_size sees;
-- no connector (host tier, P/D link): the engine builds this manager only without them.
+  every full-attention group's blocks 0..n-1 and each window group's blocks that a query at n * block_size sees,
+  each found on the device or in the host tier (keyed per group as on the device: its spills carry the pool's keys);
+- a request swapped out to a connector keeps only what each group holds at its computed position p: a full group's
+  blocks 0..ceil(p / block_size) - 1, a window group's from the first a query at p sees. The connector gets them
+  interleaved (block j of every group, then j + 1), and a request swapped back in, or handed over by a prefill
+  engine, gets fresh blocks for exactly those entries, in that order (`held_layout`).
 """
 
 from __future__ import annotations
@@ -28,13 +32,12 @@ Table = list[KVCacheBlock | None]
 
 @dataclass(slots=True)
 class GroupedPrefix:
-    """A prompt's longest cached prefix over every group: `tables[g]` is group g's blocks of it (None where a window
-    group does not need one)."""
+    """A prompt's longest cached prefix over every group: `tables[g]` is group g's device blocks of it (None where a
+    window group does not need one, or where the block is only in the host tier: `host_loads`)."""
 
     num_blocks: int
     tables: list[Table] = field(default_factory=list)
-    num_external_blocks: int = 0  # no connector holds blocks of a hybrid cache
-    connector: KVConnector | None = None
+    host_loads: list[tuple[int, int, KVCacheBlock]] = field(default_factory=list)  # (group, index, host block)
 
 
 _NO_PREFIX = GroupedPrefix(0)
@@ -42,8 +45,9 @@ _UNCHANGED = BlockAllocation([])
 
 
 class HybridKVCacheManager(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool = False) -> None:
-        super().__init__(num_blocks, block_size, enable_caching)
+    def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool = False,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
         self.layout = layout
         self.num_groups = layout.num_groups
         self._tables: dict[str, list[Table]] = {}
@@ -87,29 +91,41 @@ class HybridKVCacheManager(KVCacheManager):
         for group, window in enumerate(self.layout.group_windows):
             if window is None:
                 run = 0
-                while run < limit and self.pool.lookup(self._key(group, hashes[run])) is not None:
+                while run < limit and self._find(group, hashes[run]) is not None:
                     run += 1
                 limit = run
         for num_blocks in range(limit, 0, -1):
-            tables = self._lookup(hashes, num_blocks)
-            if tables is not None:
-                return GroupedPrefix(num_blocks, tables)
+            prefix = self._lookup(hashes, num_blocks)
+            if prefix is not None:
+                return prefix
         return _NO_PREFIX
 
-    def _lookup(self, hashes: list[bytes], num_blocks: int) -> list[Table] | None:
+    def _find(self, group: int, block_hash: bytes) -> tuple[KVCacheBlock, bool] | None:
+        """Group `group`'s cached block of that hash, and whether it is a host block; None if neither tier has it."""
+        key = self._key(group, block_hash)
+        block = self.pool.lookup(key)
+        if block is not None:
+            return block, False
+        block = None if self.host is None else self.host.lookup(key)
+        return None if block is None else (block, True)
+
+    def _lookup(self, hashes: list[bytes], num_blocks: int) -> GroupedPrefix | None:
         """Every group's cached blocks of the first `num_blocks` blocks, or None if a window group lacks one that a
         query right after them reads."""
-        tables: list[Table] = []
+        prefix = GroupedPrefix(num_blocks)
         for group in range(self.num_groups):
             first = self._first_seen(group, num_blocks * self.block_size)
             table: Table = [None] * first
             for index in range(first, num_blocks):
-                block = self.pool.lookup(self._key(group, hashes[index]))
-                if block is None:
+                found = self._find(group, hashes[index])
+                if found is None:
                     return None
-                table.append(block)
-            tables.append(table)
-        return tables
+                block, on_host = found
+                if on_host:
+                    prefix.host_loads.append((group, index, block))
+                table.append(None if on_host else block)
+            prefix.tables.append(table)
+        return prefix
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached: GroupedPrefix = _NO_PREFIX) -> BlockAllocation | None:
@@ -124,7 +140,8 @@ class HybridKVCacheManager(KVCacheManager):
         shared = [] if tables is None else [group for group, table in enumerate(tables)
                                             if first_write < owned and (block := table[first_write]) is not None
                                             and block.ref_cnt > 1]
-        num_new_blocks = self.num_groups * max(0, needed - max(owned, cached.num_blocks)) + len(shared)
+        num_loads = len(cached.host_loads)
+        num_new_blocks = self.num_groups * max(0, needed - max(owned, cached.num_blocks)) + len(shared) + num_loads
         if tables is not None and not num_new_blocks:
             self._cache_full_blocks(request, tables, computed + num_new_tokens)
             return _UNCHANGED
@@ -138,7 +155,12 @@ class HybridKVCacheManager(KVCacheManager):
             self.pool.touch(hits)
             for block in hits:
                 block.reused = True
+        # Hits on blocks that another request's loads fill in this step are read from the next one.
+        loading = bool(num_loads) or any(block.block_id in self._landing for block in hits)
         new_blocks = self.pool.allocate(num_new_blocks)
+        if num_loads:
+            self._load_from_host(cached, tables, new_blocks[:num_loads])
+            del new_blocks[:num_loads]
         self._report_evictions()
         for group in shared:
             self._copy_on_write(tables[group], first_write, new_blocks.pop(0))
@@ -149,9 +171,20 @@ class HybridKVCacheManager(KVCacheManager):
                 table.append(block)
                 new_ids.append(block.block_id)
         self._release_unseen(request_id, tables, computed)
-        self._cache_full_blocks(request, tables, computed + num_new_tokens)
+        if loading:  # it computes from the next step: only its cached prefix is indexed now
+            self._loading.add(request_id)
+        self._cache_full_blocks(request, tables, computed if loading else computed + num_new_tokens)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return BlockAllocation(new_ids, bool(shared))
+
+    def _load_from_host(self, cached: GroupedPrefix, tables: list[Table], blocks: list[KVCacheBlock]) -> None:
+        """Fresh device blocks in the hit's table entries that only the host tier has, loaded in this step."""
+        for (group, index, _), block in zip(cached.host_loads, blocks, strict=True):
+            tables[group][index] = block
+            block.reused = True  # a hit in the host tier: as much a reuse as a device hit
+            self._landing.add(block.block_id)
+        num_tokens = len({index for _, index, _ in cached.host_loads}) * self.block_size
+        self.host.load_prefix([host_block for *_, host_block in cached.host_loads], blocks, num_tokens)
 
     def _release_unseen(self, request_id: str, tables: list[Table], position: int) -> None:
         """Free the window groups' blocks that no query at `position` or later reads."""
@@ -202,6 +235,7 @@ class HybridKVCacheManager(KVCacheManager):
         return [0 if block is None else block.block_id for row in zip(*tables, strict=True) for block in row]
 
     def free(self, request: Request) -> None:
+        self._loading.discard(request.request_id)
         tables = self._tables.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
         self._num_hashed_blocks.pop(request.request_id, None)
@@ -210,9 +244,48 @@ class HybridKVCacheManager(KVCacheManager):
             blocks = [block for row in zip(*tables, strict=True) for block in row if block is not None]
             self.pool.free(blocks[::-1])
 
+    def held_layout(self, num_tokens: int) -> list[int]:
+        """Each group's first block that a request computed up to `num_tokens` still holds (0 for a full group):
+        it holds that group's blocks from there to ceil(num_tokens / block_size) - 1."""
+        return [self._first_seen(group, num_tokens) for group in range(self.num_groups)]
+
+    def held_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The blocks of the request's computed tokens that its groups hold, interleaved (`held_layout`), after
+        freeing what no later query reads."""
+        tables, computed = self._tables[request.request_id], request.num_computed_tokens
+        self._release_unseen(request.request_id, tables, computed)
+        count = cdiv(computed, self.block_size)
+        return [block for row in zip(*(table[:count] for table in tables)) for block in row if block is not None]
+
     def swap_out(self, request: Request) -> bool:
-        return False  # no connector: preemption recomputes
+        """Preempt by swapping only the blocks each group still holds (the window's for a window group)."""
+        if request.request_id not in self._tables:
+            return False
+        if not any(connector.save_preempted(request, self.held_blocks(request)) for connector in self.connectors):
+            return False
+        self.free(request)
+        return True
 
     def allocate_held(self, request: Request, connector: KVConnector, num_held_tokens: int,
                       num_new_tokens: int) -> bool:
-        raise RuntimeError("a hybrid KV cache has no connector that holds a request's blocks")
+        """Fresh blocks per group for what the connector holds (`held_layout`, loaded in this step) and for
+        `num_new_tokens` more; False, changing nothing, if the pool is too short."""
+        needed = cdiv(num_held_tokens + num_new_tokens, self.block_size)
+        firsts = self.held_layout(num_held_tokens)
+        if sum(max(0, needed - first) for first in firsts) > self.pool.num_free_blocks:
+            return False
+        tables: list[Table] = [[] for _ in range(self.num_groups)]
+        held: list[KVCacheBlock] = []
+        for index in range(needed):  # allocated in the interleaved order, so the held ones come first
+            for group, table in enumerate(tables):
+                block = self.pool.allocate(1)[0] if index >= firsts[group] else None
+                table.append(block)
+                if block is not None and index * self.block_size < num_held_tokens:
+                    held.append(block)
+        self._tables[request.request_id] = tables
+        self._num_released[request.request_id] = 0  # the leading None entries are skipped, not freed
+        connector.update_state_after_alloc(request, held, num_held_tokens)
+        self._report_evictions()
+        self._loading.add(request.request_id)  # its blocks are indexed once it computes, in the next step
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        return True
