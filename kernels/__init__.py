@@ -82,14 +82,15 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
-              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' MLP of `hidden [T, H]` through the experts `topk_ids [T, k]`, weighted by `topk_weights`
-    (see `moe_reference.fused_moe` for the weights' layout, unquantized, FP8 or MXFP4)."""
+    (see `moe_reference.fused_moe` for the weights' layout, unquantized, FP8, MXFP4 or 4- / 8-bit integers)."""
     if _use_triton(hidden):
         return _triton().fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                                   swiglu_limit, w13_scale, w2_scale)
+                                   swiglu_limit, w13_scale, w2_scale, w13_zero, w2_zero)
     return moe_reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                                   swiglu_limit, w13_scale, w2_scale)
+                                   swiglu_limit, w13_scale, w2_scale, w13_zero, w2_zero)
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:

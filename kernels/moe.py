@@ -20,8 +20,8 @@ Quantized experts are dequantized in registers, tile by tile, and multiplied on 
 `W_FORMAT` FP8 (E4M3 codes are exact in bf16; the row's float32 scale multiplies the accumulator once, after
 the K loop) or MXFP4 (E2M1 values times their block's power of two, exact in bf16, the activations split
 into even and odd features instead of the nibbles interleaved: see moe_mxfp4.py, which also expands MXFP4
-experts for the dense kernel at prefill). See
-`moe_reference.dequantize_expert` for the formats.
+experts for the dense kernel at prefill). 4- and 8-bit integer experts (GPTQ, AWQ) are expanded to the dense dtype
+for every batch (moe_int.py). See `moe_reference.dequantize_expert` for the formats.
 
 Both grids are `(max_blocks * n_tiles,)` with `max_blocks` an upper bound fixed by T, k, E and BLOCK_M: the host
 never reads the number of padded rows (no sync, CUDA-graph safe); programs past it return at once. Block sizes
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchllm.kernels.moe_int import dequantize_int_triton
 from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_tile_dot
 from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
@@ -105,12 +106,17 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int,
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
                      w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
-                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                     w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None) -> torch.Tensor:
     """See `moe_reference.fused_moe`. hidden's rows may be strided; every last dimension must be dense."""
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"MoE activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
+    if w13.dtype == torch.int32:  # GPTQ / AWQ integers: expanded to the dense dtype (moe_int.py)
+        w13 = dequantize_int_triton(w13, w13_scale, w13_zero, hidden_size, hidden.dtype)
+        w2 = dequantize_int_triton(w2, w2_scale, w2_zero, intermediate_size, hidden.dtype)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     top_k = topk_ids.shape[1]
     w_format = weight_format(w13, w13_scale)
     per_byte = 2 if w_format == MXFP4 else 1

@@ -37,10 +37,30 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).flatten(-2)
 
 
-def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def dequantize_int_experts(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                           in_features: int) -> torch.Tensor:
+    """Float32 `[..., N, K = in_features]` of integer codes packed along K: `weight [..., N, K / pack]` int32,
+    code k in bits `bits * (k % pack)` upwards of word `k // pack` (`pack = 32 / bits`: 8 codes of 4 bits, 4 of 8),
+    `scale [..., N, G]` float32 and `zero [..., N, G]` uint8 (unsigned zero points) per group of `K / G`
+    consecutive input features: `w[n, k] = (code - zero) * scale`, as `reference.dequantize_int` for a linear
+    weight (whose PackedInt layout is this one transposed)."""
+    pack = in_features // weight.shape[-1]
+    bits = 32 // pack
+    shifts = torch.arange(pack, dtype=torch.int32, device=weight.device) * bits
+    codes = ((weight[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+    group = in_features // scale.shape[-1]
+    zeros = zero.long().repeat_interleave(group, dim=-1)
+    return (codes - zeros).float() * scale.float().repeat_interleave(group, dim=-1)
+
+
+def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None = None,
+                      in_features: int | None = None) -> torch.Tensor:
     """One expert's (or the stacked experts') weight `[..., N, K]` in float32: FP8 E4M3 codes times their
     output row's `scale [..., N]`, MXFP4 (uint8 packed, see `dequantize_mxfp4`) with `scale [..., N, K / 32]`,
-    or a floating-point weight as it is (`scale` None)."""
+    4- or 8-bit integer codes (int32 packed, see `dequantize_int_experts`: `zero` given, K = `in_features`), or a
+    floating-point weight as it is (`scale` None)."""
+    if weight.dtype == torch.int32:
+        return dequantize_int_experts(weight, scale, zero, in_features)
     if weight.dtype == torch.uint8:
         return dequantize_mxfp4(weight, scale)
     if scale is not None:
@@ -51,7 +71,8 @@ def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor | None) -> torch
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
-              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' MLP of `hidden [T, H]`, each token through the `k` experts `topk_ids [T, k]` chose for it.
 
     Expert e: `w13[e] [2 * I, H]` (the gate projection's I rows first, then up's), `activation(gate, up)`,
@@ -61,23 +82,29 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
     Quantized experts (`dequantize_expert`): FP8 E4M3 `w13`, `w2` with per-row `w13_scale [E, 2 * I]`,
     `w2_scale [E, H]`; or MXFP4, `w13 [E, 2 * I, H / 2]`, `w2 [E, H, I / 2]` uint8 with `w13_scale
-    [E, 2 * I, H / 32]`, `w2_scale [E, H, I / 32]`. Each chosen expert is dequantized to hidden's dtype first.
+    [E, 2 * I, H / 32]`, `w2_scale [E, H, I / 32]`; or 4- / 8-bit integers (GPTQ, AWQ), `w13 [E, 2 * I, H / pack]`,
+    `w2 [E, H, I / pack]` int32 with group scales `w13_scale [E, 2 * I, G13]`, `w2_scale [E, H, G2]` float32 and
+    zero points `w13_zero`, `w2_zero` (uint8, the scales' shapes; see `dequantize_int_experts`). Each chosen expert
+    is dequantized to hidden's dtype first.
     """
     num_tokens, hidden_size = hidden.shape
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     for expert in torch.unique(topk_ids).tolist():
         token_index, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
         x = hidden[token_index]
-        gate_up = F.linear(x, _expert_weight(w13, w13_scale, expert, hidden.dtype),
+        gate_up = F.linear(x, _expert_weight(w13, w13_scale, w13_zero, expert, hidden.dtype, hidden_size),
                            None if w13_bias is None else w13_bias[expert])
         gate, up = gate_up.chunk(2, dim=-1)
         y = F.linear(moe_activation(gate, up, activation, swiglu_limit),
-                     _expert_weight(w2, w2_scale, expert, hidden.dtype), None if w2_bias is None else w2_bias[expert])
+                     _expert_weight(w2, w2_scale, w2_zero, expert, hidden.dtype, w13.shape[1] // 2),
+                     None if w2_bias is None else w2_bias[expert])
         out.index_add_(0, token_index, y.float() * topk_weights[token_index, slot].float()[:, None])
     return out.to(hidden.dtype)
 
 
-def _expert_weight(weight: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype) -> torch.Tensor:
+def _expert_weight(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, expert: int,
+                   dtype: torch.dtype, in_features: int) -> torch.Tensor:
     if scale is None and weight.dtype == dtype:
         return weight[expert]
-    return dequantize_expert(weight[expert], None if scale is None else scale[expert]).to(dtype)
+    return dequantize_expert(weight[expert], None if scale is None else scale[expert],
+                             None if zero is None else zero[expert], in_features).to(dtype)
