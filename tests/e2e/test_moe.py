@@ -223,12 +223,13 @@ def test_fp8_quantizes_the_linears_and_the_experts(family) -> None:
 
 
 def test_experts_of_an_unsupported_format_are_refused_by_name(family, tmp_path) -> None:
+    """GPTQ with act-order (desc_act): experts whose input features are grouped by a g_idx."""
     shutil.copy(family.directory / "model.safetensors", tmp_path)
     config = json.loads((family.directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
                                      "sym": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="MoE experts quantized as 'gptq' .* not supported; supported expert formats"):
+    with pytest.raises(ValueError, match="MoE experts quantized with act-order .*gptq desc_act.* are not supported"):
         load_model(tmp_path, "cpu", torch.float32)
 
 

@@ -12,8 +12,9 @@ holds rows `[r * I_rank, (r + 1) * I_rank)` of each expert's gate and up project
 its down projection, so its output is a partial sum and one all-reduce after the layer completes it.
 
 How the experts are stored is their `ExpertMethod` (quantization/experts.py): unquantized, FP8 (an FP8
-checkpoint's experts, or `quantization="fp8"` on load) or MXFP4 (gpt-oss's checkpoints, or `quantization="mxfp4"`),
-each a `w13_*` / `w2_*` parameter per part (`weight`, `weight_scale`). One expert's checkpoint tensor and its
+checkpoint's experts, or `quantization="fp8"` on load), MXFP4 (gpt-oss's checkpoints, or `quantization="mxfp4"`)
+or 4- / 8-bit integers (GPTQ, AWQ, compressed-tensors checkpoints), each a `w13_*` / `w2_*` parameter per part
+(`weight`, `weight_scale`, `weight_zero`). One expert's checkpoint tensor and its
 companions are read by the method's linear reader, as a linear layer's would be (`load_expert_tensor`), then
 sliced into place by `weight_loader`.
 
@@ -126,7 +127,9 @@ class FusedMoE(nn.Module):
         if kind in method.companion_tensors or shard_id[0] not in self.local_experts:
             return []
         stacked = "w2" if shard_id[1] == DOWN else "w13"
-        param = getattr(self, f"{stacked}_{kind}", None) if kind in ("weight", "bias") else None
+        # The tensor that stands for the whole weight: `weight`, or a packed one (GPTQ's `qweight`, ...).
+        primary = kind in getattr(method, "weight_tensors", ("weight",))
+        param = getattr(self, f"{stacked}_{'weight' if primary else kind}", None) if primary or kind == "bias" else None
         if param is None:
             raise ValueError(f"is a {kind!r} tensor, which MoE experts of this model "
                              f"({self.expert_method.config.method if self.expert_method.config else 'unquantized'}"
@@ -177,7 +180,8 @@ class FusedMoE(nn.Module):
         """This rank's partial sum of the chosen experts' outputs."""
         return kernels.fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
                                  self.w13_bias, self.w2_bias, self.swiglu_limit,
-                                 getattr(self, "w13_weight_scale", None), getattr(self, "w2_weight_scale", None))
+                                 getattr(self, "w13_weight_scale", None), getattr(self, "w2_weight_scale", None),
+                                 getattr(self, "w13_weight_zero", None), getattr(self, "w2_weight_zero", None))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)

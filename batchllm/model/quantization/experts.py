@@ -15,7 +15,8 @@ weight with the usual companions (scales), read and quantized exactly as a linea
 
 The multiply is the same for every method (`kernels.fused_moe` reads the formats from the parts' dtypes): FP8
 experts are E4M3 with one float32 scale per row, MXFP4 experts packed E2M1 codes with one E8M0 scale per block of
-32 input features, both dequantized in the kernel's registers.
+32 input features, integer (GPTQ / AWQ) experts 4- or 8-bit codes packed along the input features with a scale and
+a zero point per group.
 
 Recipe: experts in a new format. A `parts` description here and one line in `EXPERT_METHODS` (the key is
 `QuantConfig.method`), the linear method that reads its checkpoint tensors (quantization/registry.py), and the
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from batchllm.kernels.moe_reference import MXFP4_BLOCK
-from batchllm.model.quantization.config import FP8, MXFP4, QuantConfig
+from batchllm.model.quantization.config import FP8, INT, MXFP4, QuantConfig
 from batchllm.model.quantization.fp8 import FP8_DTYPE
+from batchllm.model.quantization.int_experts import IntExpertWeights
 from batchllm.model.quantization.method import QuantMethod
 from batchllm.model.quantization.mxfp4 import Mxfp4ExpertWeights
 from batchllm.model.quantization.registry import linear_method
@@ -49,7 +51,7 @@ class ExpertMethod:
     def __init__(self, config: QuantConfig | None) -> None:
         self.config = config
         # What converts one expert's projection: `read_weight`, `quantize_weight`, `companion_tensors`.
-        self.linear: QuantMethod | Mxfp4ExpertWeights = linear_method(config)
+        self.linear: QuantMethod | Mxfp4ExpertWeights | IntExpertWeights = linear_method(config)
 
     def parts(self, rows: int, cols: int) -> dict[str, PartSpec]:
         return {"weight": PartSpec((rows, cols), None, 1)}
@@ -81,8 +83,37 @@ class Mxfp4ExpertMethod(ExpertMethod):
                 "weight_scale": PartSpec((rows, cols // MXFP4_BLOCK), torch.uint8, MXFP4_BLOCK)}
 
 
+class IntExpertMethod(ExpertMethod):
+    """4- or 8-bit integer experts (quantization/int_experts.py): `weight [rows, cols / pack]` int32, codes packed
+    along the input features, `weight_scale [rows, G]` float32 and `weight_zero [rows, G]` uint8 per group of
+    input features. From GPTQ, AWQ and compressed-tensors checkpoints, or random weights quantized on load.
+    Groups must be whole on every tensor-parallel rank; act-order experts (GPTQ desc_act) are refused."""
+
+    def __init__(self, config: QuantConfig) -> None:
+        if config.act_order:
+            raise ValueError(f"MoE experts quantized with act-order ({config.checkpoint_format} desc_act / actorder: "
+                             f"input features in groups given by a g_idx) are not supported; experts quantized "
+                             f"without it are")
+        super().__init__(config)
+        self.linear = IntExpertWeights(config)
+
+    def parts(self, rows: int, cols: int) -> dict[str, PartSpec]:
+        quant = self.config
+        group = cols if quant.group_size == -1 else quant.group_size
+        if cols % quant.pack or cols % group:
+            raise ValueError(f"{quant.bits}-bit experts in groups of {quant.group_size} hold whole groups of whole "
+                             f"int32 words on each rank: a rank's [{rows}, {cols}] expert weight does not divide into "
+                             f"them (hidden_size and the experts' intermediate_size / tensor_parallel_size must be "
+                             f"multiples of {max(group, quant.pack)})")
+        # One group over all input features (group_size -1) is whole on every rank: not cut.
+        group_pack = None if quant.group_size == -1 else group
+        return {"weight": PartSpec((rows, cols // quant.pack), torch.int32, quant.pack),
+                "weight_scale": PartSpec((rows, cols // group), torch.float32, group_pack),
+                "weight_zero": PartSpec((rows, cols // group), torch.uint8, group_pack)}
+
+
 EXPERT_METHODS: dict[str | None, type[ExpertMethod]] = {None: ExpertMethod, FP8: Fp8ExpertMethod,
-                                                        MXFP4: Mxfp4ExpertMethod}
+                                                        MXFP4: Mxfp4ExpertMethod, INT: IntExpertMethod}
 
 
 def expert_method(quant_config: QuantConfig | None) -> ExpertMethod:
