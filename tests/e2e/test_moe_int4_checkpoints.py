@@ -5,9 +5,10 @@ The tiny checkpoints of test_moe.py are quantized in the test, every decoder pro
 every expert's gate / up / down) and nothing else: the router, embeddings, norms and lm_head stay as they are, as
 GPTQModel and AutoAWQ leave them. The packings are tests/unit/int4_writers.py's (written from AutoGPTQ's and
 AutoAWQ's own packers, and checked there against hand-written words): GPTQ v1 (`checkpoint_format: "gptq"`, zero
-points stored minus one) symmetric and asymmetric, AWQ GEMM (zero points, AutoAWQ's interleaved nibbles), all in
-groups of 16 input features, so that each tensor-parallel rank of two holds whole groups of the experts' 32
-intermediate features.
+points stored minus one) symmetric and asymmetric, 4- and 8-bit, AWQ GEMM (zero points, AutoAWQ's interleaved
+nibbles) and compressed-tensors pack-quantized asymmetric (written here from its layout: the library quantizes
+only `nn.Linear` modules, which transformers' stacked experts are not), all in groups of 16 input features, so
+that each tensor-parallel rank of two holds whole groups of the experts' 32 intermediate features.
 
 Reference: HF's model in float32 (eager experts) with every quantized weight replaced by the test's own
 dequantization, `(code - zero) * scale` of the codes it packed. Ours computes the same float32 values (one exact
@@ -34,10 +35,11 @@ from tests.e2e.test_moe import FAMILIES, SPARSE_LAYERS
 from tests.e2e.test_moe_fp8_checkpoints import EXPERT_PROJECTIONS, is_quantized
 from tests.e2e.test_sliding_window import ENGINE, MAX_NEW, _greedy, _prompts
 from tests.unit import int4_writers as iw
+from tests.unit.test_fp8_checkpoints import compressed_tensors_config
 from tests.unit.test_model_vs_hf import save_tiny_checkpoint
 
 GROUP = 16
-FORMATS = ("gptq-sym", "gptq-asym", "awq")
+FORMATS = ("gptq-sym", "gptq-asym", "gptq-8bit-asym", "awq", "ct-asym")
 
 
 def quantize(fmt: str, weight: torch.Tensor) -> tuple[iw.Quantized, dict[str, torch.Tensor]]:
@@ -46,8 +48,30 @@ def quantize(fmt: str, weight: torch.Tensor) -> tuple[iw.Quantized, dict[str, to
     if fmt == "awq":
         quantized = iw.quantize_awq(weight, groups, num_groups)
         return quantized, iw.awq_tensors(quantized)
-    quantized = iw.quantize_gptq(weight, groups, num_groups, 4, sym=fmt == "gptq-sym")
-    return quantized, iw.gptq_tensors(quantized, 4, v1=True)
+    bits = 8 if "8bit" in fmt else 4
+    quantized = iw.quantize_gptq(weight, groups, num_groups, bits, sym=fmt == "gptq-sym")
+    if fmt == "ct-asym":
+        return quantized, compressed_tensors_tensors(quantized)
+    return quantized, iw.gptq_tensors(quantized, bits, v1=True)
+
+
+def compressed_tensors_tensors(q: iw.Quantized) -> dict[str, torch.Tensor]:
+    """compressed-tensors pack-quantized, 4-bit asymmetric (int4_writers.ct_dequantize reads it back the same way):
+    the signed codes and zero points (-8 .. 7) stored plus 8, which are the unsigned ones quantize_gptq makes;
+    `weight_packed [N, K / 8]` packed along K, `weight_zero_point [N / 8, G]` packed along N, `weight_scale [N, G]`
+    and `weight_shape`."""
+    return {"weight_packed": iw.pack_last(q.codes, 4), "weight_zero_point": iw.pack_last(q.zeros, 4).T.contiguous(),
+            "weight_scale": q.scales.float().T.contiguous(), "weight_shape": torch.tensor(q.codes.shape)}
+
+
+def quantization_config(fmt: str) -> dict:
+    if fmt == "awq":
+        return iw.awq_config(GROUP)
+    if fmt == "ct-asym":
+        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP, "symmetric": False}
+        config = compressed_tensors_config("pack-quantized", weights, None)
+        return {**config, "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]}
+    return iw.gptq_config(8 if "8bit" in fmt else 4, GROUP, desc_act=False, sym=fmt == "gptq-sym")
 
 
 def write_int4_checkpoint(family: str, fmt: str, original: Path, directory: Path) -> dict[str, torch.Tensor]:
@@ -62,8 +86,7 @@ def write_int4_checkpoint(family: str, fmt: str, original: Path, directory: Path
         stored.update({f"{name.removesuffix('.weight')}.{suffix}": t for suffix, t in tensors.items()})
         reference[name] = quantized.dequantize()
     config = json.loads((original / "config.json").read_text())
-    config["quantization_config"] = (iw.awq_config(GROUP) if fmt == "awq" else
-                                     iw.gptq_config(4, GROUP, desc_act=False, sym=fmt == "gptq-sym"))
+    config["quantization_config"] = quantization_config(fmt)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(stored, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -98,12 +121,12 @@ def checkpoint(request, original, tmp_path_factory):
 
 def test_every_expert_holds_the_checkpoints_codes(checkpoint) -> None:
     """Each expert's stacked `w13` (gate rows, then up rows) and `w2` dequantize exactly to the test's values; the
-    experts stay packed 4-bit integers (8 codes an int32 word, a scale and a zero point per group of 16)."""
+    experts stay packed integers (8 or 4 codes an int32 word, a scale and a zero point per group of 16)."""
     family, directory, reference, _, _ = checkpoint
-    model, _ = load_model(directory, "cpu", torch.float32)
+    model, config = load_model(directory, "cpu", torch.float32)
     gate, up, down = EXPERT_PROJECTIONS[family]
     module = "block_sparse_moe" if family == "mixtral" else "mlp"
-    hidden = model.model.layers[SPARSE_LAYERS[family][0]].mlp.experts.w13_weight.shape[-1] * 8
+    hidden = config.hidden_size
     for n in SPARSE_LAYERS[family]:
         experts, prefix = model.model.layers[n].mlp.experts, f"model.layers.{n}.{module}.experts"
         assert experts.w13_weight.dtype == torch.int32 and experts.w13_weight_zero.dtype == torch.uint8
