@@ -53,6 +53,7 @@ def run_batchllm(directory, prompts, max_tokens: int, args, async_scheduling: bo
               "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _percentile(ttft, 0.99),
               "stats": _plain(stats), "num_kv_blocks": stats.num_kv_blocks,
               "peak_kv_blocks": stats.peak_used_blocks, "preemptions": stats.num_preemptions,
+              "recomputed_tokens": stats.num_recomputed_tokens, "admission_policy": llm.config.scheduler.admission_policy,
               "steps": stats.num_steps, "async_scheduling": llm.engine.async_scheduling,
               "token_ids": [c.token_ids for c in completions] if args.also_sync else None}
     del llm, outs
@@ -116,6 +117,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="batchllm's (fp8, mxfp4, ...); the peer stays bf16")
     parser.add_argument("--also-sync", action="store_true",
                         help="also run batchllm with async_scheduling=False (the default is on for CUDA)")
+    parser.add_argument("--admission-policy", choices=["kv_aware", "optimistic"], default="kv_aware",
+                        help="batchllm's admission (engine/admission.py): optimistic preempts and recomputes")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     args = parser.parse_args()
 
@@ -124,10 +127,10 @@ def main() -> None:
     max_tokens = args.max_tokens or workload.output_tokens
     prompts = make_prompts(workload, rows, SHAPES[args.shape]["vocab_size"])
     directory = make_shape_dir(args.shape)
-    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, quantization=args.quantization)}
+    options = dict(quantization=args.quantization, admission_policy=args.admission_policy)
+    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, **options)}
     if args.also_sync:
-        systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False,
-                                                quantization=args.quantization)
+        systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False, **options)
         # bf16 on random weights: a batch of another size may flip a near-tie, so this is a share, not a bound.
         pairs = zip(systems["batchllm"].pop("token_ids"), systems["batchllm_sync"].pop("token_ids"))
         systems["batchllm"]["rows_equal_to_sync"] = sum(a == b for a, b in pairs)
@@ -152,7 +155,8 @@ def main() -> None:
           f"{ours['tpot_p99_s'] * 1e3:.1f} ms; time to first token mean {ours['ttft_mean_s']:.2f} s, p99 "
           f"{ours['ttft_p99_s']:.2f} s")
     print(f"batchllm: KV blocks peak {ours['peak_kv_blocks']}/{ours['num_kv_blocks']}, preemptions "
-          f"{ours['preemptions']}, steps {ours['steps']}, roofline {ours['roofline']}")
+          f"{ours['preemptions']} ({ours['recomputed_tokens']} prompt tokens recomputed, {ours['admission_policy']} "
+          f"admission), steps {ours['steps']}, roofline {ours['roofline']}")
     if args.also_sync:
         ratio = ours["total_tok_s"] / systems["batchllm_sync"]["total_tok_s"]
         equal = ours["rows_equal_to_sync"]

@@ -54,6 +54,7 @@ WORKLOADS = {
     "W3": Workload(256, 128, 128, 2048, seed=2, cpu_rows=16, cpu_output_tokens=256),
     "W4": Workload(5000, 20, 60, 16, seed=3, cpu_rows=256, cpu_output_tokens=16),
     "W5": Workload(1000, 1000, 1000, 1000, seed=4, cpu_rows=16, cpu_output_tokens=64),
+    "W7": Workload(30000, 128, 128, 128, seed=7, cpu_rows=128, cpu_output_tokens=32),
 }
 
 
