@@ -54,8 +54,10 @@ def test_greedy_equals_one_engine_with_shared_prefixes_and_decode_preemption(che
     shared = prompts(1001)[3]  # 40 tokens: every prompt below starts with them
     prompt_list = [shared + p for p in prompts(1001)] * 2
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    # 14 blocks of 16 tokens per engine for 10 rows of 41-80 tokens growing by 40: the decode engine preempts.
-    options = dict(device="cpu", num_kv_blocks=14, max_num_seqs=6, skip_tokenizer_init=True, seed=0)
+    # 14 blocks of 16 tokens per engine for 10 rows of 41-80 tokens growing by 40: the decode engine preempts
+    # (admitting optimistically: KV-aware admission would hold these forced outputs without preempting).
+    options = dict(device="cpu", num_kv_blocks=14, max_num_seqs=6, skip_tokenizer_init=True, seed=0,
+                   admission_policy="optimistic")
     expected = tokens(LLM(checkpoint, **options), prompt_list, params)
     llm = LLM(checkpoint, disaggregated=PD, **options)
     try:

@@ -68,8 +68,9 @@ def test_pp_under_preemption_and_prefix_caching(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path, **SIX_LAYERS)
     shared = prompts(1001)[3]  # 40 tokens: two full blocks every prompt below starts with
     prompt_list = [shared + p for p in prompts(1001)] * 2
-    # 12 blocks of 16 tokens for 10 rows of 41-80 tokens plus 12 new ones each: rows are preempted as they grow.
-    options = dict(num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=64)
+    # 12 blocks of 16 tokens for 10 rows of 41-80 tokens plus 12 new ones each: rows are preempted as they grow
+    # (admitted optimistically, so that the preemption path runs).
+    options = dict(num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=64, admission_policy="optimistic")
     expected = tokens(engine(model, 1, **options), prompt_list)
     llm = engine(model, 2, **options)
     assert tokens(llm, prompt_list) == expected
@@ -83,7 +84,7 @@ def test_pp_with_swap_preemption_and_the_host_tier(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path, **SIX_LAYERS)
     prompt_list = [p * 3 for p in prompts(1001)] * 2
     options = dict(num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=64, swap_space=0.01,
-                   preemption_mode="swap")
+                   preemption_mode="swap", admission_policy="optimistic")
     expected = tokens(engine(model, 1, **options), prompt_list)
     llm = engine(model, 2, **options)
     assert tokens(llm, prompt_list) == expected

@@ -79,10 +79,11 @@ def test_greedy_equals_hf(llm_default, prompts, hf_greedy):
 def test_greedy_equals_hf_under_preemption(llm_default, prompts, hf_greedy, async_scheduling):
     # Room for the longest request plus two blocks; a 256-token budget admits the medium prompts in chunks
     # beside it, so their growth keeps preempting (22 times on the real model, greedy).
-    # Prefix caching is off so that the chat prompts' shared system prompt does not relieve the pool.
+    # Prefix caching is off so that the chat prompts' shared system prompt does not relieve the pool, and rows are
+    # admitted optimistically (KV-aware admission avoids most of these preemptions: test_admission_policies.py).
     num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW) // 16) + 2
     llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=256, enable_prefix_caching=False,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, admission_policy="optimistic")
     assert _greedy_ids(llm, prompts) == hf_greedy
     assert llm.stats.num_preemptions >= 5, llm.stats
 
