@@ -53,7 +53,8 @@ def run_batchllm(directory, prompts, max_tokens: int, args, async_scheduling: bo
               "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _percentile(ttft, 0.99),
               "stats": _plain(stats), "num_kv_blocks": stats.num_kv_blocks,
               "peak_kv_blocks": stats.peak_used_blocks, "preemptions": stats.num_preemptions,
-              "recomputed_tokens": stats.num_recomputed_tokens, "admission_policy": llm.config.scheduler.admission_policy,
+              "recomputed_tokens": stats.num_recomputed_tokens,
+              "admission_policy": llm.config.scheduler.admission_policy,
               "steps": stats.num_steps, "async_scheduling": llm.engine.async_scheduling,
               "token_ids": [c.token_ids for c in completions] if args.also_sync else None}
     del llm, outs

@@ -4,15 +4,30 @@ close); tqdm supplies rows/s and the ETA."""
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
+
+PreemptionFigures = Callable[[], tuple[int, int]]
+
+
+def preemption_figures(llm: Any) -> PreemptionFigures | None:
+    """A reader of (preemptions, recomputed prompt tokens) so far in the call `llm` runs, for an engine in this
+    process (an `LLM`); None for replica pools and routers, whose engines count in their own processes."""
+    scheduler = getattr(getattr(llm, "engine", None), "scheduler", None)
+    if scheduler is None:
+        return None
+    return lambda: (scheduler.stats.num_preemptions, scheduler.stats.num_recomputed_tokens)
 
 
 class RowProgress:
     """Counts finished rows (failed ones included). `done` rows are already finished at start (a resumed job):
-    they show in the count, and tqdm's rate and ETA are measured from this run's start only."""
+    they show in the count, and tqdm's rate and ETA are measured from this run's start only. With `preemptions`,
+    the engine's preemptions and the prompt tokens they made it recompute show once there are any."""
 
     _REFRESH_SECONDS = 0.5
 
-    def __init__(self, total: int, enabled: bool, done: int = 0, desc: str = "generating") -> None:
+    def __init__(self, total: int, enabled: bool, done: int = 0, desc: str = "generating",
+                 preemptions: PreemptionFigures | None = None) -> None:
+        self._preemptions = preemptions
         self._bar = None
         if enabled:
             from tqdm.auto import tqdm
@@ -41,4 +56,8 @@ class RowProgress:
     def _show_rate(self, now: float) -> None:
         elapsed = now - self._start
         rate = self.output_tokens / elapsed if elapsed > 0 else 0.0
-        self._bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        text = f"{rate:.1f} tok/s"
+        preempted, recomputed = (0, 0) if self._preemptions is None else self._preemptions()
+        if preempted:
+            text += f", {preempted} preempted ({recomputed} prompt tok recomputed)"
+        self._bar.set_postfix_str(text, refresh=False)

@@ -19,6 +19,7 @@ from batchllm.entrypoints.llm_inputs import (
     encode_prompt,
     encode_requests,
     progress_bar,
+    show_preemptions,
 )
 from batchllm.entrypoints.pooling import PoolingCalls
 from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
@@ -258,6 +259,7 @@ class LLM(PoolingCalls):
                 outputs[index] = output
                 if progress is not None:
                     progress.update(1)
+                    show_preemptions(progress, self.engine.scheduler.stats)
         finally:
             if progress is not None:
                 progress.close()

@@ -39,6 +39,13 @@ def progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
 
 
+def show_preemptions(bar: Any, stats: Any) -> None:
+    """The engine's preemptions and the prompt tokens they made it recompute, on the bar once there are any."""
+    if stats.num_preemptions:
+        bar.set_postfix_str(f"{stats.num_preemptions} preempted ({stats.num_recomputed_tokens} prompt tok recomputed)",
+                            refresh=False)
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt, index: int, tokenize: bool = True) -> tuple[str | None, list[int]]:
     """(text, token ids) of one prompt; `tokenize=False` leaves a text's token ids to the caller (empty)."""
     if isinstance(prompt, str):

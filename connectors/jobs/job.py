@@ -48,7 +48,7 @@ import pyarrow as pa
 from batchllm.connectors.jobs.model_router import ModelRouter
 from batchllm.connectors.jobs.shards import ShardTracker, shard_pieces
 from batchllm.connectors.jobs.signals import StopOnSignal
-from batchllm.connectors.progress import RowProgress
+from batchllm.connectors.progress import RowProgress, preemption_figures
 from batchllm.connectors.prompts import EncodedPrompt
 from batchllm.connectors.replicas.errors import ReplicaFailure, ReplicaPoolError
 from batchllm.connectors.replicas.pool import ReplicaPool
@@ -141,6 +141,9 @@ class JobResult:
     peak_buffered_rows: int
     # Data-parallel replicas that died during this run; their unfinished rows were re-run by the others.
     replica_failures: list[ReplicaFailure] = field(default_factory=list)
+    # The engine's preemptions and the prompt tokens they made it compute again (an engine in this process only).
+    preemptions: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def complete(self) -> bool:
@@ -186,7 +189,8 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
         result.error_rows += sum(o.error is not None for o in outcomes)
 
     tracker = ShardTracker(total, rows_per_shard, save, resume.saved_rows)
-    progress = RowProgress(total, settings.use_tqdm, done=result.resumed_rows)
+    preemptions = preemption_figures(llm)
+    progress = RowProgress(total, settings.use_tqdm, done=result.resumed_rows, preemptions=preemptions)
 
     def finish(shard: int, row: int, outcome: RowOutcome) -> None:
         result.output_tokens += outcome.completion_tokens
@@ -253,6 +257,8 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
         progress.close()
         result.seconds = time.perf_counter() - start_time
         result.replica_failures = list(getattr(llm, "failures", []))
+        if preemptions is not None:
+            result.preemptions, result.recomputed_tokens = preemptions()
     if stop.signal_number is not None and not result.complete:
         raise JobInterrupted(stop.signal_number, result)
     return result

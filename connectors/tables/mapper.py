@@ -10,7 +10,7 @@ import pyarrow as pa
 from batchllm.connectors.adapters import adapter_requests, row_adapters
 from batchllm.connectors.constraints import require_compiles, row_params
 from batchllm.connectors.options import MapOptions
-from batchllm.connectors.progress import RowProgress
+from batchllm.connectors.progress import RowProgress, preemption_figures
 from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, render_rows
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
@@ -59,7 +59,7 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
     encoded = tokenized_ahead([candidates[j] for j in order],
                               lambda rows: encoder.encode([rendered[i] for i in rows], [max_tokens] * len(rows)),
                               llm.has_unfinished, can_tokenize_aside(encoder.tokenizer))
-    progress = RowProgress(num_rows, use_tqdm, done=num_rows - len(candidates))
+    progress = RowProgress(num_rows, use_tqdm, done=num_rows - len(candidates), preemptions=preemption_figures(llm))
 
     def requests() -> Iterator[tuple[int, list[int], SamplingParams, LoRARequest | None] | None]:
         for item in encoded:

@@ -24,8 +24,8 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
                 "swap_space": float}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
-                      "speculative_config", "preemption_mode", "admission_policy", "disaggregated", "task", "pooling", "normalize",
-                      "disable_hybrid_kv_cache_manager", "reasoning_parser", "enable_expert_parallel")
+                      "speculative_config", "preemption_mode", "admission_policy", "disaggregated", "task", "pooling",
+                      "normalize", "disable_hybrid_kv_cache_manager", "reasoning_parser", "enable_expert_parallel")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",

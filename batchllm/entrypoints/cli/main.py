@@ -264,9 +264,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"batchllm: nothing to do: the job is complete ({result.total_rows} rows in {result.output})",
               file=sys.stderr)
         return 0
+    preempted = (f", {result.preemptions} preemptions ({result.recomputed_tokens} prompt tokens recomputed)"
+                 if result.preemptions else "")
     print(f"batchllm: done: {result.written_rows} rows written ({result.error_rows} with errors), "
-          f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s "
-          f"→ {result.output}", file=sys.stderr)
+          f"{result.resumed_rows} already done, {result.output_tokens} output tokens in {result.seconds:.1f} s"
+          f"{preempted} → {result.output}", file=sys.stderr)
     for failure in result.replica_failures:
         print(f"batchllm: warning: {failure.describe()}", file=sys.stderr)
     return 0
