@@ -20,8 +20,9 @@ Quantized experts are dequantized in registers, tile by tile, and multiplied on 
 `W_FORMAT` FP8 (E4M3 codes are exact in bf16; the row's float32 scale multiplies the accumulator once, after
 the K loop) or MXFP4 (E2M1 values times their block's power of two, exact in bf16, the activations split
 into even and odd features instead of the nibbles interleaved: see moe_mxfp4.py, which also expands MXFP4
-experts for the dense kernel at prefill). 4- and 8-bit integer experts (GPTQ, AWQ) are expanded to the dense dtype
-for every batch (moe_int.py). See `moe_reference.dequantize_expert` for the formats.
+experts for the dense kernel at prefill) or 4- / 8-bit integers (GPTQ, AWQ: `(code - zero) * scale` per group,
+rounded to the dot's dtype, which is also what expanding them gives; expanded as MXFP4 is, by the same rule: see
+moe_int.py). See `moe_reference.dequantize_expert` for the formats.
 
 Both grids are `(max_blocks * n_tiles,)` with `max_blocks` an upper bound fixed by T, k, E and BLOCK_M: the host
 never reads the number of padded rows (no sync, CUDA-graph safe); programs past it return at once. Block sizes
@@ -37,20 +38,23 @@ import torch
 import triton
 import triton.language as tl
 
-from batchllm.kernels.moe_int import dequantize_int_triton
+from batchllm.kernels.moe_int import dequantize_int_triton, int_groups, int_weight_tile
 from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_tile_dot
 from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
-DENSE, FP8, MXFP4 = 0, 1, 2  # W_FORMAT
+DENSE, FP8, MXFP4, INT = 0, 1, 2, 3  # W_FORMAT
 
-_FP8, _MXFP4 = tl.constexpr(FP8), tl.constexpr(MXFP4)
+_FP8, _MXFP4, _INT = tl.constexpr(FP8), tl.constexpr(MXFP4), tl.constexpr(INT)
 
 
 def weight_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
-    """The experts' storage, from their dtype: MXFP4 (uint8 packed), FP8 (E4M3) or dense (the model's dtype)."""
+    """The experts' storage, from their dtype: MXFP4 (uint8 packed), integers (int32 packed), FP8 (E4M3) or dense
+    (the model's dtype)."""
     if w13.dtype == torch.uint8:
         return MXFP4
+    if w13.dtype == torch.int32:
+        return INT
     return FP8 if w13_scale is not None else DENSE
 
 
@@ -113,15 +117,15 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         raise ValueError(f"MoE activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
-    if w13.dtype == torch.int32:  # GPTQ / AWQ integers: expanded to the dense dtype (moe_int.py)
+    top_k = topk_ids.shape[1]
+    w_format = weight_format(w13, w13_scale)
+    if w_format == INT and num_tokens * top_k > num_experts:  # GPTQ / AWQ: as MXFP4 below (moe_int.py says why)
         w13 = dequantize_int_triton(w13, w13_scale, w13_zero, hidden_size, hidden.dtype)
         w2 = dequantize_int_triton(w2, w2_scale, w2_zero, intermediate_size, hidden.dtype)
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
-    top_k = topk_ids.shape[1]
-    w_format = weight_format(w13, w13_scale)
-    per_byte = 2 if w_format == MXFP4 else 1
-    assert w13.shape == (num_experts, 2 * intermediate_size, hidden_size // per_byte), (w13.shape, w2.shape)
-    assert w2.shape == (num_experts, hidden_size, intermediate_size // per_byte), (w13.shape, w2.shape)
+    per_word = {MXFP4: 2, INT: hidden_size // w13.shape[2]}.get(w_format, 1)  # weights per stored element
+    assert w13.shape == (num_experts, 2 * intermediate_size, hidden_size // per_word), (w13.shape, w2.shape)
+    assert w2.shape == (num_experts, hidden_size, intermediate_size // per_word), (w13.shape, w2.shape)
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
     if w_format == MXFP4:
         assert hidden_size % MXFP4_BLOCK == 0 and intermediate_size % MXFP4_BLOCK == 0, (hidden_size, w2.shape)
@@ -129,6 +133,9 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         assert w2_scale.shape == (*w2.shape[:2], intermediate_size // MXFP4_BLOCK), w2_scale.shape
     elif w_format == FP8:
         assert w13_scale.shape == w13.shape[:2] and w2_scale.shape == w2.shape[:2], (w13_scale.shape, w2_scale.shape)
+    elif w_format == INT:
+        w13_group = int_groups(w13, w13_scale, w13_zero, hidden_size)
+        w2_group = int_groups(w2, w2_scale, w2_zero, intermediate_size)
     if w_format != DENSE:
         assert w13_scale.stride(-1) == 1 and w2_scale.stride(-1) == 1, (w13_scale.stride(), w2_scale.stride())
     assert w13_bias is None or w13_bias.shape == (num_experts, 2 * intermediate_size), w13_bias.shape
@@ -148,23 +155,27 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
-                  W_FORMAT=w_format, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  W_FORMAT=w_format, BITS=32 // per_word if w_format == INT else 4, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages)
     w13_scale, w2_scale = (w13, w2) if w_format == DENSE else (w13_scale, w2_scale)  # placeholders when unread
+    if w_format != INT:  # placeholders, unread
+        w13_zero, w2_zero, w13_group, w2_group = w13_scale, w2_scale, 1, 1
 
     intermediate = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(max_blocks * triton.cdiv(intermediate_size, tiles.block_n),)](
-        hidden, w13, w13_scale, w13 if w13_bias is None else w13_bias, intermediate, sorted_pairs, block_experts,
-        num_rows, num_pairs, top_k, hidden_size, intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-        w13_scale.stride(0), w13_scale.stride(1), 0 if w13_bias is None else w13_bias.stride(0),
+        hidden, w13, w13_scale, w13_zero, w13 if w13_bias is None else w13_bias, intermediate, sorted_pairs,
+        block_experts, num_rows, num_pairs, top_k, hidden_size, intermediate_size, hidden.stride(0), w13.stride(0),
+        w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), 0 if w13_bias is None else w13_bias.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit),
-        HAS_BIAS=w13_bias is not None, ACTIVATION=activation, CLAMP=swiglu_limit is not None, **common,
+        HAS_BIAS=w13_bias is not None, ACTIVATION=activation, CLAMP=swiglu_limit is not None, GROUP=w13_group,
+        **common,
     )
     weighted = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     _down_kernel[(max_blocks * triton.cdiv(hidden_size, tiles.block_n),)](
-        intermediate, w2, w2_scale, w2 if w2_bias is None else w2_bias, topk_weights.reshape(-1).float(), weighted,
-        sorted_pairs, block_experts, num_rows, num_pairs, intermediate_size, hidden_size, w2.stride(0),
+        intermediate, w2, w2_scale, w2_zero, w2 if w2_bias is None else w2_bias, topk_weights.reshape(-1).float(),
+        weighted, sorted_pairs, block_experts, num_rows, num_pairs, intermediate_size, hidden_size, w2.stride(0),
         w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), 0 if w2_bias is None else w2_bias.stride(0),
-        HAS_BIAS=w2_bias is not None, **common,
+        HAS_BIAS=w2_bias is not None, GROUP=w2_group, **common,
     )
     return weighted.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
 
@@ -182,18 +193,25 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, num_rows_ptr, num_pairs, n_
 
 
 @triton.jit
-def _weight_tile(rows_ptr, k, mask, DTYPE: tl.constexpr):
-    """The `[BLOCK_K, BLOCK_N]` tile `w^T` (K index `k`, one column per weight row) of a dense or FP8 weight in
-    the dot's dtype, given pointers to the tile's weight rows `[1, N]`."""
-    return tl.load(rows_ptr + k[:, None], mask=mask, other=0.0).to(DTYPE)
+def _weight_tile(rows_ptr, scale_rows, zero_rows, k, mask, DTYPE: tl.constexpr, W_FORMAT: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr):
+    """The `[BLOCK_K, BLOCK_N]` tile `w^T` (K index `k`, one column per weight row) of a dense, FP8 or integer
+    weight in the dot's dtype, given pointers to the tile's weight rows `[1, N]` (and, for integers, to their
+    scale and zero point rows)."""
+    if W_FORMAT == _INT:
+        tile = int_weight_tile(rows_ptr, scale_rows, zero_rows, k, mask, DTYPE, BITS, GROUP)
+    else:
+        tile = tl.load(rows_ptr + k[:, None], mask=mask, other=0.0).to(DTYPE)
+    return tile
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_rows_ptr,
-                    num_pairs, top_k, hidden_size, inter_size, stride_x, stride_w_expert, stride_w_row,
+def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                    num_rows_ptr, num_pairs, top_k, hidden_size, inter_size, stride_x, stride_w_expert, stride_w_row,
                     stride_s_expert, stride_s_row, stride_bias_expert, swiglu_limit, HAS_BIAS: tl.constexpr,
                     ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr,
+                    BITS: tl.constexpr, GROUP: tl.constexpr):
     """`out[pair, n] = act(x[token] . w[e, n] + b[e, n], x[token] . w[e, I + n] + b[e, I + n])` for the block's
     pairs and the tile's intermediate columns n, `token = pair // top_k`."""
     n_tiles = tl.cdiv(inter_size, BLOCK_N)
@@ -209,6 +227,8 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr
     up_cols = gate_cols + inter_size * stride_w_row
     gate_scales = scale_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
     up_scales = gate_scales + inter_size * stride_s_row
+    gate_zeros = zero_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
+    up_zeros = gate_zeros + inter_size * stride_s_row
     dtype = x_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -224,9 +244,10 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr
             in_k = k < hidden_size
             x_tile = tl.load(x_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
             w_mask = in_k[:, None] & in_cols[None, :]
-            gate += tl.dot(x_tile, _weight_tile(gate_cols, k, w_mask, dtype),
-                           input_precision=DOT_PRECISION)  # [K, N] tiles: w^T
-            up += tl.dot(x_tile, _weight_tile(up_cols, k, w_mask, dtype), input_precision=DOT_PRECISION)
+            gate_tile = _weight_tile(gate_cols, gate_scales, gate_zeros, k, w_mask, dtype, W_FORMAT, BITS, GROUP)
+            gate += tl.dot(x_tile, gate_tile, input_precision=DOT_PRECISION)  # [K, N] tiles: w^T
+            up_tile = _weight_tile(up_cols, up_scales, up_zeros, k, w_mask, dtype, W_FORMAT, BITS, GROUP)
+            up += tl.dot(x_tile, up_tile, input_precision=DOT_PRECISION)
     if W_FORMAT == _FP8:  # FP8: one scale per weight row, i.e. per output column here
         gate *= tl.load(scale_ptr + expert * stride_s_expert + cols, mask=in_cols, other=0.0)[None, :]
         up *= tl.load(scale_ptr + expert * stride_s_expert + inter_size + cols, mask=in_cols, other=0.0)[None, :]
@@ -250,10 +271,11 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_pairs_ptr
 
 
 @triton.jit
-def _down_kernel(y_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
+def _down_kernel(y_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
                  num_rows_ptr, num_pairs, inter_size, hidden_size, stride_w_expert, stride_w_row, stride_s_expert,
                  stride_s_row, stride_bias_expert, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr):
     """`out[pair, n] = weights[pair] * (y[pair] . w[e, n] + b[e, n])` in float32, for the block's pairs and the
     tile's hidden columns n."""
     n_tiles = tl.cdiv(hidden_size, BLOCK_N)
@@ -267,6 +289,7 @@ def _down_kernel(y_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted
     y_rows = y_ptr + pairs[:, None] * inter_size
     w_cols = w_ptr + expert * stride_w_expert + cols[None, :].to(tl.int64) * stride_w_row
     w_scales = scale_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
+    w_zeros = zero_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W_FORMAT == _MXFP4:
@@ -278,7 +301,8 @@ def _down_kernel(y_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted
             k = k0 + ks
             in_k = k < inter_size
             y_tile = tl.load(y_rows + k[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
-            w_tile = _weight_tile(w_cols, k, in_k[:, None] & in_cols[None, :], dtype)  # w^T
+            w_tile = _weight_tile(w_cols, w_scales, w_zeros, k, in_k[:, None] & in_cols[None, :], dtype, W_FORMAT, BITS,
+                                  GROUP)  # w^T
             acc += tl.dot(y_tile, w_tile, input_precision=DOT_PRECISION)
     if W_FORMAT == _FP8:  # FP8: one scale per weight row
         acc *= tl.load(scale_ptr + expert * stride_s_expert + cols, mask=in_cols, other=0.0)[None, :]

@@ -2,8 +2,10 @@
 float32 scale and a uint8 zero point per group), against the torch reference, and the reference's dequantization
 against values worked out in the test from the layout's definition.
 
-In Triton's interpreter on the CPU (tests/conftest.py): correctness only, no GPU timing. The kernel expands the
-experts to the dense dtype and runs the dense kernel (kernels/moe_int.py). `(code - zero) * scale` is one exact
+In Triton's interpreter on the CPU (tests/conftest.py): correctness only, no GPU timing. The kernel decodes the
+chosen experts' tiles in registers when no expert gets more than one row (T * k <= E: the decode routing below and
+`test_int_experts_decoded_in_registers`), and otherwise expands the experts to the dense dtype and runs the dense
+kernel (kernels/moe_int.py). `(code - zero) * scale` is one exact
 subtraction and one rounded float32 product on both sides, so in float32 the tolerance is the summation order
 alone. Unchosen experts are poisoned (NaN scales): the expansion decodes them too, but no output may read them.
 """
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from batchllm.kernels.moe_reference import dequantize_int_experts
-from tests.kernels.test_fused_moe import ROUTINGS, _fused_moe_triton, check, make_moe
+from tests.kernels.test_fused_moe import ROUTINGS, _fused_moe_triton, check, make_moe, random_routing
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 HIDDEN, INTER = 128, 64  # multiples of the group sizes tested; HIDDEN is two 64-wide K tiles
@@ -64,6 +66,19 @@ def test_int_experts_against_reference(routing, group_size, bits):
     args = int_experts(make_moe(*ROUTINGS[routing], HIDDEN, INTER, torch.float32, bias=True, seed=5), bits,
                        group_size, 6)
     check(fused_moe_triton(**args, activation="silu"), args, "silu", None)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 64), (4, -1)])
+def test_int_experts_decoded_in_registers(monkeypatch, bits, group_size):
+    """4 tokens, k = 2, 8 experts: no more rows than experts, so the kernel decodes the chosen experts' tiles in
+    registers (expanding them would fail here); some experts take two rows, some none."""
+    fused_moe_triton = _fused_moe_triton()
+    from batchllm.kernels import moe
+
+    monkeypatch.setattr(moe, "dequantize_int_triton", lambda *args: pytest.fail("expanded the experts"))
+    topk_ids = random_routing(4, 2, 8, torch.Generator().manual_seed(2))
+    args = int_experts(make_moe(topk_ids, 8, HIDDEN, INTER, torch.float32, bias=True, seed=9), bits, group_size, 10)
+    check(fused_moe_triton(**args, activation="swigluoai", swiglu_limit=7.0), args, "swigluoai", 7.0)
 
 
 def test_int_experts_float16():
