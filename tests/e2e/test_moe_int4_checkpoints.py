@@ -150,14 +150,16 @@ def test_greedy_and_logprobs_equal_hf_on_the_dequantized_weights(checkpoint) -> 
     assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
 
 
-def test_tensor_parallel_2_equals_hf(tmp_path) -> None:
-    """Mixtral GPTQ asymmetric under TP=2 (gloo, two processes): each rank holds one group of 16 of every expert's
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_two_processes_equal_hf(tmp_path, expert_parallel) -> None:
+    """Mixtral GPTQ asymmetric over two processes (gloo). TP=2: each rank holds one group of 16 of every expert's
     32 intermediate features, gate / up rows with their scales and zero points, down's word columns with its
-    groups' scales and zero points."""
+    groups' scales and zero points. EP=2: each rank holds two of the four experts whole."""
     save_tiny_checkpoint(FAMILIES["mixtral"](), tmp_path / "original")
     reference = write_int4_checkpoint("mixtral", "gptq-asym", tmp_path / "original", tmp_path / "int4")
     expected, _ = _hf_greedy(hf_reference(tmp_path / "original", reference, tmp_path / "reference"), _prompts())
-    llm = LLM(str(tmp_path / "int4"), enable_prefix_caching=False, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(tmp_path / "int4"), enable_prefix_caching=False, tensor_parallel_size=2,
+              enable_expert_parallel=expert_parallel, **ENGINE)
     assert _greedy(llm, _prompts()) == expected
     llm.shutdown()
 
