@@ -164,12 +164,12 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
 
 def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:
     """The hybrid KV cache's groups (kv_groups.py) for a model with sliding-window layers; None, every block kept,
-    where it is switched off or not yet built for the configuration: a P/D link (its connectors move one table per
-    request), a proposer with K/V of its own (its passes read one table). A host tier (swap space) works with it:
-    each group swaps and spills only the blocks it holds (hybrid_kv_cache_manager.py)."""
+    where it is switched off or not yet built for the configuration: a proposer with K/V of its own (its passes read
+    one table). The host tier (swap space) and the P/D link work with it: each group swaps, spills and hands over
+    only the blocks it holds (hybrid_kv_cache_manager.py, kv_handoff.py)."""
     windows = [model_config.layer_sliding_window(layer) for layer in range(model_config.num_layers)]
     spec = config.speculative
     if (not config.cache.hybrid_kv_cache or all(window is None for window in windows)
-            or config.kv_transfer.disaggregated is not None or (spec is not None and spec.method != NGRAM)):
+            or (spec is not None and spec.method != NGRAM)):
         return None
     return plan_kv_groups(windows)

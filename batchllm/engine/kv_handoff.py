@@ -13,6 +13,9 @@ the coordinator (prefill_decode_core.py) hands out from one `BlockPool`:
   its outputs are one engine's.
 A slot is free again three decode steps after its load was issued: by then the step after the loading one,
 whose forward pass waited for the loads, has been applied (one step in flight).
+
+With a hybrid KV cache (hybrid_kv_cache_manager.py; both engines plan the same groups) a prompt hands over only the
+blocks each group holds at its computed position, interleaved: a window group's window, not its whole prompt.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchllm.engine.block_pool import BlockPool, KVCacheBlock
+from batchllm.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from batchllm.engine.interfaces import BlockTransfers, SchedulerOutput
 from batchllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from batchllm.engine.kv_connector import KVConnector
+from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.engine.request import Request, RequestStatus
 
 KV_LINK = "kv_link"
@@ -46,12 +51,14 @@ class Handoff:
 
 
 class LinkSender(KVConnector):
-    """The prefill engine's side of the link. `release` frees the device blocks of a request whose end it delayed."""
+    """The prefill engine's side of the link. `release` frees the device blocks of a request whose end it delayed;
+    `held` (a hybrid KV cache's) gives the ids of the blocks to send, by default the first of the request's table."""
 
     name = KV_LINK
 
-    def __init__(self, link: BlockPool, block_size: int, release: Callable[[Request], None]) -> None:
-        self.link, self.block_size, self._release = link, block_size, release
+    def __init__(self, link: BlockPool, block_size: int, release: Callable[[Request], None],
+                 held: Callable[[Request], list[int]] | None = None) -> None:
+        self.link, self.block_size, self._release, self._held = link, block_size, release, held
         self._sends: list[tuple[int, int]] = []  # (device block, slot) for the next step
         self._ready: list[Handoff] = []  # copied by the next step
         self._awaiting: deque[tuple[Request, list[int]]] = deque()  # ended, holding their blocks until slots are free
@@ -60,8 +67,10 @@ class LinkSender(KVConnector):
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """A prompt that ended (its one sample drawn) hands its blocks over before they are freed."""
         if request.status is RequestStatus.FINISHED_LENGTH and block_ids:
-            if cdiv(request.num_computed_tokens, self.block_size) <= self.link.num_blocks:
-                self._awaiting.append((request, block_ids))
+            held = (block_ids[: cdiv(request.num_computed_tokens, self.block_size)] if self._held is None
+                    else self._held(request))
+            if len(held) <= self.link.num_blocks:
+                self._awaiting.append((request, held))
                 return True
             self._ready.append(Handoff(request.request_id, request.num_computed_tokens, None))
         return False
@@ -74,7 +83,7 @@ class LinkSender(KVConnector):
         blocks are freed (this step's allocations are made: the copies run before any later step's writes)."""
         while self._awaiting:
             request, block_ids = self._awaiting[0]
-            count = cdiv(request.num_computed_tokens, self.block_size)
+            count = len(block_ids)
             if count > self.link.num_free_blocks:
                 break
             self._awaiting.popleft()
@@ -191,6 +200,35 @@ class DecodeKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
                  num_host_blocks: int = 0) -> None:
         super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+        self.link = link
+        self.receiver = LinkReceiver(link)
+        self.connectors.append(self.receiver)
+
+    @property
+    def handoff(self) -> HandoffStats:
+        return self.receiver.stats
+
+
+class HybridPrefillKVCacheManager(HybridKVCacheManager):
+    """A prefill engine's hybrid KV manager: sends each group's held blocks (`held_blocks`)."""
+
+    def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool,
+                 link: BlockPool, num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, layout, enable_caching, num_host_blocks)
+        self.link = link
+        self.sender = LinkSender(link, block_size, self.free, self._held_block_ids)
+        self.connectors.append(self.sender)
+
+    def _held_block_ids(self, request: Request) -> list[int]:
+        return [block.block_id for block in self.held_blocks(request)]
+
+
+class HybridDecodeKVCacheManager(HybridKVCacheManager):
+    """A decode engine's hybrid KV manager: loads each group's held blocks into fresh ones (`allocate_held`)."""
+
+    def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool,
+                 link: BlockPool, num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, layout, enable_caching, num_host_blocks)
         self.link = link
         self.receiver = LinkReceiver(link)
         self.connectors.append(self.receiver)

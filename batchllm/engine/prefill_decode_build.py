@@ -18,7 +18,12 @@ from batchllm.config import SchedulerConfig
 from batchllm.engine.block_pool import BlockPool
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore
-from batchllm.engine.kv_handoff import DecodeKVCacheManager, PrefillKVCacheManager
+from batchllm.engine.kv_handoff import (
+    DecodeKVCacheManager,
+    HybridDecodeKVCacheManager,
+    HybridPrefillKVCacheManager,
+    PrefillKVCacheManager,
+)
 from batchllm.engine.prefill_decode_core import DisaggregatedEngineCore
 from batchllm.engine.structured.manager import StructuredOutputManager
 
@@ -82,7 +87,10 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
     block_size = config.cache.block_size
     num_slots = layout.buffer_blocks or (-(-scheduler_config.max_num_batched_tokens // block_size)
                                          + scheduler_config.max_num_seqs)
-    buffer = Path(create_shared_file(num_slots * kv_bytes_per_block(model, block_size, kv_dtype), "batchllm-kv-link-"))
+    # A hybrid KV cache's block is one group's layers (engine/kv_groups.py): so is a slot of the buffer.
+    layout = config.kv_layout
+    buffer = Path(create_shared_file(num_slots * kv_bytes_per_block(model, block_size, kv_dtype, layout),
+                                     "batchllm-kv-link-"))
     try:
         devices = [config.device, config.device]
         utilization = config.cache.gpu_memory_utilization
@@ -105,8 +113,14 @@ def build_disaggregated(layout: Layout, runner_config: Any, scheduler_config: Sc
     scheduler_config.max_model_len = pair.max_model_len
     link = BlockPool(num_slots)
     caching = config.cache.enable_prefix_caching
-    prefill_kv = PrefillKVCacheManager(prefill.num_blocks, block_size, caching, link, prefill.num_host_blocks)
-    decode_kv = DecodeKVCacheManager(decode.num_blocks, block_size, caching, link, decode.num_host_blocks)
+    if layout is None:
+        prefill_kv = PrefillKVCacheManager(prefill.num_blocks, block_size, caching, link, prefill.num_host_blocks)
+        decode_kv = DecodeKVCacheManager(decode.num_blocks, block_size, caching, link, decode.num_host_blocks)
+    else:
+        prefill_kv = HybridPrefillKVCacheManager(prefill.num_blocks, block_size, layout, caching, link,
+                                                 prefill.num_host_blocks)
+        decode_kv = HybridDecodeKVCacheManager(decode.num_blocks, block_size, layout, caching, link,
+                                               decode.num_host_blocks)
     no_text = Detokenizer(None, frozenset())  # the prefill engine's one sample per prompt is thrown away
     prefill_core = wire_core(dataclasses.replace(scheduler_config), prefill_kv, prefill, no_text, None, True)
     decode_core = wire_core(scheduler_config, decode_kv, decode, detokenizer, structured, async_scheduling)

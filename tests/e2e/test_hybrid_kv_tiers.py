@@ -1,21 +1,24 @@
-"""The hybrid KV cache (window layers' blocks freed) with the host tier, end to end against HF transformers: swap
-preemption and host prefix hits on the tiny Mistral (every layer windowed: one window group) and Gemma 3 (two local
-layers to one global: a full and two window groups) checkpoints of test_sliding_window and test_gemma.
+"""The hybrid KV cache (window layers' blocks freed) with the host tier and with disaggregated prefill / decode, end
+to end against HF transformers: swap preemption, host prefix hits and the P/D handoff on the tiny Mistral (every
+layer windowed: one window group) and Gemma 3 (two local layers to one global: a full and two window groups)
+checkpoints of test_sliding_window and test_gemma.
 
 The reference is HF `generate` with eager attention in float32 (its masks apply the window), one prompt at a time.
-Both pools are filled with NaN first: a block swapped or loaded into the wrong entry of a group's table, or a window
-block left behind while a query still sees it, reads a slot no step or copy wrote and turns the output into garbage.
+In one process both pools are filled with NaN first: a block swapped or loaded into the wrong entry of a group's
+table, or a window block left behind while a query still sees it, reads a slot no step or copy wrote and turns the
+output into garbage. (The P/D engines' pools live in their worker processes: there the handed-over block count,
+worked out by hand, and HF's tokens are the checks.)
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from batchllm import LLM
 from batchllm.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from tests.e2e.test_gemma import FAMILIES as GEMMA_FAMILIES
-from tests.e2e.test_sliding_window import ENGINE, FAMILIES as WINDOW_FAMILIES, _greedy, _hf_greedy, _prompts
+from tests.e2e.test_sliding_window import ENGINE, _greedy, _hf_greedy, _prompts
+from tests.e2e.test_sliding_window import FAMILIES as WINDOW_FAMILIES
 from tests.unit.test_model_vs_hf import save_tiny_checkpoint
 
 FAMILIES = {"mistral": WINDOW_FAMILIES["mistral"], "gemma3": GEMMA_FAMILIES["gemma3"]}
@@ -93,3 +96,33 @@ def test_nan_poisoning_catches_a_window_block_left_behind_by_a_swap(family, monk
     llm = _poisoned(LLM(str(directory), enable_prefix_caching=False,
                         **{**ENGINE, **TIER, "num_kv_blocks": PREEMPTING_BLOCKS[name]}))
     assert _greedy(llm, _prompts()) != expected
+
+
+def test_greedy_equals_hf_with_disaggregated_prefill_and_decode(family) -> None:
+    # Two worker processes; the prefill engine hands each prompt's K/V less its last token to the decode engine.
+    name, directory, expected = family
+    llm = LLM(str(directory), disaggregated={"prefill": 1, "decode": 1}, enable_prefix_caching=True, **ENGINE)
+    try:
+        engine = llm.engine
+        assert all(isinstance(kv, HybridKVCacheManager) for kv in (engine.prefill_kv, engine.decode_kv))
+        prompts = _prompts()
+        assert _greedy(llm, prompts) == expected
+        # By hand: of a prompt of n tokens, the first n - 1 are handed over: ceil((n - 1) / 8) blocks of a full
+        # group, and of a window group those from the block of the first position a query at n - 1 sees.
+        windows = engine.prefill_kv.layout.group_windows
+        block = ENGINE["block_size"]
+
+        def held(n: int) -> int:
+            count = -(-(n - 1) // block)
+            return sum(count - (0 if window is None else max(0, n - window) // block) for window in windows)
+
+        stats = llm.stats
+        assert stats.kv_handoffs == len(prompts) and stats.kv_handoffs_recomputed == 0, stats
+        assert stats.kv_handoff_blocks == sum(held(len(p)) for p in prompts), stats
+        for _ in range(4):  # the decode engine frees a load's slots a few steps after it
+            engine.step()
+        for kv in (engine.prefill_kv, engine.decode_kv):
+            assert kv.pool.num_free_blocks == kv.pool.num_blocks
+        assert engine.prefill_kv.link.num_free_blocks == engine.prefill_kv.link.num_blocks
+    finally:
+        llm.shutdown()

@@ -23,7 +23,7 @@ from batchllm.engine.kv_groups import KVGroupLayout, plan_kv_groups
 from batchllm.engine.request import Request
 from batchllm.engine.scheduler import Scheduler
 from batchllm.sampling_params import SamplingParams
-from tests.unit.test_hybrid_kv_cache import BLOCK, HYBRID, WINDOW, WINDOW_ONLY, GroupedFakeExecutor, expected
+from tests.unit.test_hybrid_kv_cache import BLOCK, HYBRID, WINDOW_ONLY, GroupedFakeExecutor, expected
 from tests.unit.test_scheduler import _max_tokens_stop, _NoDetokenizer, _run
 
 
