@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from batchllm import LLM, SamplingParams
 from batchllm.kernels.moe_reference import dequantize_int_experts
 from batchllm.model.loader import load_model
+from tests.e2e.test_fp8_doors import load_as_rank
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_moe import FAMILIES, SPARSE_LAYERS
 from tests.e2e.test_moe_fp8_checkpoints import EXPERT_PROJECTIONS, is_quantized
@@ -177,3 +178,24 @@ def test_random_gptq_experts_build_and_generate(tmp_path) -> None:
     assert experts.w2_weight_scale.shape == (4, 128, 1) and (experts.w2_weight_scale > 0).all()
     [output] = llm.generate([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8
+
+
+def test_groups_cut_by_tensor_parallelism_and_unquantized_experts_are_refused_by_name(tmp_path) -> None:
+    """Groups of 32 over Mixtral's 32 intermediate features: under TP=2 a rank would hold half a group of each down
+    projection. An expert left unquantized in a GPTQ checkpoint is named."""
+    save_tiny_checkpoint(FAMILIES["mixtral"](), tmp_path / "original")
+    write_int4_checkpoint("mixtral", "gptq-asym", tmp_path / "original", tmp_path / "int4")
+    config = json.loads((tmp_path / "int4" / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 32
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"4-bit experts in groups of 32 .* \[64, 16\] expert weight does not divide"):
+        load_as_rank(tmp_path / "int4", 0, 2)
+    write_int4_checkpoint("mixtral", "gptq-asym", tmp_path / "original", tmp_path / "mixed")
+    tensors = load_file(tmp_path / "mixed" / "model.safetensors")
+    expert = "model.layers.1.block_sparse_moe.experts.2.w3"
+    for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"{expert}.{suffix}"]
+    tensors[f"{expert}.weight"] = torch.zeros(32, 64)
+    save_file(tensors, str(tmp_path / "mixed" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"model.safetensors: {expert}.weight: is stored unquantized in a gptq"):
+        load_model(tmp_path / "mixed", "cpu", torch.float32)
