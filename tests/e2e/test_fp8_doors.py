@@ -113,7 +113,8 @@ def test_preemption_and_the_prefix_cache_on_fp8_blocks():
     """
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     [roomy, tight] = [LLM(kv_cache_dtype="fp8", **options) for options in
-                      ({}, dict(num_kv_blocks=8, max_num_batched_tokens=16, async_scheduling=True))]
+                      ({}, dict(num_kv_blocks=8, max_num_batched_tokens=16, async_scheduling=True,
+                                            admission_policy="optimistic"))]
     expected = [out.outputs[0] for out in roomy.generate(TEXTS, params, use_tqdm=False)]
     got = [out.outputs[0] for out in tight.generate(TEXTS, params, use_tqdm=False)]
     stats = tight.stats

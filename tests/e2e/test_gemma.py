@@ -173,7 +173,7 @@ PREEMPTING_BLOCKS = {("gemma2", True): 16, ("gemma3", True): 28, ("gemma3-multim
 def test_greedy_equals_hf_under_preemption(family, hybrid) -> None:
     blocks = PREEMPTING_BLOCKS.get((family.name, hybrid), 14)
     llm = LLM(str(family.directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
-              **{**ENGINE, "num_kv_blocks": blocks})
+              admission_policy="optimistic", **{**ENGINE, "num_kv_blocks": blocks})
     # A read of a slot no step wrote (a block freed while a window still saw it) turns what follows into NaN.
     llm.runner.kv_cache.tensor.fill_(float("nan"))
     assert _greedy(llm, _prompts()) == family.expected

@@ -134,7 +134,8 @@ def test_greedy_equals_hf_under_chunked_prefill(checkpoint) -> None:
 
 def test_greedy_equals_hf_under_preemption(checkpoint) -> None:
     # A pool that holds one or two of the prompts with their outputs, not all four (a full and a window group).
-    llm = LLM(str(checkpoint.directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 16})
+    llm = LLM(str(checkpoint.directory), enable_prefix_caching=False, admission_policy="optimistic",
+              **{**ENGINE, "num_kv_blocks": 16})
     llm.runner.kv_cache.tensor.fill_(float("nan"))  # a read of a slot no step wrote turns what follows into NaN
     assert _greedy(llm, _prompts()) == checkpoint.expected
     assert llm.stats.num_preemptions > 0

@@ -115,7 +115,8 @@ def test_greedy_equals_hf_under_chunked_prefill_and_preemption(checkpoint) -> No
     directory, _, expected, _ = checkpoint
     chunked = LLM(str(directory), enable_prefix_caching=False, max_num_batched_tokens=10, **ENGINE)
     assert _greedy(chunked, _prompts()) == expected
-    preempted = LLM(str(directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 16})
+    preempted = LLM(str(directory), enable_prefix_caching=False, admission_policy="optimistic",
+                    **{**ENGINE, "num_kv_blocks": 16})
     preempted.runner.kv_cache.tensor.fill_(float("nan"))
     assert _greedy(preempted, _prompts()) == expected
     assert preempted.stats.num_preemptions > 0

@@ -97,7 +97,8 @@ def test_an_openai_batch_file_and_a_pandas_frame(pair, dense_texts, tmp_path):
 def test_preemption_chunking_and_the_prefix_cache_on_the_async_loop(pair):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [out.outputs[0].token_ids for out in LLM(pair[1]).generate(TEXTS, params, use_tqdm=False)]
-    tight = LLM(pair[0], num_kv_blocks=8, max_num_batched_tokens=16, async_scheduling=True)
+    tight = LLM(pair[0], num_kv_blocks=8, max_num_batched_tokens=16, async_scheduling=True,
+                admission_policy="optimistic")
     assert [out.outputs[0].token_ids for out in tight.generate(TEXTS, params, use_tqdm=False)] == expected
     assert tight.stats.num_preemptions > 0 and tight.stats.prefix_cache_hits > 0, tight.stats
 

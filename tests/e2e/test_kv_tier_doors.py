@@ -25,8 +25,9 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 TEXTS = [f"Tell me, in a few sentences, why the {thing} matters to the people who live near it." for thing in
          ("river", "forest", "mountain", "harbour", "railway", "market")]
 # Six rows of ~45 tokens in 8 blocks of 16: the newest rows are preempted as the oldest grow, and swapped.
-SWAP = {"num_kv_blocks": 8, "swap_space": 0.05, "preemption_mode": "swap"}
-SWAP_FLAGS = ["--num-kv-blocks", "8", "--swap-space", "0.05", "--preemption-mode", "swap"]
+SWAP = {"num_kv_blocks": 8, "swap_space": 0.05, "preemption_mode": "swap", "admission_policy": "optimistic"}
+SWAP_FLAGS = ["--num-kv-blocks", "8", "--swap-space", "0.05", "--preemption-mode", "swap", "--admission-policy",
+              "optimistic"]
 
 
 @pytest.fixture(scope="module")

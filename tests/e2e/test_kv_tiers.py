@@ -30,7 +30,7 @@ PREFIX_TEXT = ("The committee met on a grey Tuesday morning to review the harbou
 QUESTIONS = [" Who asked for more oil?", " What did the fishermen complain about?"]
 NUM_PREFIX_BLOCKS = 3
 TIERED = {"device": "cpu", "num_kv_blocks": 10, "swap_space": 0.1, "preemption_mode": "swap",
-          "reorder_by_prefix": False}
+          "reorder_by_prefix": False, "admission_policy": "optimistic"}
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -145,7 +145,8 @@ def test_no_block_is_leaked_in_either_pool(tiered, uncached):
 @pytest.fixture(scope="module")
 def uncached() -> LLM:
     """Prefix caching off and a host tier of one block: too small for any request, so nothing ever swaps."""
-    return LLM(device="cpu", num_kv_blocks=8, swap_space=0.001, preemption_mode="swap", enable_prefix_caching=False)
+    return LLM(device="cpu", num_kv_blocks=8, swap_space=0.001, preemption_mode="swap", enable_prefix_caching=False,
+               admission_policy="optimistic")
 
 
 def test_a_host_tier_too_small_falls_back_to_recompute(uncached, stories, hf_greedy):
@@ -222,7 +223,8 @@ def test_swapping_and_the_prefix_tier_on_cuda_change_no_output(tmp_path, async_s
     expected = [_generate(reference, prefixed, PREFIX_NEW), _generate(reference, stories, MAX_NEW)]
     assert reference.stats.num_preemptions == 0
     del reference
-    llm = _gpu_engine(tmp_path, async_scheduling, num_kv_blocks=10, swap_space=0.1, preemption_mode="swap")
+    llm = _gpu_engine(tmp_path, async_scheduling, num_kv_blocks=10, swap_space=0.1, preemption_mode="swap",
+                      admission_policy="optimistic")
     # The stories swap in and out of 10 blocks and evict the prefix to the host tier, where the second call finds it.
     assert _generate(llm, prefixed, PREFIX_NEW) == expected[0]
     assert _generate(llm, stories, MAX_NEW) == expected[1]

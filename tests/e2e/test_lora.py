@@ -41,7 +41,7 @@ def test_preemption_a_tiny_budget_and_fewer_slots_than_adapters(prompts, loras, 
     # Asynchronous scheduling (the CPU's default is synchronous, which the other tests run): the next step is
     # scheduled while this one runs, slot writes included.
     llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=16, max_num_batched_tokens=16, num_kv_blocks=8,
-              max_num_seqs=4, async_scheduling=True)
+              max_num_seqs=4, async_scheduling=True, admission_policy="optimistic")
     rows = _rows(prompts, loras)
     assert _run(llm, prompts, loras, rows) == {row: peft_greedy[row] for row in rows}
     assert llm.stats.num_preemptions > 0

@@ -117,7 +117,8 @@ def test_greedy_equals_hf_under_chunked_prefill_and_a_cached_prefix(family) -> N
 
 def test_greedy_equals_hf_under_preemption(family) -> None:
     # 14 blocks of 8 hold one or two of the prompts with their outputs, not all four.
-    llm = LLM(str(family.directory), enable_prefix_caching=False, **{**ENGINE, "num_kv_blocks": 14})
+    llm = LLM(str(family.directory), enable_prefix_caching=False, admission_policy="optimistic",
+              **{**ENGINE, "num_kv_blocks": 14})
     llm.runner.kv_cache.tensor.fill_(float("nan"))  # a read of a slot no step wrote turns what follows into NaN
     assert _greedy(llm, _prompts()) == family.expected
     assert llm.stats.num_preemptions > 0

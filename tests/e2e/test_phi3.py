@@ -196,7 +196,7 @@ PREEMPTING_BLOCKS = {("window", True): 8, ("window", False): 14, ("partial-long"
 def test_greedy_equals_hf_under_preemption(variant, hybrid) -> None:
     name, directory, expected, _ = variant
     llm = LLM(str(directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
-              **{**ENGINE, "num_kv_blocks": PREEMPTING_BLOCKS[name, hybrid]})
+              admission_policy="optimistic", **{**ENGINE, "num_kv_blocks": PREEMPTING_BLOCKS[name, hybrid]})
     assert _greedy(llm, _prompts()) == expected
     assert llm.stats.num_preemptions > 0
 

@@ -125,7 +125,7 @@ def test_greedy_equals_hf_under_preemption(family, hybrid, request) -> None:
     directory, expected, _ = family
     blocks = PREEMPTING_BLOCKS[request.node.callspec.params["family"], hybrid]
     llm = LLM(str(directory), enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
-              **{**ENGINE, "num_kv_blocks": blocks})
+              admission_policy="optimistic", **{**ENGINE, "num_kv_blocks": blocks})
     # A read of a slot no step wrote (a block freed while a window still saw it, then handed to another request
     # before it was written, or a stale table entry) would turn every output after it into NaN garbage.
     llm.runner.kv_cache.tensor.fill_(float("nan"))

@@ -43,9 +43,11 @@ def _hf_greedy(model, prompts) -> list[list[int]]:
 
 
 def _tight(prompts) -> dict:
-    """A pool that holds the longest request and a little more, and a 32-token budget: preemption and chunking."""
+    """A pool that holds the longest request and a little more, and a 32-token budget: preemption (rows admitted
+    optimistically) and chunking."""
     num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW + 8) // 16) + 2
-    return dict(num_kv_blocks=num_blocks, max_num_batched_tokens=32, enable_prefix_caching=False)
+    return dict(num_kv_blocks=num_blocks, max_num_batched_tokens=32, enable_prefix_caching=False,
+                admission_policy="optimistic")
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:

@@ -455,7 +455,7 @@ def preempted_greedy(hf_rows):
                 preempt(self, request)
 
             engine = LLM(num_kv_blocks=6, max_num_batched_tokens=16, enable_prefix_caching=False,
-                         async_scheduling=True, structured_outputs_backend=backend)
+                         async_scheduling=True, structured_outputs_backend=backend, admission_policy="optimistic")
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(Scheduler, "_preempt", recording_preempt)
                 outputs = _generate_rows(engine, hf_rows)
