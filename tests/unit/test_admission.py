@@ -184,3 +184,13 @@ def test_hybrid_forced_outputs_fill_the_pool_their_windows_leave(policy):
         assert engine.scheduler.stats.num_preemptions == 0 and most_running == 4
     else:
         assert engine.scheduler.stats.num_preemptions > 0
+
+
+def test_the_policy_is_checked_and_defaults_to_kv_aware():
+    from batchllm.engine_config import EngineConfig
+
+    assert EngineConfig.from_kwargs(device="cpu").scheduler.admission_policy == "kv_aware"
+    assert EngineConfig.from_kwargs(device="cpu", admission_policy="optimistic").scheduler.admission_policy == (
+        "optimistic")
+    with pytest.raises(ValueError, match="admission_policy must be 'kv_aware' or 'optimistic', got 'fcfs'"):
+        EngineConfig.from_kwargs(device="cpu", admission_policy="fcfs")
