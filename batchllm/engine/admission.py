@@ -109,8 +109,10 @@ class Admission:
         if self.config.admission_policy != "kv_aware" or not self.running:
             return True
         kv = self.kv_cache
-        if self._reserved_blocks is None:
-            self._reserved_blocks = sum(self._blocks_to_grow(running) for running in self.running)
+        if self._reserved_blocks is None:  # once per step that admits: a pass over the running requests
+            expected, max_len = self.output_lengths.expected_num_tokens, self.config.max_model_len
+            to_hold, held = kv.num_blocks_to_hold, kv.num_blocks_held
+            self._reserved_blocks = sum(max(0, to_hold(expected(r, max_len)) - held(r)) for r in self.running)
         expected = self.output_lengths.expected_num_tokens(request, self.config.max_model_len)
         need = kv.num_blocks_to_hold(expected) - num_shared_blocks
         return self._reserved_blocks + need <= kv.pool.num_free_blocks

@@ -62,14 +62,19 @@ class OutputLengthEstimator:
     def expected_num_tokens(self, request: Request, max_model_len: int) -> int:
         """The length (prompt and output) that `request` is expected to reach. One more than the last token that
         needs K/V: an asynchronous step may compute the token after an unforeseen stop."""
-        now = request.num_tokens + request.num_pending_tokens
+        # Asked of every running request in each step that admits: plain attribute reads, no calls.
+        now = len(request.token_ids) + request.num_pending_tokens
         if request.pooling is not None:
             return now
-        max_tokens = request.sampling_params.max_tokens
-        cap = max_model_len if max_tokens is None else min(max_model_len, request.num_prompt_tokens + max_tokens)
-        if is_forced(request):
-            return max(cap, now)
-        estimate = self.estimate
+        params = request.sampling_params
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            cap = max_model_len
+        else:
+            cap = min(max_model_len, request.num_prompt_tokens + max_tokens)
+            if params.ignore_eos or params.min_tokens >= max_tokens:  # forced (`is_forced`)
+                return max(cap, now)
+        estimate = self._estimate if not self._stale else self.estimate
         if estimate is None:
             return now
         return max(now, min(cap, request.num_prompt_tokens + estimate))
