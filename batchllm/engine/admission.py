@@ -6,9 +6,9 @@ running request, to the end of the output the scheduler expects of each (output_
 outputs, else a length learned from the rows finished in this run); the blocks each needs are the KV manager's
 answer (`num_blocks_to_hold`: a window group holds at most its window), less the prefix-cache hits that other
 requests hold already. Preempting a request throws its prefill away, and a full batch of forced outputs admitted
-optimistically preempts again and again. "optimistic" admits whatever fits the prompt now (vLLM's policy; it is
-TensorRT-LLM's MAX_UTILIZATION as "kv_aware" with forced outputs is its GUARANTEED_NO_EVICT) and leaves the rest to
-preemption. Preemption stays the fallback of both: an estimate can prove short.
+optimistically preempts again and again. "optimistic" admits whatever fits the prompt now and leaves the rest to
+preemption (vLLM's policy, TensorRT-LLM's MAX_UTILIZATION; "kv_aware" on forced outputs is TensorRT-LLM's
+GUARANTEED_NO_EVICT). Preemption stays the fallback of both: an estimate can prove short.
 
 Where the K/V comes from, in order: a KV connector that holds the request's whole computed context (swapped out to
 the host tier, or computed by a prefill engine), a fork parent whose prompt blocks it shares, the prefix cache
@@ -104,8 +104,8 @@ class Admission:
 
     def _has_room(self, request: Request, num_shared_blocks: int) -> bool:
         """KV-aware admission: whether the free pool holds `request` (of whose blocks `num_shared_blocks` are held by
-        other requests already) and every running request to the ends expected of them. The first request always
-        has room: alone it fits, since max_model_len never exceeds the pool."""
+        other requests already) and every running request to the ends expected of them. With nothing running a
+        request always has room: alone it fits, since max_model_len never exceeds the pool."""
         if self.config.admission_policy != "kv_aware" or not self.running:
             return True
         kv = self.kv_cache
