@@ -96,8 +96,13 @@ class DryRunReport:
         stored_as = engine.dtype_name
         if engine.linear_weight_bits != 8 * engine.dtype_bytes:
             stored_as += f" with {engine.linear_weight_bits}-bit linear weights (experts included)"
-        if size.experts and engine.expert_weight_bits != engine.linear_weight_bits:  # MXFP4: the experts alone
-            stored_as += f" with {engine.expert_weight_bits:g}-bit MXFP4 experts (scales included)"
+        if size.experts and engine.expert_weight_bits != engine.linear_weight_bits:  # the experts alone
+            # MXFP4 (4.25 bits: its scales counted), or 4- / 8-bit integer experts where the CPU dequantized the
+            # other linears.
+            if float(engine.expert_weight_bits).is_integer():
+                stored_as += f" with {engine.expert_weight_bits}-bit integer experts"
+            else:
+                stored_as += f" with {engine.expert_weight_bits:g}-bit MXFP4 experts (scales included)"
         facts = [("input", f"{self.input} ({self.input_format}): {self.total_rows:,} {unit}s"),
                  ("output", f"{self.output}: {self.output_note}"),
                  ("model", f"{engine.model_path}: {engine.model_config.architecture}, {size.parameters:,} parameters, "

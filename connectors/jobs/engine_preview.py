@@ -89,8 +89,11 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
         linear_bits = 8
     elif quant is not None and quant.method == INT and device_type == "cuda":  # the CPU dequantizes on load
         linear_bits = quant.bits
-    # MXFP4 quantizes only the experts: E2M1 codes and one E8M0 scale byte per block.
-    expert_bits = 4 + 8 / MXFP4_BLOCK if quant is not None and quant.method == MXFP4 else linear_bits
+    expert_bits = linear_bits
+    if quant is not None and quant.method == MXFP4:  # only the experts: E2M1 codes and an E8M0 scale byte per block
+        expert_bits = 4 + 8 / MXFP4_BLOCK
+    elif quant is not None and quant.method == INT:  # integer experts stay packed on the CPU too
+        expert_bits = quant.bits
     kv_bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
                           * (1 if resolved.kv_cache_dtype == "fp8" else dtype_bytes))
     gpus = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size

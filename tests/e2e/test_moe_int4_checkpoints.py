@@ -28,8 +28,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from batchllm import LLM, SamplingParams
+from batchllm.connectors.jobs.engine_preview import preview_engine
+from batchllm.connectors.jobs.run_estimate import weight_bytes
 from batchllm.kernels.moe_reference import dequantize_int_experts
 from batchllm.model.loader import load_model
+from batchllm.model.size import model_size
 from tests.e2e.test_fp8_doors import load_as_rank
 from tests.e2e.test_gemma import _hf_greedy
 from tests.e2e.test_moe import FAMILIES, SPARSE_LAYERS
@@ -199,3 +202,16 @@ def test_groups_cut_by_tensor_parallelism_and_unquantized_experts_are_refused_by
     save_file(tensors, str(tmp_path / "mixed" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"model.safetensors: {expert}.weight: is stored unquantized in a gptq"):
         load_model(tmp_path / "mixed", "cpu", torch.float32)
+
+
+def test_the_weight_bytes_counted_are_the_bytes_the_engine_holds(checkpoint) -> None:
+    """The dry run's and the run estimate's weight bytes (config.json only) against the parameters `load_model`
+    builds on the CPU: the experts at 4 or 8 bits a weight (the CPU keeps them packed), the linears it dequantizes
+    on load and everything else in float32; scales and zero points left out, as the estimate documents."""
+    _, directory, _, _, _ = checkpoint
+    model, config = load_model(directory, "cpu", torch.float32)
+    held = sum(param.numel() * param.element_size() for name, param in model.named_parameters()
+               if not name.endswith(("_weight_scale", "_weight_zero")))
+    preview = preview_engine(str(directory), {"device": "cpu", "skip_tokenizer_init": True})
+    assert preview.expert_weight_bits == (8 if "8bit" in directory.parent.name else 4)
+    assert weight_bytes(model_size(config), preview) == held
