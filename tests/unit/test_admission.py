@@ -24,8 +24,8 @@ BLOCK = 16
 
 
 def _engine(policy: str, num_blocks: int, budget: int = 512, max_num_seqs: int = 64, async_scheduling: bool = False,
-            check_stop=_max_tokens_stop) -> EngineCore:
-    kv = KVCacheManager(num_blocks, BLOCK)
+            check_stop=_max_tokens_stop, enable_caching: bool = False) -> EngineCore:
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching)
     config = SchedulerConfig(max_num_seqs, budget, num_blocks * BLOCK, admission_policy=policy)
     return EngineCore(Scheduler(config, kv, check_stop), FakeExecutor(num_blocks, BLOCK, budget), _NoDetokenizer(),
                       async_scheduling)
@@ -126,6 +126,22 @@ def test_a_short_estimate_is_recovered_by_preemption_with_exact_outputs(async_sc
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0 and stats.num_recomputed_tokens > 0
     assert engine.scheduler.kv_cache.pool.num_free_blocks == 64
+
+
+def test_prefix_hits_on_blocks_in_use_cost_nothing():
+    """A: a 64-token prompt + 16 forced tokens = 5 blocks. B: the same 64 tokens + 1 and 15 forced = 5 blocks, 4 of
+    them A's (hit in the step A computes them). In 7 blocks: A still takes 1, B 1 more: both run at once, where
+    counting B whole (5 of the 3 left) would hold it back."""
+    engine = _engine("kv_aware", num_blocks=7, enable_caching=True)
+    a = _rows(1, seed=11, length=64)[0]
+    b = a + [7]
+    engine.add_request("a", a, SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.add_request("b", b, SamplingParams(max_tokens=15, ignore_eos=True))
+    done, most_running = _run(engine)
+    assert done["a"].output_token_ids == expected_continuation(a, 16)
+    assert done["b"].output_token_ids == expected_continuation(b, 15)
+    assert most_running == 2 and engine.scheduler.stats.num_preemptions == 0
+    assert engine.scheduler.kv_cache.stats.hits == 64
 
 
 def test_recomputed_tokens_counted_exactly():
