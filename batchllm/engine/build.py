@@ -17,8 +17,8 @@ from typing import Any
 from batchllm.config import SchedulerConfig, default_step_budget
 from batchllm.engine.detokenizer import Detokenizer
 from batchllm.engine.engine_core import EngineCore
-from batchllm.engine.kv_groups import KVGroupLayout, plan_kv_groups
-from batchllm.engine.speculative.config import NGRAM
+from batchllm.engine.kv_groups import KVGroupLayout, plan_kv_groups, with_drafter_group
+from batchllm.engine.speculative.config import MEDUSA, NGRAM
 from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.engine_config import EngineConfig
 from batchllm.pooling_params import PoolingParams
@@ -164,12 +164,12 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
 
 def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:
     """The hybrid KV cache's groups (kv_groups.py) for a model with sliding-window layers; None, every block kept,
-    where it is switched off or not yet built for the configuration: a proposer with K/V of its own (its passes read
-    one table). The host tier (swap space) and the P/D link work with it: each group swaps, spills and hands over
-    only the blocks it holds (hybrid_kv_cache_manager.py, kv_handoff.py)."""
+    where it is switched off. The host tier (swap space) and the P/D link work with it: each group swaps, spills and
+    hands over only the blocks it holds (hybrid_kv_cache_manager.py, kv_handoff.py). A proposer with K/V of its own
+    (a draft model, an EAGLE head) gets a full-attention group of its own; n-gram and Medusa have none."""
     windows = [model_config.layer_sliding_window(layer) for layer in range(model_config.num_layers)]
-    spec = config.speculative
-    if (not config.cache.hybrid_kv_cache or all(window is None for window in windows)
-            or (spec is not None and spec.method != NGRAM)):
+    if not config.cache.hybrid_kv_cache or all(window is None for window in windows):
         return None
-    return plan_kv_groups(windows)
+    layout = plan_kv_groups(windows)
+    spec = config.speculative
+    return layout if spec is None or spec.method in (NGRAM, MEDUSA) else with_drafter_group(layout)

@@ -8,6 +8,10 @@ its K/V in storage slot `layer_slot[i]`, at the block ids of group `layer_group[
 the pool as the window slides. A model of one window kind (Llama: none; Mistral: every layer) is one group of all
 its layers, each layer its own slot: the plain KV cache (with Mistral's old blocks freed).
 
+A proposer with K/V of its own (a draft model, an EAGLE head) keeps it in a group of its own, full attention and
+holding no target layer (`drafter_group`): its layers read that group's table, in a cache of their own that shares
+the pool's block ids (a block of that group holds only the proposer's K/V).
+
 A request's table is sent to the runner interleaved: logical block `j` of group `g` at entry `j * G + g`, so every
 group's table grows by one block at the same time and the interleaved table only ever grows (freed blocks keep
 their stale ids there: the kernels never read outside a window).
@@ -24,6 +28,7 @@ class KVGroupLayout:
     group_windows: tuple[int | None, ...]  # each group's window (None: full attention)
     layer_group: tuple[int, ...]  # each layer's group
     layer_slot: tuple[int, ...]  # each layer's storage slot, in 0..num_slots - 1
+    drafter_group: int | None = None  # the group of a proposer's own K/V (no target layer in it)
 
     @property
     def num_groups(self) -> int:
@@ -53,6 +58,11 @@ def plan_kv_groups(layer_windows: list[int | None]) -> KVGroupLayout:
                 layer_group[layer], layer_slot[layer] = len(windows), slot
             windows.append(window)
     return KVGroupLayout(tuple(windows), tuple(layer_group), tuple(layer_slot))
+
+
+def with_drafter_group(layout: KVGroupLayout) -> KVGroupLayout:
+    """`layout` and, last, a full-attention group for a proposer's K/V: it keeps every block, as a full group."""
+    return KVGroupLayout((*layout.group_windows, None), layout.layer_group, layout.layer_slot, layout.num_groups)
 
 
 def single_group(num_layers: int) -> KVGroupLayout:

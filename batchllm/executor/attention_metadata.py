@@ -12,8 +12,8 @@ The attention backend of the device declares whether it reads host copies of the
 then are they made.
 
 With a hybrid KV cache of G groups (engine/kv_groups.py) a row's staged block table is its G tables in turn and
-the slot mapping has a row per group; `AttentionMetadata.groups` gives each group's view. The drafters' passes
-run only with one group.
+the slot mapping has a row per group; `AttentionMetadata.groups` gives each group's view. So do the drafters'
+passes: their layers read the proposer's own group (`KVGroupLayout.drafter_group`).
 """
 
 from __future__ import annotations
@@ -128,21 +128,27 @@ class AttentionMetadataBuilder:
     def for_rows(self, positions: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray
              ) -> AttentionMetadata:
         """Rows of `query_lens` query tokens at the flat `positions`, row i's last at `seq_lens[i] - 1`, its block
-        table `tables[i]`; every token's K/V is written into its row's slot at its position."""
-        if self.num_groups != 1:
-            raise NotImplementedError("a drafter's own passes need one KV group")
+        table `tables[i]` (a hybrid KV cache's: its groups' tables in turn); every token's K/V is written into its
+        row's slot at its position."""
         owner = np.repeat(np.arange(len(query_lens)), query_lens)
-        slots = _slots(tables, owner, positions, self.block_size)
+        grouped = self._group_tables(tables)
+        slots = np.stack([_slots(grouped[:, group], owner, positions, self.block_size)
+                          for group in range(self.num_groups)])
         query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         seq_lens = seq_lens.astype(np.int32)
 
         def upload(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
-        return AttentionMetadata(upload(slots), upload(query_start), upload(seq_lens), upload(tables.astype(np.int32)),
-                                 int(query_lens.max()), int(seq_lens.max()),
-                                 query_start.tolist() if self.host_copies else None,
-                                 seq_lens.tolist() if self.host_copies else None)
+        metadata = AttentionMetadata(upload(slots[0] if self.num_groups == 1 else slots), upload(query_start),
+                                     upload(seq_lens), upload(tables.astype(np.int32)), int(query_lens.max()),
+                                     int(seq_lens.max()), query_start.tolist() if self.host_copies else None,
+                                     seq_lens.tolist() if self.host_copies else None)
+        if self.num_groups > 1:
+            views = metadata.block_tables.view(len(tables), self.num_groups, self.max_blocks_per_seq)
+            metadata.groups = [dataclasses.replace(metadata, slot_mapping=metadata.slot_mapping[group],
+                                                   block_tables=views[:, group]) for group in range(self.num_groups)]
+        return metadata
 
     def for_decode_rows(self, positions: np.ndarray, tables: np.ndarray) -> AttentionMetadata:
         """One query token per row at `positions`, K/V written into the row's own slot there."""

@@ -37,8 +37,9 @@ class DraftModelDrafter(Drafter):
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return kv_bytes_per_block(self.model_config, block_size, dtype)
 
-    def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        self.kv_cache = allocate_kv_cache(self.model, self.model_config, num_blocks, block_size, self.device, dtype)
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype, group: int = 0) -> None:
+        self.kv_cache = allocate_kv_cache(self.model, self.model_config, num_blocks, block_size, self.device, dtype,
+                                          group=group)
 
     def observe(self, step: ObservedStep, block_tables: np.ndarray, attention: AttentionMetadataBuilder) -> None:
         """Run the step's batch through the draft model, writing its K/V (no logits needed)."""

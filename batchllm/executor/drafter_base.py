@@ -54,8 +54,8 @@ class Drafter:
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 0
 
-    def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        pass
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype, group: int = 0) -> None:
+        """Its K/V in the pool's block ids, read at KV group `group`'s (a hybrid KV cache's `drafter_group`)."""
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if self.kv_cache is not None:

@@ -46,8 +46,9 @@ class EagleDrafter(Drafter):
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return kv_bytes_per_block(self.head.config, block_size, dtype)
 
-    def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        self.kv_cache = allocate_kv_cache(self.head, self.head.config, num_blocks, block_size, self.device, dtype)
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype, group: int = 0) -> None:
+        self.kv_cache = allocate_kv_cache(self.head, self.head.config, num_blocks, block_size, self.device, dtype,
+                                          group=group)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

@@ -60,13 +60,15 @@ def stage_slots(config: ModelConfig, layout: KVGroupLayout) -> dict[int, int]:
 
 
 def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                      device: torch.device, dtype: torch.dtype, layout: KVGroupLayout | None = None) -> KVCache:
-    """The pool, and each attention layer's view of it: its slot, read at its group's block ids (`kv_group`)."""
+                      device: torch.device, dtype: torch.dtype, layout: KVGroupLayout | None = None,
+                      group: int = 0) -> KVCache:
+    """The pool, and each attention layer's view of it: its slot, read at its group's block ids (`kv_group`).
+    Without `layout`, every layer its own slot, in group `group` (a proposer's group of a hybrid KV cache)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != num_stage_layers(config):
         raise RuntimeError(f"found {len(layers)} attention layers, the config says {num_stage_layers(config)}")
     if layout is None:
-        slots, groups = list(range(len(layers))), [0] * len(layers)
+        slots, groups = list(range(len(layers))), [group] * len(layers)
     else:
         compact, indices = stage_slots(config, layout), stage_layer_indices(config)
         slots = [compact[layout.layer_slot[layer]] for layer in indices]

@@ -124,7 +124,8 @@ class ModelRunner(StepSampling):
         self.kv_cache: KVCache = allocate_kv_cache(self.model, self.model_config, num_blocks, self.block_size,
                                                    device, self.kv_dtype, layout)
         if self.drafter is not None:
-            self.drafter.allocate_kv(num_blocks, self.block_size, self.kv_dtype)
+            drafter_group = None if layout is None else layout.drafter_group
+            self.drafter.allocate_kv(num_blocks, self.block_size, self.kv_dtype, drafter_group or 0)
         self.num_blocks = num_blocks
         self.host_kv = allocate_host_tier(config.cache.swap_space_bytes, self.kv_cache, self.drafter, device)
         self.num_host_blocks = 0 if self.host_kv is None else self.host_kv.num_blocks
