@@ -25,16 +25,16 @@ def test_the_bar_shows_preemptions_once_there_are_any(capsys):
 
 
 def test_a_job_reports_its_preemptions(tmp_path):
-    """8 rows of ~12 prompt tokens with 24 forced output tokens, in 4 blocks of 16: admitted optimistically they
+    """4 rows of ~12 prompt tokens with 20 forced output tokens, in 4 blocks of 16: admitted optimistically they
     outgrow the pool and are preempted; admitted KV-aware (2 blocks each to the end) they are not."""
-    write_parquet_input(tmp_path / "in", [8])
+    write_parquet_input(tmp_path / "in", [4])
     results = {}
     for policy in ("optimistic", "kv_aware"):
         results[policy] = batchllm.run_job(
-            tmp_path / "in", tmp_path / policy, prompt_column="q", use_tqdm=False, max_tokens=24, temperature=0,
+            tmp_path / "in", tmp_path / policy, prompt_column="q", use_tqdm=False, max_tokens=20, temperature=0,
             ignore_eos=True, engine_kwargs=dict(num_kv_blocks=4, enable_prefix_caching=False,
                                                 admission_policy=policy))
     optimistic, kv_aware = results["optimistic"], results["kv_aware"]
-    assert optimistic.written_rows == kv_aware.written_rows == 8
+    assert optimistic.written_rows == kv_aware.written_rows == 4
     assert optimistic.preemptions > 0 and optimistic.recomputed_tokens > 0, optimistic
     assert (kv_aware.preemptions, kv_aware.recomputed_tokens) == (0, 0), kv_aware
