@@ -119,9 +119,15 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     w_format = weight_format(w13, w13_scale)
-    if w_format == INT and num_tokens * top_k > num_experts:  # GPTQ / AWQ: as MXFP4 below (moe_int.py says why)
-        w13 = dequantize_int_triton(w13, w13_scale, w13_zero, hidden_size, hidden.dtype)
-        w2 = dequantize_int_triton(w2, w2_scale, w2_zero, intermediate_size, hidden.dtype)
+    if w_format in (MXFP4, INT) and num_tokens * top_k > num_experts:
+        # Measured on an H100 (gpt-oss-20b experts, benchmarks/README.md): decoding MXFP4 in registers is slower
+        # than expanding the experts once and running the dense kernel for every batch but the smallest (T = 1:
+        # 0.35 ms against ~0.65 ms; T = 256: 3.3 ms against ~1.2 ms). Integer experts follow the same rule, untimed.
+        if w_format == MXFP4:
+            w13, w2 = (dequantize_mxfp4_triton(w, s, hidden.dtype) for w, s in ((w13, w13_scale), (w2, w2_scale)))
+        else:
+            w13 = dequantize_int_triton(w13, w13_scale, w13_zero, hidden_size, hidden.dtype)
+            w2 = dequantize_int_triton(w2, w2_scale, w2_zero, intermediate_size, hidden.dtype)
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     per_word = {MXFP4: 2, INT: hidden_size // w13.shape[2]}.get(w_format, 1)  # weights per stored element
     assert w13.shape == (num_experts, 2 * intermediate_size, hidden_size // per_word), (w13.shape, w2.shape)
@@ -144,12 +150,6 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if num_tokens == 0:
         return hidden.new_empty(num_tokens, hidden_size)
     tiles = choose_tiles(num_tokens, top_k, num_experts)
-    if w_format == MXFP4 and num_tokens * top_k > num_experts:
-        # Measured on an H100 (gpt-oss-20b experts, benchmarks/README.md): the in-register MXFP4 path is slower than
-        # expanding the experts once and running the dense kernel for every batch but the smallest (T = 1: 0.35 ms
-        # against ~0.65 ms; T = 256: 3.3 ms against ~1.2 ms).
-        w13, w2 = (dequantize_mxfp4_triton(w, s, hidden.dtype) for w, s in ((w13, w13_scale), (w2, w2_scale)))
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     sorted_pairs, block_experts, num_rows = align_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
     num_pairs, max_blocks = num_tokens * top_k, block_experts.numel()
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
