@@ -30,10 +30,10 @@ def test_a_job_reports_its_preemptions(tmp_path):
     write_parquet_input(tmp_path / "in", [4])
     results = {}
     for policy in ("optimistic", "kv_aware"):
-        results[policy] = batchllm.run_job(
-            tmp_path / "in", tmp_path / policy, prompt_column="q", use_tqdm=False, max_tokens=20, temperature=0,
-            ignore_eos=True, engine_kwargs=dict(num_kv_blocks=4, enable_prefix_caching=False,
-                                                admission_policy=policy))
+        # Its own engines (llm=), not the process-wide cache: the package's `llm` fixture holds the cached one.
+        llm = batchllm.LLM(num_kv_blocks=4, enable_prefix_caching=False, admission_policy=policy)
+        results[policy] = batchllm.run_job(tmp_path / "in", tmp_path / policy, prompt_column="q", use_tqdm=False,
+                                           max_tokens=20, temperature=0, ignore_eos=True, llm=llm)
     optimistic, kv_aware = results["optimistic"], results["kv_aware"]
     assert optimistic.written_rows == kv_aware.written_rows == 4
     assert optimistic.preemptions > 0 and optimistic.recomputed_tokens > 0, optimistic
