@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = dict(
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
     pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
     disable_hybrid_kv_cache_manager=False, reasoning_parser=None, enable_expert_parallel=False,
-    admission_policy="kv_aware")
+    admission_policy="kv_aware", deterministic=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +176,11 @@ class EngineConfig:
     `reasoning_parser` ("qwen3", "deepseek_r1", "openai_gptoss"; vLLM's names): split a thinking model's output into
     `CompletionOutput.reasoning` and the answer (`text`); the table doors and jobs add a `reasoning` column, the
     server `reasoning_content`. See batchllm/reasoning/.
+
+    `deterministic=True`: each row's tokens and logprobs are bit-identical whatever else shares its steps (batch
+    mix, step budget and chunking, prefix caching, data-parallel replicas): every CPU matmul runs in fixed-size row
+    chunks and attention reduces each row over fixed key tiles (batchllm/model/layers/batch_invariant.py). CPU only
+    for now: refused on CUDA. See README.md "Reproducible batches".
     """
 
     model: ModelOptions
@@ -193,6 +198,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig
     pooling: PoolingOptions
     reasoning_parser: str | None = None
+    deterministic: bool = False  # batch-invariant numerics (CPU only for now; check_deterministic)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -224,6 +230,7 @@ class EngineConfig:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         device, dtype = resolve_device_and_dtype(a["device"], a["dtype"])
+        check_deterministic(a["deterministic"], device)
         if a["async_scheduling"] not in (None, True, False):
             raise ValueError(f"LLM argument async_scheduling must be None, True or False, "
                              f"got {a['async_scheduling']!r}")
@@ -248,10 +255,22 @@ class EngineConfig:
                    LoRAConfig(a["enable_lora"], a["max_loras"], a["max_lora_rank"]), spec,
                    QuantizationOptions(a["quantization"], a["kv_cache_dtype"]),
                    StructuredOutputsConfig(a["structured_outputs_backend"]), KVTransferConfig(layout),
-                   PoolingOptions(a["task"], a["pooling"], a["normalize"]), a["reasoning_parser"])
+                   PoolingOptions(a["task"], a["pooling"], a["normalize"]), a["reasoning_parser"],
+                   a["deterministic"])
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_deterministic(deterministic: Any, device: str) -> None:
+    """`deterministic=True` is batch-invariant on the CPU only: the GPU kernels (GEMM tiles, split attention) still
+    choose their reduction order by the batch, so on CUDA it is refused rather than promised."""
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"LLM argument deterministic must be True or False, got {deterministic!r}")
+    if deterministic and device.startswith("cuda"):
+        raise ValueError("LLM argument deterministic=True: the GPU path is not batch-invariant yet (its GEMM and "
+                         "attention kernels pick their reduction order by the batch); batch-invariant outputs work "
+                         "on the CPU today (device='cpu'), or run on the GPU with deterministic=False")
 
 
 def check_parallel_sizes(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:

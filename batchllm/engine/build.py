@@ -159,7 +159,7 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
         max_loras=config.scheduler.max_loras, max_lora_rank=config.lora.max_lora_rank,
         quantization=config.quantization.quantization, kv_cache_dtype=resolved.kv_cache_dtype,
         speculative=config.speculative, kv_layout=hybrid_kv_layout(config, resolved.model_config),
-        enable_expert_parallel=config.parallel.enable_expert_parallel)
+        enable_expert_parallel=config.parallel.enable_expert_parallel, deterministic=config.deterministic)
 
 
 def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:

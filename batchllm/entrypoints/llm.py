@@ -60,7 +60,7 @@ class LLM(PoolingCalls):
                  disaggregated: dict[str, int] | None = None, task: str = "generate", pooling: str | None = None,
                  normalize: bool | None = None, disable_hybrid_kv_cache_manager: bool = False,
                  reasoning_parser: str | None = None, enable_expert_parallel: bool = False,
-                 admission_policy: str = "kv_aware") -> None:
+                 admission_policy: str = "kv_aware", deterministic: bool = False) -> None:
         # Every keyword as the user wrote it: EngineConfig checks them all, as it does for the CLI and the doors.
         arguments = {name: value for name, value in locals().items() if name != "self"}
         start = time.perf_counter()

@@ -39,6 +39,7 @@ from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.executor.step_sampling import StepSampling
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
+from batchllm.model.layers.batch_invariant import batch_invariant_mode
 from batchllm.model.layers.lora import set_lora_batch
 from batchllm.model.layers.rejection_sampler import RejectionSampler
 from batchllm.model.layers.sampler import Sampler
@@ -73,6 +74,8 @@ class RunnerConfig:
     kv_layout: KVGroupLayout | None = None
     # The MoE experts placed whole on the tensor-parallel ranks (model/layers/expert_parallel.py).
     enable_expert_parallel: bool = False
+    # Batch-invariant numerics: each step runs inside `batch_invariant_mode` (CPU; model/layers/batch_invariant.py).
+    deterministic: bool = False
 
 
 class ModelRunner(StepSampling):
@@ -146,6 +149,8 @@ class ModelRunner(StepSampling):
         use_graphs = (device.type == "cuda" and not config.enforce_eager and self.pp.size == 1
                       and get_ep().size == 1)
         self.graphs = self._capture_graphs() if use_graphs else None
+        if config.deterministic:  # every caller's step (execute_model, TP workers) runs batch-invariant
+            self.execute_model_async = _batch_invariant(self.execute_model_async)
         # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
         self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows
 
@@ -258,3 +263,13 @@ class ModelRunner(StepSampling):
                          num_tokens, query_start, num_scheduled, batch.num_computed, batch.table_rows,
                          np.array(batch.new_rows), np.array(batch.num_drafts, dtype=np.int64)),
             self.requests.block_tables.table, self.inputs.attention)
+
+
+def _batch_invariant(execute_model_async):
+    """`execute_model_async` run inside `batch_invariant_mode` (a step's forward pass and its sampling)."""
+
+    def run(so: SchedulerOutput) -> StepOutput | AwaitingGrammar:
+        with batch_invariant_mode():
+            return execute_model_async(so)
+
+    return run

@@ -25,7 +25,8 @@ ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
                       "speculative_config", "preemption_mode", "admission_policy", "disaggregated", "task", "pooling",
-                      "normalize", "disable_hybrid_kv_cache_manager", "reasoning_parser", "enable_expert_parallel")
+                      "normalize", "disable_hybrid_kv_cache_manager", "reasoning_parser", "enable_expert_parallel",
+                      "deterministic")
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
@@ -44,6 +45,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=ENGINE_DEFAULTS["enable_expert_parallel"],
                         help="engine: with --tensor-parallel-size N, place each MoE layer's experts whole on the N "
                              "ranks (an all-to-all of tokens) instead of a slice of every expert on each")
+    parser.add_argument("--deterministic", action="store_true", default=ENGINE_DEFAULTS["deterministic"],
+                        help="engine: each row's tokens and logprobs bit-identical whatever else is in the batch, the "
+                             "step budget, prefix caching or the replicas (CPU only for now)")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=ENGINE_DEFAULTS["load_format"],
                         help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=ENGINE_DEFAULTS["quantization"],

@@ -10,7 +10,9 @@ import functools
 import torch
 
 from batchllm import kernels
+from batchllm.model.layers import batch_invariant
 from batchllm.model.attention.backend import AttentionBackend, AttentionParams
+from batchllm.model.attention.invariant_backend import INVARIANT_BACKEND
 from batchllm.model.attention.torch_backend import TORCH_BACKEND
 
 __all__ = ["AttentionBackend", "AttentionParams", "attention_backend"]
@@ -18,10 +20,11 @@ __all__ = ["AttentionBackend", "AttentionParams", "attention_backend"]
 
 def attention_backend(device: torch.device) -> AttentionBackend:
     """The backend for tensors on `device`: Triton on CUDA when the kernels take Triton there (the rule of
-    `batchllm.kernels.triton_enabled`), the pure-torch reference otherwise (the CPU path)."""
+    `batchllm.kernels.triton_enabled`), the pure-torch reference otherwise (the CPU path), or its batch-invariant
+    twin while the step runs batch-invariant (`deterministic=True`, CPU only)."""
     if device.type == "cuda" and kernels.triton_enabled():
         return _triton_backend()
-    return TORCH_BACKEND
+    return INVARIANT_BACKEND if batch_invariant.active() else TORCH_BACKEND
 
 
 @functools.cache
