@@ -75,6 +75,7 @@ class LLM(PoolingCalls):
         self.pooling_params, self.embedding_dim = resolved.pooling_params, resolved.embedding_dim
         # Job manifests pin these (see connectors/jobs/identity.py).
         self.quantization, self.kv_cache_dtype = resolved.pinned_quantization, resolved.kv_cache_dtype
+        self.deterministic = self.config.deterministic
         self.tokenizer = resolved.tokenizer
         self.reasoning_parser = reasoning_parser(self.config.reasoning_parser)
         structured = getattr(self.engine, "structured", None)

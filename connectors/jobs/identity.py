@@ -25,12 +25,15 @@ def model_identity(model_path: Path) -> dict[str, Any]:
 
 
 def quantization_identity(engine: Any) -> dict[str, Any] | None:
-    """The engine's weight quantization and KV-cache dtype when not the defaults (they change the outputs, so a
-    job resumes only under the same ones); None otherwise, which keeps older manifests resumable."""
+    """The engine's weight quantization, KV-cache dtype and `deterministic` when not the defaults (they change the
+    outputs, so a job resumes only under the same ones); None otherwise, which keeps older manifests resumable.
+    `deterministic` appears only when on, so a manifest written without it reads as before."""
     quantization, kv_cache_dtype = getattr(engine, "quantization", None), getattr(engine, "kv_cache_dtype", "auto")
-    if quantization is None and kv_cache_dtype == "auto":
+    deterministic = getattr(engine, "deterministic", False)
+    if quantization is None and kv_cache_dtype == "auto" and not deterministic:
         return None
-    return {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    numerics = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    return {**numerics, "deterministic": True} if deterministic else numerics
 
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any] | None:

@@ -109,6 +109,7 @@ class ReplicaPool:
         # As an LLM reports them (job manifests pin them); the replicas check them against the checkpoint.
         self.quantization = pinned_quantization(read_hf_config(self.model_path), config.quantization.quantization)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.quantization.kv_cache_dtype)
+        self.deterministic = config.deterministic
         # A pooling task's, as an LLM reports them (the map operator and the jobs ask).
         self.task = config.pooling.task
         model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))

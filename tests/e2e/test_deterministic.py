@@ -1,0 +1,118 @@
+"""`deterministic=True` on the CPU, the real default model: 16 rows (greedy and seeded sampling) give bit-identical
+tokens and logprobs alone, inside a batch of 64 other rows, under a 16-token step budget with prefix caching on
+(their shared prefix cached), and through two data-parallel replicas. The reference is the same rows computed
+alone; without the flag the logprobs of the same comparison differ, which shows the comparison can fail."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import batchllm
+from batchllm import LLM, SamplingParams
+from batchllm.connectors.jobs.identity import quantization_identity
+from batchllm.engine_config import EngineConfig, check_deterministic
+from batchllm.entrypoints.cli.engine_flags import OneLineErrors, add_engine_flags, engine_options
+
+# A shared 20-token-plus prefix, so that with prefix caching on the later rows start from cached blocks.
+PREFIX = "You are a careful assistant. Answer in one short sentence, with no preamble and no lists. "
+ROWS = [PREFIX + f"Question {i}: what is {i} plus {3 * i + 1}, and why?" for i in range(16)]
+OTHERS = [f"Write a line about the number {i} and the colour {c}." for i, c in
+          zip(range(64), ["red", "green", "blue", "amber"] * 16)]
+MAX_TOKENS = 6
+
+
+def _params(i: int) -> SamplingParams:
+    """Rows 0-7 greedy, 8-15 seeded sampling; two logprobs a token."""
+    if i < 8:
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, logprobs=2)
+
+
+def _results(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[tuple]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(tuple(o.outputs[0].token_ids),
+             tuple(tuple((t, lp.logprob) for t, lp in sorted(step.items())) for step in o.outputs[0].logprobs or ()))
+            for o in outputs]
+
+
+def _each_alone(llm: LLM) -> list[tuple]:
+    """Each row in a call of its own: its steps hold only it (one-row GEMMs, which MKL rounds unlike 16 or more)."""
+    return [_results(llm, [row], [_params(i)])[0] for i, row in enumerate(ROWS)]
+
+
+def _alone_and_in_batch(llm: LLM) -> tuple[list[tuple], list[tuple]]:
+    """The 16 rows each alone, then the same rows spread inside a batch of 64 others (other params: greedy)."""
+    alone = _each_alone(llm)
+    mixed, params, where = [], [], []
+    for j, other in enumerate(OTHERS):
+        if j % 4 == 0:
+            where.append(len(mixed))
+            mixed.append(ROWS[j // 4])
+            params.append(_params(j // 4))
+        mixed.append(other)
+        params.append(SamplingParams(max_tokens=MAX_TOKENS + j % 5, temperature=0))
+    in_batch = _results(llm, mixed, params)
+    return alone, [in_batch[k] for k in where]
+
+
+@pytest.fixture(scope="module")
+def deterministic_llm():
+    return LLM(device="cpu", deterministic=True, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def alone(deterministic_llm):
+    return _each_alone(deterministic_llm)
+
+
+def test_rows_alone_equal_rows_inside_a_batch_bit_for_bit(deterministic_llm, alone):
+    again, in_batch = _alone_and_in_batch(deterministic_llm)
+    together = _results(deterministic_llm, ROWS, [_params(i) for i in range(16)])  # the 16 rows as one batch
+    assert again == alone
+    assert in_batch == alone
+    assert together == alone
+
+
+def test_rows_under_a_16_token_budget_with_prefix_caching_equal_rows_alone(alone):
+    llm = LLM(device="cpu", deterministic=True, max_num_batched_tokens=16, enable_prefix_caching=True)
+    first = _results(llm, ROWS, [_params(i) for i in range(16)])
+    cached = _results(llm, ROWS, [_params(i) for i in range(16)])  # every prompt's prefix blocks are cached now
+    assert first == alone
+    assert cached == alone
+
+
+def test_rows_through_two_data_parallel_replicas_equal_rows_alone(alone):
+    frame = pd.DataFrame({"q": ROWS[:8]})  # greedy rows: the door takes one SamplingParams for every row
+    result = batchllm.generate(frame, prompt_column="q", engine_kwargs={"device": "cpu", "deterministic": True,
+                                                                       "enable_prefix_caching": False},
+                               data_parallel_size=2, use_tqdm=False, max_tokens=MAX_TOKENS, temperature=0,
+                               logprobs=2)
+    for row, (tokens, steps) in zip(result["logprobs"], alone[:8]):
+        assert tuple(step["token_id"] for step in row) == tokens
+        assert tuple(step["logprob"] for step in row) == tuple(dict(step)[t] for step, t in zip(steps, tokens))
+
+
+def test_without_the_flag_the_logprobs_move_with_the_batch():
+    alone, in_batch = _alone_and_in_batch(LLM(device="cpu", enable_prefix_caching=False))
+    assert alone != in_batch
+
+
+def test_the_flag_reaches_the_config_the_cli_and_the_job_manifest():
+    assert EngineConfig.from_kwargs(device="cpu", deterministic=True).deterministic is True
+    assert EngineConfig.from_kwargs(device="cpu").deterministic is False
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        EngineConfig.from_kwargs(device="cpu", deterministic="yes")
+    with pytest.raises(ValueError, match="GPU path is not batch-invariant yet"):
+        check_deterministic(True, "cuda:0")
+    parser = OneLineErrors()
+    add_engine_flags(parser)
+    assert engine_options(parser.parse_args(["--deterministic"])) == {"deterministic": True}
+    assert engine_options(parser.parse_args([])) == {}
+
+    class Engine:
+        quantization, kv_cache_dtype, deterministic = None, "auto", True
+
+    assert quantization_identity(Engine()) == {"quantization": None, "kv_cache_dtype": "auto", "deterministic": True}
+    Engine.deterministic = False
+    assert quantization_identity(Engine()) is None  # manifests written without the flag read as before
