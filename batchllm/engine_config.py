@@ -230,7 +230,7 @@ class EngineConfig:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         device, dtype = resolve_device_and_dtype(a["device"], a["dtype"])
-        check_deterministic(a["deterministic"], device)
+        check_deterministic(a["deterministic"], device, a["enable_lora"], a["speculative_config"])
         if a["async_scheduling"] not in (None, True, False):
             raise ValueError(f"LLM argument async_scheduling must be None, True or False, "
                              f"got {a['async_scheduling']!r}")
@@ -262,11 +262,17 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def check_deterministic(deterministic: Any, device: str) -> None:
+def check_deterministic(deterministic: Any, device: str, enable_lora: Any = False, speculative_config: Any = None
+                        ) -> None:
     """`deterministic=True` is batch-invariant on the CPU only: the GPU kernels (GEMM tiles, split attention) still
-    choose their reduction order by the batch, so on CUDA it is refused rather than promised."""
+    choose their reduction order by the batch, so on CUDA it is refused rather than promised. So are LoRA (its
+    deltas are GEMMs over the step's rows) and speculative decoding (drafts and verification not made invariant)."""
     if not isinstance(deterministic, bool):
         raise ValueError(f"LLM argument deterministic must be True or False, got {deterministic!r}")
+    for name, used in (("enable_lora", enable_lora), ("speculative_config", speculative_config is not None)):
+        if deterministic and used:
+            raise ValueError(f"LLM argument deterministic=True does not work with {name} yet: its GEMMs are not "
+                             f"batch-invariant")
     if deterministic and device.startswith("cuda"):
         raise ValueError("LLM argument deterministic=True: the GPU path is not batch-invariant yet (its GEMM and "
                          "attention kernels pick their reduction order by the batch); batch-invariant outputs work "

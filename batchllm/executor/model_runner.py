@@ -39,7 +39,7 @@ from batchllm.executor.step_output import HostTokenBuffers, StepOutput
 from batchllm.executor.step_sampling import StepSampling
 from batchllm.forward_context import set_forward_context
 from batchllm.kernels import triton_enabled
-from batchllm.model.layers.batch_invariant import batch_invariant_mode
+from batchllm.model.layers.batch_invariant import batch_invariant_mode, make_batch_invariant
 from batchllm.model.layers.lora import set_lora_batch
 from batchllm.model.layers.rejection_sampler import RejectionSampler
 from batchllm.model.layers.sampler import Sampler
@@ -150,6 +150,7 @@ class ModelRunner(StepSampling):
                       and get_ep().size == 1)
         self.graphs = self._capture_graphs() if use_graphs else None
         if config.deterministic:  # every caller's step (execute_model, TP workers) runs batch-invariant
+            make_batch_invariant(self.model)
             self.execute_model_async = _batch_invariant(self.execute_model_async)
         # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
         self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows

@@ -105,6 +105,11 @@ def test_the_flag_reaches_the_config_the_cli_and_the_job_manifest():
         EngineConfig.from_kwargs(device="cpu", deterministic="yes")
     with pytest.raises(ValueError, match="GPU path is not batch-invariant yet"):
         check_deterministic(True, "cuda:0")
+    with pytest.raises(ValueError, match="deterministic=True does not work with enable_lora"):
+        EngineConfig.from_kwargs(device="cpu", deterministic=True, enable_lora=True)
+    with pytest.raises(ValueError, match="deterministic=True does not work with speculative_config"):
+        EngineConfig.from_kwargs(device="cpu", deterministic=True,
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     parser = OneLineErrors()
     add_engine_flags(parser)
     assert engine_options(parser.parse_args(["--deterministic"])) == {"deterministic": True}

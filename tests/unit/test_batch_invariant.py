@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels import reference
-from batchllm.model.layers.batch_invariant import batch_invariant_mode, invariant_paged_attention, row_chunked_mm
+from batchllm.model.layers.batch_invariant import ROW_CHUNK, invariant_paged_attention, row_chunked
 
 BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 16, 40, 6, 2, 64
 
@@ -31,19 +31,21 @@ def test_plain_linear_rounds_a_row_by_the_number_of_rows():
     assert not torch.equal(F.linear(x[:1], weight), F.linear(x, weight)[:1])  # what the chunking is for
 
 
-def test_linear_in_the_mode_gives_a_row_the_same_bits_inside_any_batch(threads):
+def test_row_chunked_linear_gives_a_row_the_same_bits_inside_any_batch(threads):
     torch.manual_seed(0)
     x, weight, bias = torch.randn(300, 576), torch.randn(192, 576), torch.randn(192)
-    with torch.inference_mode(), batch_invariant_mode():
-        alone = [F.linear(x[i:i + 1], weight, bias) for i in (0, 5, 17)]
-        for rows in (7, 64, 300):
-            batch = F.linear(x[:rows], weight, bias)
-            for row, expected in zip((0, 5, 17), alone):
-                if row < rows:
-                    assert torch.equal(batch[row:row + 1], expected), (rows, row)
-        assert torch.equal(torch.mm(x[:1], weight.t()), row_chunked_mm(x[:1], weight.t()))
-        three_d = F.linear(x[:64].view(8, 8, 576), weight)
-    torch.testing.assert_close(three_d.view(64, 192), x[:64] @ weight.t(), rtol=1e-5, atol=1e-4)
+
+    def linear(rows):
+        return row_chunked(lambda chunk: F.linear(chunk, weight, bias), rows)
+
+    alone = {i: linear(x[i:i + 1]) for i in (0, 5, 17, ROW_CHUNK + 3)}
+    for rows in (7, 64, 300):
+        batch = linear(x[:rows])
+        for row, expected in alone.items():
+            if row < rows:
+                assert torch.equal(batch[row:row + 1], expected), (rows, row)
+    three_d = linear(x[:64].view(8, 8, 576))
+    torch.testing.assert_close(three_d.view(64, 192), x[:64] @ weight.t() + bias, rtol=1e-5, atol=1e-4)
 
 
 def _cache_and_queries(seq_len: int):

@@ -3,34 +3,40 @@ of its step.
 
 What moves today without it (measured on the CPU, float32, MKL): a GEMM's row changes with M, the number of rows
 in the call (M = 1, 2, 7 and >= 16 give three different roundings of the same row), and the reference attention's
-`scaled_dot_product_attention` changes with the number of query tokens of a sequence in the step (chunked prefill,
-a cached prefix, decode). RMSNorm's, the sampler's log-softmax and the elementwise ops are row-local already (the
-same row gives the same bits inside 1, 2, 7, 64 and 300 rows, 1 and 2 OpenMP threads).
+`scaled_dot_product_attention` changes with the number of query tokens of a sequence in the step (decode rows,
+short prefills). RMSNorm's, the sampler's log-softmax and the elementwise ops are row-local already (the same row
+gives the same bits inside 1, 2, 7, 64 and 300 rows, under 1 and 2 OpenMP threads).
 
-So, while `batch_invariant_mode()` is entered (the model runner enters it around each step when the engine was
-built with `deterministic=True`):
-- every `mm` / `addmm` on the CPU runs in calls of exactly `ROW_CHUNK` rows (the last padded with zeros), so MKL
-  takes the same path for every call; a row's result is then the same wherever it sits in the step (checked
-  empirically, tests/unit/test_batch_invariant.py, also under 1 and 2 threads);
-- attention is `invariant_paged_attention`: each query row is reduced over its keys in fixed tiles of absolute key
-  positions, with the same call shapes whatever the step holds.
-Outside the mode nothing here runs: the default paths are untouched.
+So, with the flag, the model runner calls `make_batch_invariant(model)` once after loading, and runs each step
+inside `batch_invariant_mode()`:
+- every linear layer's method becomes `RowChunkedLinearMethod`, and the LM head's `compute_logits` is wrapped the
+  same way: they multiply `ROW_CHUNK` rows at a time (the last chunk padded with zeros), so every GEMM call has
+  the same shape and MKL takes the same path; a row's result is then the same wherever it sits in the step;
+- attention is `invariant_paged_attention` (`attention_backend` picks it while the mode is on): each query row is
+  reduced over its keys in fixed tiles of absolute key positions, with the same call shapes whatever the step holds.
+Without the flag nothing here runs: the default paths are untouched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.nn.functional as F
+from torch import nn
 
 from batchllm.forward_context import AttentionMetadata
+from batchllm.model.quantization.unquantized import UnquantizedLinearMethod
 
-ROW_CHUNK = 16  # rows per GEMM call: MKL rounds M >= 16 alike, so decode rows are padded the least
+# Rows per GEMM call. 64 keeps a 64-row decode step at one call per layer (the same time as the plain path on
+# this CPU) and a prefill's calls large; a step of fewer rows pays for 64 (a lone row's LM head ~5x).
+ROW_CHUNK = 64
+ATTENTION_ROW_CHUNK = 8  # query rows of one sequence per attention call: decode rows are padded to it (16: 1.2x the
+# step time of 8 for 64 decode rows; 1: a prefill gathers its keys once per row)
 KEY_TILE = 64  # keys per attention tile (rounded up to whole KV blocks)
 
-_aten = torch.ops.aten
 _active = False
 
 
@@ -39,54 +45,52 @@ def active() -> bool:
     return _active
 
 
-class _RowChunkedMatmul(TorchDispatchMode):
-    """Routes the CPU's matmuls against a 2-D weight (`F.linear`, which inference mode does not decompose, and the
-    `mm` / `addmm` / `matmul` of other code: the linear layers, the LM head, MoE experts, LoRA) through
-    `row_chunked_mm`."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _aten.linear.default and args[0].device.type == "cpu":
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = row_chunked_mm(x.reshape(-1, x.shape[-1]), weight.t())
-            out = out if bias is None else out + bias
-            return out.view(*x.shape[:-1], weight.shape[0])
-        if func in (_aten.mm.default, _aten.matmul.default) and args[0].device.type == "cpu" and args[1].dim() == 2:
-            x = args[0]
-            return row_chunked_mm(x.reshape(-1, x.shape[-1]), args[1]).view(*x.shape[:-1], args[1].shape[1])
-        if func is _aten.addmm.default and args[1].device.type == "cpu":
-            bias, a, b = args
-            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-            product = row_chunked_mm(a, b)
-            if alpha != 1:
-                product = product * alpha
-            return product + (bias if beta == 1 else bias * beta)
-        return func(*args, **kwargs)
-
-
-def row_chunked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` computed `ROW_CHUNK` rows at a time (zero-padded), so every GEMM call has the same shape."""
-    rows = a.shape[0]
-    padded = -(-rows // ROW_CHUNK) * ROW_CHUNK
-    if padded != rows:
-        a = torch.cat([a, a.new_zeros(padded - rows, a.shape[1])])
-    out = a.new_empty(padded, b.shape[1])
-    for start in range(0, padded, ROW_CHUNK):
-        torch.mm(a[start:start + ROW_CHUNK], b, out=out[start:start + ROW_CHUNK])
-    return out[:rows]
-
-
 @contextmanager
 def batch_invariant_mode() -> Iterator[None]:
-    """Runs the enclosed steps batch-invariant (see the module docstring)."""
+    """Runs the enclosed steps' attention batch-invariant (the linear layers are, once `make_batch_invariant` ran)."""
     global _active
     previous, _active = _active, True
     try:
-        with _RowChunkedMatmul():
-            yield
+        yield
     finally:
         _active = previous
+
+
+def row_chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for a row-wise `fn` over `x [..., features]`, computed `ROW_CHUNK` rows at a time (zero-padded), so
+    every call `fn` makes has the same shape."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    padded = -(-count // ROW_CHUNK) * ROW_CHUNK
+    if padded != count:
+        rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
+    out = torch.cat([fn(rows[start:start + ROW_CHUNK]) for start in range(0, padded, ROW_CHUNK)])[:count]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class RowChunkedLinearMethod(UnquantizedLinearMethod):
+    """The unquantized method, multiplying in row chunks (`row_chunked`)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return row_chunked(lambda rows: F.linear(rows, layer.weight, bias), x)
+
+
+def make_batch_invariant(model: nn.Module) -> None:
+    """Switches a loaded model's linear layers and LM head to row-chunked GEMMs. Raises ValueError for what is not
+    batch-invariant yet: MoE experts (their GEMMs take each expert's tokens) and quantized linear methods."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "FusedMoE":
+            raise ValueError(f"LLM argument deterministic=True: MoE models are not batch-invariant yet ({name} groups "
+                             f"each expert's tokens into one GEMM, whose rounding depends on the batch)")
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        if type(method) is not UnquantizedLinearMethod:
+            raise ValueError(f"LLM argument deterministic=True: quantized linear layers are not batch-invariant yet "
+                             f"({name} uses {type(method).__name__})")
+        module.quant_method = RowChunkedLinearMethod(method.config)
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: row_chunked(compute_logits, hidden)
 
 
 def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -95,9 +99,9 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.reference.paged_attention`'s result (same arguments), with each query row's reduction fixed.
 
-    Query rows are cut into chunks of `ROW_CHUNK` rows of one sequence (zero-padded), and every chunk of the step
-    walks the key tiles `[t * tile, (t + 1) * tile)` of absolute positions in order, with an online softmax in
-    float32. Every call has the same shapes, whatever else is in the step. A row's keys beyond its own position
+    Query rows are cut into chunks of `ATTENTION_ROW_CHUNK` rows of one sequence (zero-padded), and every chunk of
+    the step walks the key tiles `[t * tile, (t + 1) * tile)` of absolute positions in order, with an online softmax
+    in float32. Every call has the same shapes, whatever else is in the step. A row's keys beyond its own position
     (or its sequence's end) get probability exactly 0 and leave its running max, sum and output bit for bit
     unchanged, so how many tiles its chunk walks, and which rows share the chunk, do not move it.
     """
@@ -113,16 +117,16 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     for i, seq_len in enumerate(seq_lens):
         start, end = starts[i], starts[i + 1]
-        for first in range(start, end, ROW_CHUNK):
+        for first in range(start, end, ATTENTION_ROW_CHUNK):
             chunk_seq.append(i)
             chunk_first_row.append(first)
-            chunk_rows.append(min(ROW_CHUNK, end - first))
+            chunk_rows.append(min(ATTENTION_ROW_CHUNK, end - first))
             chunk_first_pos.append(seq_len - (end - start) + first - start)
     output = torch.zeros_like(query)
     if not chunk_seq:
         return output
     device = query.device
-    offsets = torch.arange(ROW_CHUNK, device=device)
+    offsets = torch.arange(ATTENTION_ROW_CHUNK, device=device)
     first_row = torch.tensor(chunk_first_row, device=device)
     row_valid = offsets[None, :] < torch.tensor(chunk_rows, device=device)[:, None]  # [B, C]
     row_index = torch.where(row_valid, first_row[:, None] + offsets[None, :], 0)
@@ -130,17 +134,17 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     num_chunks = len(chunk_seq)
     # [B, C, Hkv, G, D] -> [B * Hkv, G * C, D]: each KV head's query heads and rows as one matrix.
     q = torch.where(row_valid[:, :, None, None], query[row_index].float(), 0.0)
-    q = q.view(num_chunks, ROW_CHUNK, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_chunks * num_kv_heads, group * ROW_CHUNK, head_dim)
+    q = q.view(num_chunks, ATTENTION_ROW_CHUNK, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_chunks * num_kv_heads, group * ATTENTION_ROW_CHUNK, head_dim)
     seq_index = torch.tensor(chunk_seq, device=device)
     tables = metadata.block_tables[seq_index].long()
     chunk_seq_lens = torch.tensor([seq_lens[i] for i in chunk_seq], device=device)
     last_pos = max(pos + rows - 1 for pos, rows in zip(chunk_first_pos, chunk_rows))
-    shape = (num_chunks * num_kv_heads, group * ROW_CHUNK)
+    shape = (num_chunks * num_kv_heads, group * ATTENTION_ROW_CHUNK)
     running_max = torch.full(shape, float("-inf"), device=device)
     running_sum = torch.zeros(shape, device=device)
     if sinks is not None:  # a sink is a logit with no value: it starts every row's softmax
-        running_max = sinks.float().view(1, num_kv_heads, group, 1).expand(num_chunks, -1, -1, ROW_CHUNK)
+        running_max = sinks.float().view(1, num_kv_heads, group, 1).expand(num_chunks, -1, -1, ATTENTION_ROW_CHUNK)
         running_max = running_max.reshape(shape).clone()
         running_sum = torch.ones(shape, device=device)
     acc = torch.zeros(*shape, head_dim, device=device)
@@ -168,8 +172,8 @@ def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         acc = acc * rescale[..., None] + torch.bmm(probs, values)
         running_max = new_max
     out = acc / torch.where(running_sum > 0, running_sum, 1.0)[..., None]
-    out = out.view(num_chunks, num_kv_heads, group, ROW_CHUNK, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(num_chunks, ROW_CHUNK, num_heads, head_dim).to(query.dtype)
+    out = out.view(num_chunks, num_kv_heads, group, ATTENTION_ROW_CHUNK, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_chunks, ATTENTION_ROW_CHUNK, num_heads, head_dim).to(query.dtype)
     output[row_index[row_valid]] = out[row_valid]
     return output
 
