@@ -11,6 +11,7 @@ import pytest
 import batchllm
 from batchllm import LLM, SamplingParams
 from batchllm.connectors.jobs.identity import quantization_identity
+from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.engine_config import EngineConfig, check_deterministic
 from batchllm.entrypoints.cli.engine_flags import OneLineErrors, add_engine_flags, engine_options
 
@@ -93,9 +94,23 @@ def test_rows_through_two_data_parallel_replicas_equal_rows_alone(alone):
         assert tuple(step["logprob"] for step in row) == tuple(dict(step)[t] for step, t in zip(steps, tokens))
 
 
-def test_without_the_flag_the_logprobs_move_with_the_batch():
-    alone, in_batch = _alone_and_in_batch(LLM(device="cpu", enable_prefix_caching=False))
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(device="cpu", enable_prefix_caching=False)
+
+
+def test_without_the_flag_the_logprobs_move_with_the_batch(default_llm):
+    alone, in_batch = _alone_and_in_batch(default_llm)
     assert alone != in_batch
+
+
+def test_a_job_resumed_with_the_other_value_is_refused(deterministic_llm, default_llm, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(f'{{"q": "Row {i}: name a fruit."}}\n' for i in range(4)))
+    job = {"prompt_column": "q", "rows_per_shard": 2, "max_tokens": 2, "temperature": 0, "use_tqdm": False}
+    batchllm.run_job(source, tmp_path / "out", llm=deterministic_llm, **job)
+    with pytest.raises(ManifestMismatch, match="deterministic"):
+        batchllm.run_job(source, tmp_path / "out", llm=default_llm, **job)
 
 
 def test_the_flag_reaches_the_config_the_cli_and_the_job_manifest():
