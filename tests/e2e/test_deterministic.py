@@ -5,6 +5,11 @@ alone; without the flag the logprobs of the same comparison differ, which shows 
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 import pandas as pd
 import pytest
 
@@ -14,6 +19,7 @@ from batchllm.connectors.jobs.identity import quantization_identity
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.engine_config import EngineConfig, check_deterministic
 from batchllm.entrypoints.cli.engine_flags import OneLineErrors, add_engine_flags, engine_options
+from tests.connectors.jobs import read_shards, write_parquet_input
 
 # A shared 20-token-plus prefix, so that with prefix caching on the later rows start from cached blocks.
 PREFIX = "You are a careful assistant. Answer in one short sentence, with no preamble and no lists. "
@@ -42,9 +48,8 @@ def _each_alone(llm: LLM) -> list[tuple]:
     return [_results(llm, [row], [_params(i)])[0] for i, row in enumerate(ROWS)]
 
 
-def _alone_and_in_batch(llm: LLM) -> tuple[list[tuple], list[tuple]]:
-    """The 16 rows each alone, then the same rows spread inside a batch of 64 others (other params: greedy)."""
-    alone = _each_alone(llm)
+def _in_batch(llm: LLM) -> list[tuple]:
+    """The 16 rows spread inside a batch of 64 others (other params: greedy, longer or shorter)."""
     mixed, params, where = [], [], []
     for j, other in enumerate(OTHERS):
         if j % 4 == 0:
@@ -54,7 +59,7 @@ def _alone_and_in_batch(llm: LLM) -> tuple[list[tuple], list[tuple]]:
         mixed.append(other)
         params.append(SamplingParams(max_tokens=MAX_TOKENS + j % 5, temperature=0))
     in_batch = _results(llm, mixed, params)
-    return alone, [in_batch[k] for k in where]
+    return [in_batch[k] for k in where]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +73,8 @@ def alone(deterministic_llm):
 
 
 def test_rows_alone_equal_rows_inside_a_batch_bit_for_bit(deterministic_llm, alone):
-    again, in_batch = _alone_and_in_batch(deterministic_llm)
+    in_batch = _in_batch(deterministic_llm)
     together = _results(deterministic_llm, ROWS, [_params(i) for i in range(16)])  # the 16 rows as one batch
-    assert again == alone
     assert in_batch == alone
     assert together == alone
 
@@ -100,8 +104,7 @@ def default_llm():
 
 
 def test_without_the_flag_the_logprobs_move_with_the_batch(default_llm):
-    alone, in_batch = _alone_and_in_batch(default_llm)
-    assert alone != in_batch
+    assert _each_alone(default_llm) != _in_batch(default_llm)
 
 
 def test_a_job_resumed_with_the_other_value_is_refused(deterministic_llm, default_llm, tmp_path):
@@ -136,3 +139,32 @@ def test_the_flag_reaches_the_config_the_cli_and_the_job_manifest():
     assert quantization_identity(Engine()) == {"quantization": None, "kv_cache_dtype": "auto", "deterministic": True}
     Engine.deterministic = False
     assert quantization_identity(Engine()) is None  # manifests written without the flag read as before
+
+
+def test_a_job_killed_and_resumed_equals_the_uninterrupted_job(deterministic_llm, tmp_path):
+    """`batchllm run --deterministic` killed (SIGKILL) after its first shard and run again: its rows, logprobs
+    included, equal an uninterrupted in-process job's (prefix caching off there, on in the CLI's engine)."""
+    source = tmp_path / "in"
+    write_parquet_input(source, [12], row_group_size=4)
+    reference = tmp_path / "reference"
+    batchllm.run_job(source, reference, llm=deterministic_llm, prompt_column="q", rows_per_shard=4, max_in_flight=2,
+                     max_tokens=MAX_TOKENS, temperature=0, logprobs=1, use_tqdm=False)
+    output, log = tmp_path / "out", tmp_path / "job.log"
+    command = [sys.executable, "-m", "batchllm", "run", str(source), str(output), "--prompt-column", "q",
+               "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--logprobs", "1", "--rows-per-shard", "4",
+               "--max-in-flight", "2", "--device", "cpu", "--deterministic"]
+    # Not from the repo root: `python -m` puts the cwd on sys.path, and the root's kernels/ shadows HF's `kernels`.
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    manifest = output / "_manifest.jsonl"
+    deadline = time.monotonic() + 300
+    while process.poll() is None and not (manifest.exists() and len(manifest.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    killed = process.poll() is None
+    if killed:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    resumed = subprocess.run(command, cwd=tmp_path, stdout=log.open("ab"), stderr=subprocess.STDOUT, timeout=600)
+    assert resumed.returncode == 0, log.read_text()
+    assert killed, "the job ended before the kill"
+    assert read_shards(output).sort_by("id").equals(read_shards(reference).sort_by("id"))
