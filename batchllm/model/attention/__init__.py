@@ -10,10 +10,10 @@ import functools
 import torch
 
 from batchllm import kernels
-from batchllm.model.layers import batch_invariant
 from batchllm.model.attention.backend import AttentionBackend, AttentionParams
 from batchllm.model.attention.invariant_backend import INVARIANT_BACKEND
 from batchllm.model.attention.torch_backend import TORCH_BACKEND
+from batchllm.model.layers import batch_invariant
 
 __all__ = ["AttentionBackend", "AttentionParams", "attention_backend"]
 
