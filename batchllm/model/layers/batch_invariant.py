@@ -56,15 +56,19 @@ def batch_invariant_mode() -> Iterator[None]:
         _active = previous
 
 
-def row_chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def row_chunked(fn: Callable[[torch.Tensor], torch.Tensor | None], x: torch.Tensor) -> torch.Tensor | None:
     """`fn(x)` for a row-wise `fn` over `x [..., features]`, computed `ROW_CHUNK` rows at a time (zero-padded), so
-    every call `fn` makes has the same shape."""
+    every call `fn` makes has the same shape. None where `fn` gives None (the LM head on tensor-parallel ranks
+    other than 0)."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    padded = -(-count // ROW_CHUNK) * ROW_CHUNK
+    padded = max(1, -(-count // ROW_CHUNK)) * ROW_CHUNK
     if padded != count:
         rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
-    out = torch.cat([fn(rows[start:start + ROW_CHUNK]) for start in range(0, padded, ROW_CHUNK)])[:count]
+    chunks = [fn(rows[start:start + ROW_CHUNK]) for start in range(0, padded, ROW_CHUNK)]
+    if chunks[0] is None:
+        return None
+    out = torch.cat(chunks)[:count]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
