@@ -47,13 +47,18 @@ def active() -> bool:
 
 @contextmanager
 def batch_invariant_mode() -> Iterator[None]:
-    """Runs the enclosed steps' attention batch-invariant (the linear layers are, once `make_batch_invariant` ran)."""
+    """Runs the enclosed steps' attention batch-invariant (the linear layers are, once `make_batch_invariant` ran),
+    on one CPU thread: a data-parallel replica gets its share of the cores, and a row's bits must not depend on how
+    many threads its engine has (a 2-core machine's replicas got 1 each against 2 for one engine, and differed)."""
     global _active
     previous, _active = _active, True
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         yield
     finally:
         _active = previous
+        torch.set_num_threads(threads)
 
 
 def row_chunked(fn: Callable[[torch.Tensor], torch.Tensor | None], x: torch.Tensor) -> torch.Tensor | None:
