@@ -194,12 +194,12 @@ class PrefillKVCacheManager(KVCacheManager):
         self.connectors.append(self.sender)
 
 
-class DecodeKVCacheManager(KVCacheManager):
-    """A decode engine's KV manager: the link's receiving side after the host tier."""
+class _ReceivesHandoffs:
+    """A decode engine's side of the link, for either KV manager: its receiver is its last connector."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
-                 num_host_blocks: int = 0) -> None:
-        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+    connectors: list[KVConnector]
+
+    def _attach_receiver(self, link: BlockPool) -> None:
         self.link = link
         self.receiver = LinkReceiver(link)
         self.connectors.append(self.receiver)
@@ -207,6 +207,15 @@ class DecodeKVCacheManager(KVCacheManager):
     @property
     def handoff(self) -> HandoffStats:
         return self.receiver.stats
+
+
+class DecodeKVCacheManager(_ReceivesHandoffs, KVCacheManager):
+    """A decode engine's KV manager: the link's receiving side after the host tier."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, link: BlockPool,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, num_host_blocks)
+        self._attach_receiver(link)
 
 
 class HybridPrefillKVCacheManager(HybridKVCacheManager):
@@ -223,16 +232,10 @@ class HybridPrefillKVCacheManager(HybridKVCacheManager):
         return [block.block_id for block in self.held_blocks(request)]
 
 
-class HybridDecodeKVCacheManager(HybridKVCacheManager):
+class HybridDecodeKVCacheManager(_ReceivesHandoffs, HybridKVCacheManager):
     """A decode engine's hybrid KV manager: loads each group's held blocks into fresh ones (`allocate_held`)."""
 
     def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool,
                  link: BlockPool, num_host_blocks: int = 0) -> None:
         super().__init__(num_blocks, block_size, layout, enable_caching, num_host_blocks)
-        self.link = link
-        self.receiver = LinkReceiver(link)
-        self.connectors.append(self.receiver)
-
-    @property
-    def handoff(self) -> HandoffStats:
-        return self.receiver.stats
+        self._attach_receiver(link)
