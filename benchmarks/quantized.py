@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 
 import torch
@@ -44,8 +45,10 @@ def throughput(args) -> dict:
     directory = make_shape_dir(args.shape)
     prompt_tokens = sum(map(len, prompts))
     systems = {}
-    for name in args.configs:
-        figures = run_batchllm(directory, prompts, max_tokens, args, **CONFIGS[name])
+    for name, policy in itertools.product(args.configs, args.admission_policies):
+        figures = run_batchllm(directory, prompts, max_tokens, args, admission_policy=policy, **CONFIGS[name])
+        if len(args.admission_policies) > 1:
+            name = f"{name}-{policy}"
         figures.pop("token_ids", None)
         figures["output_tok_s"] = round(figures["output_tokens"] / figures["generate_s"], 1)
         figures["total_tok_s"] = round((prompt_tokens + figures["output_tokens"]) / figures["generate_s"], 1)
@@ -55,7 +58,7 @@ def throughput(args) -> dict:
         print(f"{name:8} load {figures['load_s']:6.1f} s  gen {figures['generate_s']:7.2f} s  "
               f"out {figures['output_tok_s']:9.1f} tok/s  total {figures['total_tok_s']:9.1f} tok/s  "
               f"KV {figures['peak_kv_blocks']}/{figures['num_kv_blocks']}  preempt {figures['preemptions']}  "
-              f"steps {figures['steps']}", flush=True)
+              f"recomputed {figures['recomputed_tokens']}  steps {figures['steps']}", flush=True)
     base = systems.get("bf16")
     if base:
         for name, figures in systems.items():
@@ -174,6 +177,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--admission-policies", nargs="+", choices=["kv_aware", "optimistic"], default=["kv_aware"],
+                        help="each configuration under each admission policy (engine/admission.py)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=256)
     parser.add_argument("--quality", action="store_true", help="measure |Δ logprob| instead of throughput")
