@@ -84,7 +84,7 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
     query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform, window=window)
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
     scale = query.shape[-1] ** -0.5
-    default_tile = tile_config(1, group_p2, query.shape[-1])
+    default_tile = tile_config(1, group_p2, query.shape[-1], query.dtype, k_cache.dtype == FP8_DTYPE)
     reference = None
     results = []
     shapes = launch_shapes(group_p2) if sweep else iter([(None, None)])

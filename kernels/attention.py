@@ -152,7 +152,7 @@ def paged_attention_triton(
 
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim)
+    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
     block_q = tile.block_m // group_p2
     constants = dict(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
@@ -202,17 +202,26 @@ class TileConfig:
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
 
 
-def tile_config(max_query_len: int, group_p2: int, head_dim: int) -> TileConfig:
+def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: torch.dtype = torch.bfloat16,
+                kv_fp8: bool = False) -> TileConfig:
     """The launch shape for a batch. Correctness does not depend on the choice.
 
-    Decode-only batches take the smallest `tl.dot` tile, 16 rows; batches with prefill tokens take 64 rows,
-    so each K/V tile loaded serves four times more queries. 32-key tiles (two pages) with 4 warps for 16
-    rows and 8 warps for 64 rows compile for sm_90 without register spills at head_dim 128 (64-key tiles
-    spill at 4 warps: the gathered K/V loads hold one 64-bit address per element).
+    Batches with prefill tokens take 64 rows, so each K/V tile loaded serves four times more queries; 32-key
+    tiles with 8 warps compile for sm_90 without register spills at head_dim 128. Decode-only batches take the
+    smallest `tl.dot` tile, 16 rows, and the key tile that moved the most bytes per second in
+    `benchmarks/decode_attention.py`'s sweep on an H100 (2026-12-06): with 16-bit queries, 128 keys and 4 warps for
+    FP8 caches (1.3x the 32-key tile: byte-wide keys need many per step to keep the loads in flight), 64 keys and 2
+    warps at head_dim 64, 32 keys and 2 warps at 128. Float32 queries and head_dim 256 keep 32 keys and 4 warps,
+    which fit the registers and shared memory those wider tiles would exceed.
     """
-    if max_query_len * group_p2 <= 16:
-        return TileConfig(max(16, group_p2), 32, 4)
-    return TileConfig(max(64, group_p2), 32, 8)
+    if max_query_len * group_p2 > 16:
+        return TileConfig(max(64, group_p2), 32, 8)
+    rows = max(16, group_p2)
+    if query_dtype == torch.float32 or head_dim > 128:
+        return TileConfig(rows, 32, 4)
+    if kv_fp8:
+        return TileConfig(rows, 128, 4)
+    return TileConfig(rows, 64, 2) if head_dim <= 64 else TileConfig(rows, 32, 2)
 
 
 @functools.cache

@@ -30,12 +30,13 @@ from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
 
 pytest.importorskip("triton")
 
-from batchllm.kernels.attention import SplitKVWorkspace, paged_attention_triton  # noqa: E402
+from batchllm.kernels.attention import SplitKVWorkspace, paged_attention_triton, tile_config  # noqa: E402
 from batchllm.kernels.fp8 import quantize_fp8_per_token_triton  # noqa: E402
 from batchllm.kernels.kv_write import write_kv_triton  # noqa: E402
 from tests.kernels.test_triton_kernels import (  # noqa: E402
     BLOCK_SIZE,
     CUDA,
+    DECODE_BATCH,
     DEVICE,
     PAD_TOKENS,
     SMALL_MIXED_BATCH,
@@ -343,6 +344,16 @@ def test_fp8_attention_split_kv() -> None:
         *(torch.full(shape, float("nan"), device=DEVICE) for shape in [(32, 4, 4, 128), (32, 4, 4), (32, 4, 4)])
     )
     check_fp8_attention(batch, k_scale=2.0, v_scale=0.05, num_splits=3, workspace=workspace)
+
+
+@pytest.mark.parametrize(("gqa", "head_dim"), [(1, 64), (4, 128), (8, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: int) -> None:
+    """Decode-only batches over FP8 caches take 128-key tiles (tile_config): one to five of them per sequence here,
+    the last partial, and slices of whole tiles when split."""
+    assert tile_config(1, 8, head_dim, torch.float16, kv_fp8=True).tile_n == 128
+    batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa * head_dim, num_blocks=256)
+    check_fp8_attention(batch, k_scale=0.05, v_scale=2.0, num_splits=num_splits)
 
 
 def test_attention_ignores_scales_for_model_dtype_caches() -> None:

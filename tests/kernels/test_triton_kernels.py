@@ -29,6 +29,7 @@ from batchllm.kernels.attention import (  # noqa: E402
     SplitKVWorkspace,
     choose_num_splits,
     paged_attention_triton,
+    tile_config,
 )
 from batchllm.kernels.kv_write import write_kv_triton  # noqa: E402
 from batchllm.kernels.rmsnorm import rms_norm_triton  # noqa: E402
@@ -60,6 +61,8 @@ def rounding_tolerance(dtype: torch.dtype, exact: bool = False) -> dict[str, flo
 # context), prefill chunks on cached context, fresh prefills, and a sequence with nothing scheduled.
 MIXED_BATCH = [(1, 1), (1, 37), (12, 30), (1, 16), (9, 9), (1, 17), (24, 24), (5, 41), (40, 100), (1, 300), (0, 20)]
 SMALL_MIXED_BATCH = [(1, 150), (7, 70), (1, 1), (13, 13), (2, 200)]
+# Decode only (the decode tiles of `tile_config`): a first token, partial last pages, one to five 128-key tiles.
+DECODE_BATCH = [(1, 1), (1, 17), (1, 130), (1, 300), (1, 513)]
 
 
 @dataclass
@@ -156,6 +159,17 @@ def test_split_kv_mixed_batch(gqa: int, head_dim: int, dtype: torch.dtype, num_s
     """Split-KV is meant for decode batches, but it must be right for any batch: its slices are cut per
     query block on the device, including slices that fall entirely past a row's causal limit."""
     check_attention(make_batch(SMALL_MIXED_BATCH, gqa, head_dim, dtype, seed=num_splits), num_splits=num_splits)
+
+
+@pytest.mark.parametrize(("gqa", "head_dim"), [(1, 64), (3, 64), (4, 128), (8, 128)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: int) -> None:
+    """Decode-only batches of 16-bit queries take the decode key tiles (64 keys at head_dim 64, 32 at 128)."""
+    expected_tile_n = 64 if head_dim == 64 else 32
+    group_p2 = 1 << (gqa - 1).bit_length()
+    assert tile_config(1, group_p2, head_dim, torch.float16).tile_n == expected_tile_n
+    batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa + head_dim, num_blocks=256)
+    check_attention(batch, num_splits=num_splits)
 
 
 def test_split_kv_decode_batch_with_a_reused_poisoned_workspace() -> None:
