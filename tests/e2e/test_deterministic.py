@@ -43,9 +43,9 @@ def _results(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list
             for o in outputs]
 
 
-def _each_alone(llm: LLM) -> list[tuple]:
+def _each_alone(llm: LLM, indices=range(len(ROWS))) -> list[tuple]:
     """Each row in a call of its own: its steps hold only it (one-row GEMMs, which MKL rounds unlike 16 or more)."""
-    return [_results(llm, [row], [_params(i)])[0] for i, row in enumerate(ROWS)]
+    return [_results(llm, [ROWS[i]], [_params(i)])[0] for i in indices]
 
 
 def _in_batch(llm: LLM) -> list[tuple]:
@@ -104,7 +104,9 @@ def default_llm():
 
 
 def test_without_the_flag_the_logprobs_move_with_the_batch(default_llm):
-    assert _each_alone(default_llm) != _in_batch(default_llm)
+    # One greedy and one seeded row suffice: without the flag every one of the 16 rows' logprobs moves (measured).
+    in_batch = _in_batch(default_llm)
+    assert _each_alone(default_llm, (0, 8)) != [in_batch[0], in_batch[8]]
 
 
 def test_a_job_resumed_with_the_other_value_is_refused(deterministic_llm, default_llm, tmp_path):
@@ -145,7 +147,7 @@ def test_a_job_killed_and_resumed_equals_the_uninterrupted_job(deterministic_llm
     """`batchllm run --deterministic` killed (SIGKILL) after its first shard and run again: its rows, logprobs
     included, equal an uninterrupted in-process job's (prefix caching off there, on in the CLI's engine)."""
     source = tmp_path / "in"
-    write_parquet_input(source, [12], row_group_size=4)
+    write_parquet_input(source, [8], row_group_size=4)  # two shards: one before the kill, one after
     reference = tmp_path / "reference"
     batchllm.run_job(source, reference, llm=deterministic_llm, prompt_column="q", rows_per_shard=4, max_in_flight=2,
                      max_tokens=MAX_TOKENS, temperature=0, logprobs=1, use_tqdm=False)
