@@ -117,3 +117,39 @@ def peft_greedy(adapter_dirs, prompts):
                     out = model.generate(input_ids=ids, **kwargs)
                 reference[(i, name)] = out[0, len(prompt):].tolist()
     return reference
+
+
+# ---- HF's greedy tokens of the default model, once per session (test_generate_vs_hf.py, test_spec*.py) ---------
+
+class _DefaultModelGreedy:
+    """HF `generate` on the default model: greedy, float32, one prompt at a time, no padding. Each prompt's run is
+    kept, and a shorter request is cut from a longer run: the token of each step does not depend on how many steps
+    follow, and both runs stop at the same EOS, so HF's n-token run is the first n tokens of its longer run."""
+
+    def __init__(self):
+        self._model = None
+        self._runs: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt → (max_new_tokens, new tokens)
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return [self._new_tokens(prompt, max_new_tokens)[:max_new_tokens] for prompt in prompts]
+
+    def _new_tokens(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        asked, tokens = self._runs.get(tuple(prompt), (0, []))
+        if asked < max_new_tokens:
+            if self._model is None:
+                from transformers import AutoModelForCausalLM
+
+                self._model = AutoModelForCausalLM.from_pretrained(_default_model(), dtype=torch.float32).eval()
+            with torch.inference_mode():
+                ids = torch.tensor([prompt])
+                out = self._model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                           do_sample=False)
+            tokens = out[0, len(prompt):].tolist()
+            self._runs[tuple(prompt)] = (max_new_tokens, tokens)
+        return list(tokens)
+
+
+@pytest.fixture(scope="session")
+def hf_default_greedy():
+    """`hf_default_greedy(prompts, max_new_tokens)`: HF's greedy new tokens of each prompt (fresh lists)."""
+    return _DefaultModelGreedy()

@@ -10,7 +10,6 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from batchllm import LLM, SamplingParams
 
@@ -51,19 +50,8 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(model_path, prompts):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 do_sample=False)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+def hf_greedy(hf_default_greedy, prompts):
+    return hf_default_greedy(prompts, MAX_NEW)  # e2e/conftest.py: computed once, shared with test_spec*.py
 
 
 def _greedy_ids(llm: LLM, prompts) -> list[list[int]]:

@@ -26,20 +26,8 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(model_path, prompts):
-    from transformers import AutoModelForCausalLM
-
-    return _hf_greedy(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), prompts)
-
-
-def _hf_greedy(model, prompts) -> list[list[int]]:
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+def hf_greedy(hf_default_greedy, prompts):
+    return hf_default_greedy(prompts, MAX_NEW)  # e2e/conftest.py: computed once, shared with test_generate_vs_hf.py
 
 
 def _tight(prompts) -> dict:

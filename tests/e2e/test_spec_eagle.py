@@ -17,7 +17,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.executor.model_runner import ModelRunner
 from tests.e2e.graph_replay import EagerReplay
 from tests.e2e.test_generate_vs_hf import _prompts
-from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _greedy, _hf_greedy, _tight
+from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _greedy, _tight
 
 NUM_DRAFTS = 3
 CHECKED_PROPOSALS = 40
@@ -38,8 +38,8 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_model, prompts):
-    return _hf_greedy(hf_model, prompts)
+def hf_greedy(hf_default_greedy, prompts):
+    return hf_default_greedy(prompts, MAX_NEW)  # e2e/conftest.py: computed once, shared with test_spec_decode.py
 
 
 def _layer_tensors(prefix: str, c: dict, attn_in: int, generator: torch.Generator) -> dict:
