@@ -33,6 +33,17 @@ loop starts at the tile holding the first key the query block can see, so a deco
 blocks, and split-KV cuts the window, not the whole sequence), logit soft-capping (`cap * tanh(score / cap)`
 on the scaled score), and sinks (a logit per query head in the softmax denominator with no value: the running
 max and sum start from it, in slice 0 only when the keys are split).
+
+Batch invariance (`invariant=True`, for `deterministic=True`): a row's result then depends only on its sequence's
+K/V and its position, never on the rest of the batch. What it would otherwise depend on is fixed: one launch shape
+(`invariant_tile`, the prefill tile, for decode rows too: the reductions over a key tile (`tl.sum`, `tl.dot`) follow
+the tile's layout, which the rows, warps and key-tile width set) and no split-KV (the merge's order would follow the
+number of slices). The key tiles are already aligned to absolute positions from 0: `[t * TILE_N, (t + 1) * TILE_N)`,
+whatever is cached or chunked. The loop's ends do move with the batch (a block's last row sets the end, a block's
+first row the window start, rounded down to a tile), but only over tiles where the row sees no key, and such a tile
+leaves its state bit for bit as it was: its probabilities are exactly 0, so the running max stays, the rescale is
+exp2(0) = 1 and the sum and accumulator add exact zeros (before the row's first visible key its state is the
+initial one, which a masked tile also keeps).
 """
 
 from __future__ import annotations
@@ -117,6 +128,7 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of `query [T, num_heads, head_dim]`; returns `out` (allocated if not given).
 
@@ -127,7 +139,9 @@ def paged_attention_triton(
     ints, never from device values, so the call can be captured in a CUDA graph.
 
     `sliding_window`, `logit_soft_cap` and `sinks [num_heads]` (float32 logits) are the options of
-    `reference.paged_attention`, with the same meaning.
+    `reference.paged_attention`, with the same meaning. `invariant=True` makes each row's result independent of the
+    batch (see the module docstring): it takes `invariant_tile` and one pass, so `tile` and `num_splits` > 1 are
+    refused with it.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -142,6 +156,11 @@ def paged_attention_triton(
         raise ValueError("paged_attention_triton needs unit-stride head dims and K/V caches of one layout")
     if sinks is not None and sinks.shape != (num_heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected one logit per query head ({num_heads},)")
+    if invariant:
+        if tile is not None or (num_splits or 1) != 1:
+            raise ValueError("paged_attention_triton(invariant=True) fixes the launch shape and runs one pass: "
+                             f"got tile={tile} and num_splits={num_splits}")
+        num_splits = 1
     if num_splits is None:
         # A window bounds the keys any query reads, and so the work there is to split.
         keys_read = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
@@ -152,6 +171,8 @@ def paged_attention_triton(
 
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
+    if invariant:
+        tile = invariant_tile(group_p2)
     tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
     block_q = tile.block_m // group_p2
     constants = dict(
@@ -222,6 +243,13 @@ def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: t
     if kv_fp8:
         return TileConfig(rows, 128, 4)
     return TileConfig(rows, 64, 2) if head_dim <= 64 else TileConfig(rows, 32, 2)
+
+
+def invariant_tile(group_p2: int) -> TileConfig:
+    """The one launch shape of `invariant=True`, for every batch: `tile_config`'s prefill tile, which compiles for
+    every head_dim and dtype the kernel takes. Decode rows fill only `group_p2` of its rows per program; the
+    K/V reads, which decode time goes to, are the same."""
+    return TileConfig(max(64, group_p2), 32, 8)
 
 
 @functools.cache

@@ -1,0 +1,97 @@
+"""A batch-invariant Triton GEMM, `y = x W^T (+ bias)`, for `deterministic=True` on CUDA.
+
+A library GEMM picks its kernel, tiles and split-K by M (the rows of the call), so the same row of `x` rounds
+differently inside a decode step of 1 row and a prefill of 300. Here nothing a row's result depends on moves
+with M: the tile shape, warps and stages come from (N, K, dtype) only (`gemm_config`), there is no split-K, and
+each output tile accumulates its K tiles in float32 in increasing order. Rows are independent in `tl.dot` (a
+row's products and their sum never mix with another row's), so row r of `x` gives the same bits alone (M = 1)
+or inside any M: only the number of row tiles in the grid changes. M is not specialised on (`do_not_specialize`):
+one compiled kernel per (N, K, dtype) serves every step, and a CUDA graph captured at one M replays another's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # rows per program, for every M: a decode step pays for 64 rows of one tile, memory-bound anyway
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """The launch shape of `invariant_gemm_kernel` for one (N, K, dtype)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The one launch shape for a weight of `[n, k]` in `dtype`; never a function of M. 64 x 128 x 64 tiles with 4
+    warps and 3 stages are a common Hopper shape for 16-bit operands (24 KiB of shared memory per stage); float32
+    operands take 32-wide K tiles, the same 24 KiB. Untuned: no GPU sweep has been run on it yet."""
+    block_k = 32 if dtype == torch.float32 else 64
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    return GemmConfig(block_n, block_k, num_warps=4, num_stages=3)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for `x [..., K]`, `weight [N, K]`, `bias [N]` of one dtype (bfloat16, float16 or
+    float32), with each row of the result independent of the others' number (see the module docstring)."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
+        raise ValueError(f"invariant_linear takes bfloat16, float16 or float32 operands of one dtype, got x "
+                         f"{x.dtype} and weight {weight.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"invariant_linear: x has {x.shape[-1]} features, weight [{n}, {k}] takes {k}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m > 0:
+        config = gemm_config(n, k, x.dtype)
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n))
+        invariant_gemm_kernel[grid](
+            rows, weight, bias if bias is not None else weight, out, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            # float32 models get float32 products; on the GPU the default would round operands to tf32.
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit(do_not_specialize=["M"])
+def invariant_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`: one `[BLOCK_M, BLOCK_N]` tile of `out` per program."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        # Out-of-range K columns load as 0 for both operands: their products add exact zeros.
+        k_ok = k_start + ks < K
+        x = tl.load(x_ptrs + k_start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k_start, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
