@@ -15,6 +15,7 @@ Same bits as the two-kernel path: `y` is summed in its order, which depends on t
 of `choose_split_k(in_features)` accumulates its chunk of K in SHRINK_BLOCK_K tiles, the splits' float32 sums
 are added in split order, and `y` is built and consumed in the W tiles expand uses. Rounding follows the
 reference: float32 accumulation, `y` rounded to x's dtype, `out + delta` rounded once to out's dtype.
+(tests/kernels/test_lora_fused.py checks the bits in the interpreter, and on a GPU when one is there.)
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from batchllm.kernels import reference
 from batchllm.model.layers.lora import LoRASlots
-from tests.kernels.test_lora_kernels import DEVICE, check, hand_computed, make_step
+from tests.kernels.test_lora_kernels import DEVICE, check, hand_computed, make_step, requires_cuda
 
 pytest.importorskip("triton")
 from batchllm.kernels import lora, lora_fused  # noqa: E402 (needs triton)
@@ -104,3 +104,12 @@ def test_add_lora_triton_takes_the_fused_kernel_up_to_its_threshold(monkeypatch,
     expected = reference.add_lora_(step.x, before.clone(), *step.args()[2:])
     check(step, before, lora.add_lora_triton(*step.args()), expected)
     assert calls == ([num_tokens] if fused else [])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_real_size(dtype):
+    # A decode step of llama3-8b's qkv layer: 4 slots of 3 x rank 16, 64 decode rows, an empty slot, base rows.
+    step = make_step([30, 1, 0, 25], 8, 4096, 48, 6144, dtype, seed=17, device="cuda")
+    check_step(step)
