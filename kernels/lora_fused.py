@@ -33,6 +33,9 @@ from batchllm.kernels.lora import (
     shrink_splits,
 )
 
+# Shrink tiles per turn of a program's K loop (see _shrink_split). Not yet tuned on a GPU.
+K_UNROLL = 4
+
 
 def add_lora_fused(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
@@ -54,23 +57,34 @@ def add_lora_fused(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch
         x, a, b, out, sorted_tokens, slot_starts, in_features, width, out_features, chunk,
         x.stride(0), out.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         SPLIT_K=split_k, NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K,
-        BLOCK_W=min(EXPAND_MAX_BLOCK_K, max(16, triton.next_power_of_2(width))), DOT_PRECISION=precision,
+        BLOCK_W=min(EXPAND_MAX_BLOCK_K, max(16, triton.next_power_of_2(width))), K_UNROLL=K_UNROLL,
+        DOT_PRECISION=precision,
     )
     return out
 
 
 @triton.jit
 def _shrink_split(x_rows, a_cols, in_segment, in_width, k_start, k_end, BLOCK_M: tl.constexpr,
-                  BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Float32 `x . a` over input features [k_start, k_end) for the block's rows and one W tile, in BLOCK_K
-    tiles: one split of the two-kernel shrink, summed in its order."""
+    tiles: one split of the two-kernel shrink, summed in its order. A program walks all of K alone (the two
+    kernels spread it over split programs), so the loop takes K_UNROLL tiles a turn, their loads issued
+    together, then the remaining tiles one by one: the same tiles added in the same order."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    step = BLOCK_K * K_UNROLL
+    k_whole = k_start + (k_end - k_start) // step * step
+    for k0 in range(k_start, k_whole, step):  # whole turns: no K mask
+        for u in tl.static_range(K_UNROLL):
+            k = k0 + u * BLOCK_K + ks
+            x_tile = tl.load(x_rows + k[None, :], mask=in_segment[:, None], other=0.0)
+            a_tile = tl.load(a_cols + k[:, None], mask=in_width[None, :], other=0.0)  # [K, W]: a^T
+            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+    for k0 in range(k_whole, k_end, BLOCK_K):
         k = k0 + ks
         in_k = k < k_end
         x_tile = tl.load(x_rows + k[None, :], mask=in_segment[:, None] & in_k[None, :], other=0.0)
-        a_tile = tl.load(a_cols + k[:, None], mask=in_k[:, None] & in_width[None, :], other=0.0)  # [K, W]: a^T
+        a_tile = tl.load(a_cols + k[:, None], mask=in_k[:, None] & in_width[None, :], other=0.0)
         acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
     return acc
 
@@ -79,7 +93,8 @@ def _shrink_split(x_rows, a_cols, in_segment, in_width, k_start, k_end, BLOCK_M:
 def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, sorted_tokens_ptr, slot_starts_ptr, in_features, width,
                   out_features, chunk, stride_x, stride_out, stride_a_slot, stride_a_row, stride_b_slot,
                   stride_b_row, SPLIT_K: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, K_UNROLL: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """Grid `(cdiv(T, BLOCK_M) + S, cdiv(out_features, BLOCK_N))`: `out[token, n] += y[token] . b[s, n]` for
     the block's rows and the tile's n, `y = x[token] a[s]^T` computed here, W tile by W tile."""
     slot, rows, in_segment, tokens, no_block = _segment_rows(sorted_tokens_ptr, slot_starts_ptr, NUM_SLOTS, BLOCK_M)
@@ -96,11 +111,11 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, out_ptr, sorted_tokens_ptr, slot_starts_p
         in_width = w < width
         a_cols = a_slot + w[None, :].to(tl.int64) * stride_a_row
         y = _shrink_split(x_rows, a_cols, in_segment, in_width, 0, tl.minimum(in_features, chunk), BLOCK_M,
-                          BLOCK_W, BLOCK_K, DOT_PRECISION)
+                          BLOCK_W, BLOCK_K, K_UNROLL, DOT_PRECISION)
         for split in tl.static_range(1, SPLIT_K):  # later splits added in order, as expand sums the planes
             y += _shrink_split(x_rows, a_cols, in_segment, in_width, split * chunk,
                                tl.minimum(in_features, (split + 1) * chunk), BLOCK_M, BLOCK_W, BLOCK_K,
-                               DOT_PRECISION)
+                               K_UNROLL, DOT_PRECISION)
         y = y.to(x_ptr.dtype.element_ty)
         b_tile = tl.load(b_cols + w[:, None], mask=in_width[:, None] & in_out[None, :], other=0.0)  # [W, N]: b^T
         acc += tl.dot(y, b_tile, input_precision=DOT_PRECISION)
