@@ -179,8 +179,9 @@ class EngineConfig:
 
     `deterministic=True`: each row's tokens and logprobs are bit-identical whatever else shares its steps (batch
     mix, step budget and chunking, prefix caching, data-parallel replicas): every CPU matmul runs in fixed-size row
-    chunks and attention reduces each row over fixed key tiles (batchllm/model/layers/batch_invariant.py). CPU only
-    for now: refused on CUDA. See README.md "Reproducible batches".
+    chunks and attention reduces each row over fixed key tiles; on CUDA Triton GEMM and attention kernels with one
+    launch shape whatever the batch (batchllm/model/layers/batch_invariant.py). See README.md "Reproducible batches"
+    for the limits (`check_deterministic`).
     """
 
     model: ModelOptions
@@ -198,7 +199,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig
     pooling: PoolingOptions
     reasoning_parser: str | None = None
-    deterministic: bool = False  # batch-invariant numerics (CPU only for now; check_deterministic)
+    deterministic: bool = False  # batch-invariant numerics (check_deterministic)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -230,7 +231,7 @@ class EngineConfig:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         device, dtype = resolve_device_and_dtype(a["device"], a["dtype"])
-        check_deterministic(a["deterministic"], device, a["enable_lora"], a["speculative_config"])
+        check_deterministic(a["deterministic"], device, a["enable_lora"], a["speculative_config"], dtype, tp)
         if a["async_scheduling"] not in (None, True, False):
             raise ValueError(f"LLM argument async_scheduling must be None, True or False, "
                              f"got {a['async_scheduling']!r}")
@@ -262,21 +263,32 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def check_deterministic(deterministic: Any, device: str, enable_lora: Any = False, speculative_config: Any = None
-                        ) -> None:
-    """`deterministic=True` is batch-invariant on the CPU only: the GPU kernels (GEMM tiles, split attention) still
-    choose their reduction order by the batch, so on CUDA it is refused rather than promised. So are LoRA (its
-    deltas are GEMMs over the step's rows) and speculative decoding (drafts and verification not made invariant)."""
+def check_deterministic(deterministic: Any, device: str, enable_lora: Any = False, speculative_config: Any = None,
+                        dtype: str = "bfloat16", tensor_parallel_size: int = 1) -> None:
+    """What `deterministic=True` cannot promise is refused here, with the reason: LoRA (its deltas are GEMMs over
+    the step's rows) and speculative decoding (drafts and verification not made invariant) anywhere; on CUDA,
+    float32 models (the invariant kernels are built and checked for bfloat16 and float16 there) and tensor
+    parallelism (NCCL picks its all-reduce algorithm, and so each element's summation order, by the message size,
+    which grows with the step's rows). MoE and quantized linear layers are refused when the model loads
+    (`make_batch_invariant`)."""
     if not isinstance(deterministic, bool):
         raise ValueError(f"LLM argument deterministic must be True or False, got {deterministic!r}")
+    if not deterministic:
+        return
     for name, used in (("enable_lora", enable_lora), ("speculative_config", speculative_config is not None)):
-        if deterministic and used:
+        if used:
             raise ValueError(f"LLM argument deterministic=True does not work with {name} yet: its GEMMs are not "
                              f"batch-invariant")
-    if deterministic and device.startswith("cuda"):
-        raise ValueError("LLM argument deterministic=True: the GPU path is not batch-invariant yet (its GEMM and "
-                         "attention kernels pick their reduction order by the batch); batch-invariant outputs work "
-                         "on the CPU today (device='cpu'), or run on the GPU with deterministic=False")
+    if not device.startswith("cuda"):
+        return
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"LLM argument deterministic=True on CUDA takes bfloat16 or float16 models, got dtype "
+                         f"{dtype!r}: the GPU's batch-invariant kernels are checked in those (float32 works on the "
+                         f"CPU, device='cpu')")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"LLM argument deterministic=True does not work with tensor_parallel_size="
+                         f"{tensor_parallel_size} on CUDA yet: NCCL's all-reduce picks its algorithm by the message "
+                         f"size, so a row's sums move with the batch; use data-parallel replicas instead")
 
 
 def check_parallel_sizes(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:

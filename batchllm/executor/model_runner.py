@@ -13,6 +13,7 @@ graph, a pipeline stage or eagerly), the drafter sees the step, and its rows are
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class RunnerConfig:
     kv_layout: KVGroupLayout | None = None
     # The MoE experts placed whole on the tensor-parallel ranks (model/layers/expert_parallel.py).
     enable_expert_parallel: bool = False
-    # Batch-invariant numerics: each step runs inside `batch_invariant_mode` (CPU; model/layers/batch_invariant.py).
+    # Batch-invariant numerics: each step runs inside `batch_invariant_mode` (model/layers/batch_invariant.py).
     deterministic: bool = False
 
 
@@ -148,10 +149,12 @@ class ModelRunner(StepSampling):
         # So do expert-parallel ranks: each MoE layer's all-to-all takes its split sizes from the host.
         use_graphs = (device.type == "cuda" and not config.enforce_eager and self.pp.size == 1
                       and get_ep().size == 1)
-        self.graphs = self._capture_graphs() if use_graphs else None
         if config.deterministic:  # every caller's step (execute_model, TP workers) runs batch-invariant
             make_batch_invariant(self.model)
             self.execute_model_async = _batch_invariant(self.execute_model_async)
+        # The graphs record the kernels the steps run: the batch-invariant ones under the flag.
+        with batch_invariant_mode() if config.deterministic else contextlib.nullcontext():
+            self.graphs = self._capture_graphs() if use_graphs else None
         # Past this many rows a verification step runs eagerly, at a cost no draft repays (None: every step is eager).
         self.max_verify_rows = None if self.graphs is None else self.graphs.max_verify_rows
 

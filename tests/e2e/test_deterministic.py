@@ -123,8 +123,12 @@ def test_the_flag_reaches_the_config_the_cli_and_the_job_manifest():
     assert EngineConfig.from_kwargs(device="cpu").deterministic is False
     with pytest.raises(ValueError, match="deterministic must be True or False"):
         EngineConfig.from_kwargs(device="cpu", deterministic="yes")
-    with pytest.raises(ValueError, match="GPU path is not batch-invariant yet"):
-        check_deterministic(True, "cuda:0")
+    check_deterministic(True, "cuda:0", dtype="bfloat16")  # the GPU path: Triton kernels of one launch shape
+    check_deterministic(True, "cuda:0", dtype="float16")
+    with pytest.raises(ValueError, match="on CUDA takes bfloat16 or float16 models, got dtype 'float32'"):
+        check_deterministic(True, "cuda:0", dtype="float32")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 on CUDA yet: NCCL"):
+        check_deterministic(True, "cuda:0", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="deterministic=True does not work with enable_lora"):
         EngineConfig.from_kwargs(device="cpu", deterministic=True, enable_lora=True)
     with pytest.raises(ValueError, match="deterministic=True does not work with speculative_config"):

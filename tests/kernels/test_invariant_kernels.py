@@ -110,7 +110,8 @@ class Cache:
         if reference_kernel:
             return reference.paged_attention(padded.float(), self.k.float(), self.v.float(), metadata, scale,
                                              **options)[:query.shape[0]]
-        return paged_attention_triton(padded, self.k, self.v, metadata, scale, invariant=True, **options)[:query.shape[0]]
+        out = paged_attention_triton(padded, self.k, self.v, metadata, scale, invariant=True, **options)
+        return out[:query.shape[0]]
 
 
 def check_attention_rows_invariant(seq_lens: list[int], chunks: list[int], gqa: int, num_kv_heads: int,

@@ -21,7 +21,8 @@ __all__ = ["AttentionBackend", "AttentionParams", "attention_backend"]
 def attention_backend(device: torch.device) -> AttentionBackend:
     """The backend for tensors on `device`: Triton on CUDA when the kernels take Triton there (the rule of
     `batchllm.kernels.triton_enabled`), the pure-torch reference otherwise (the CPU path), or its batch-invariant
-    twin while the step runs batch-invariant (`deterministic=True`, CPU only)."""
+    twin while the step runs batch-invariant (`deterministic=True`; the Triton backend has an invariant mode of
+    its own)."""
     if device.type == "cuda" and kernels.triton_enabled():
         return _triton_backend()
     return INVARIANT_BACKEND if batch_invariant.active() else TORCH_BACKEND

@@ -1,6 +1,7 @@
 """The Triton backend: the KV write and paged-attention kernels of `batchllm.kernels` (importing this module
 imports Triton). The attention kernel implements every `AttentionParams` option (sliding window, logit
-soft-cap, sinks), each compiled in only for the layers that use it."""
+soft-cap, sinks), each compiled in only for the layers that use it. While a step runs batch-invariant
+(`deterministic=True`) the attention kernel runs with `invariant=True`: one launch shape, no split-KV."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from batchllm.forward_context import AttentionMetadata
 from batchllm.kernels.attention import paged_attention_triton
 from batchllm.kernels.kv_write import write_kv_triton
 from batchllm.model.attention.backend import AttentionBackend
+from batchllm.model.layers import batch_invariant
 
 if TYPE_CHECKING:
     from batchllm.model.layers.attention import Attention
@@ -29,4 +31,4 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention_triton(query, layer.k_cache, layer.v_cache, metadata, params.scale,
                                       k_scale=layer.k_scale, v_scale=layer.v_scale,
                                       sliding_window=params.sliding_window, logit_soft_cap=params.logit_soft_cap,
-                                      sinks=layer.sinks)
+                                      sinks=layer.sinks, invariant=batch_invariant.active())

@@ -1,5 +1,4 @@
-"""Batch-invariant numerics for `deterministic=True` on the CPU: a row's result does not depend on the other rows
-of its step.
+"""Batch-invariant numerics for `deterministic=True`: a row's result does not depend on the other rows of its step.
 
 What moves today without it (measured on the CPU, float32, MKL): a GEMM's row changes with M, the number of rows
 in the call (M = 1, 2, 7 and >= 16 give three different roundings of the same row), and the reference attention's
@@ -14,6 +13,12 @@ inside `batch_invariant_mode()`:
   the same shape and MKL takes the same path; a row's result is then the same wherever it sits in the step;
 - attention is `invariant_paged_attention` (`attention_backend` picks it while the mode is on): each query row is
   reduced over its keys in fixed tiles of absolute key positions, with the same call shapes whatever the step holds.
+On CUDA the same hooks take the Triton kernels instead, which are batch-invariant by construction (fixed launch
+shapes, see their docstrings), so no row chunks: every linear layer's method becomes `InvariantGemmLinearMethod`
+(kernels/invariant_gemm.py), the LM head's GEMM is `lm_head_linear`'s invariant one while the mode is on, and the
+Triton attention backend passes `invariant=True` (one tile shape, no split-KV). RMSNorm's Triton kernel is one
+program per row with a launch shape set by the hidden size only, and the sampler's softmax / log-softmax and
+argmax reduce each row on its own, so they are row-local there too (by reading the code; measured on the CPU only).
 Without the flag nothing here runs: the default paths are untouched.
 """
 
@@ -84,9 +89,30 @@ class RowChunkedLinearMethod(UnquantizedLinearMethod):
         return row_chunked(lambda rows: F.linear(rows, layer.weight, bias), x)
 
 
+class InvariantGemmLinearMethod(UnquantizedLinearMethod):
+    """The unquantized method on CUDA, through the batch-invariant Triton GEMM."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from batchllm.kernels.invariant_gemm import invariant_linear  # imports Triton: only on CUDA
+
+        return invariant_linear(x, layer.weight, bias)
+
+
+def lm_head_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's GEMM (`embedding.compute_logits`): the batch-invariant Triton GEMM for CUDA tensors while the
+    mode is on, `F.linear` otherwise (on the CPU `make_batch_invariant` cuts the rows into chunks around it)."""
+    if _active and hidden.is_cuda:
+        from batchllm.kernels.invariant_gemm import invariant_linear  # imports Triton: only on CUDA
+
+        return invariant_linear(hidden, weight)
+    return F.linear(hidden, weight)
+
+
 def make_batch_invariant(model: nn.Module) -> None:
-    """Switches a loaded model's linear layers and LM head to row-chunked GEMMs. Raises ValueError for what is not
-    batch-invariant yet: MoE experts (their GEMMs take each expert's tokens) and quantized linear methods."""
+    """Switches a loaded model's linear layers and LM head to batch-invariant GEMMs: row-chunked ones on the CPU,
+    the Triton GEMM on CUDA. Raises ValueError for what is not batch-invariant yet: MoE experts (their GEMMs take
+    each expert's tokens) and quantized linear methods."""
+    on_cuda = next(model.parameters()).is_cuda
     for name, module in model.named_modules():
         if type(module).__name__ == "FusedMoE":
             raise ValueError(f"LLM argument deterministic=True: MoE models are not batch-invariant yet ({name} groups "
@@ -97,9 +123,10 @@ def make_batch_invariant(model: nn.Module) -> None:
         if type(method) is not UnquantizedLinearMethod:
             raise ValueError(f"LLM argument deterministic=True: quantized linear layers are not batch-invariant yet "
                              f"({name} uses {type(method).__name__})")
-        module.quant_method = RowChunkedLinearMethod(method.config)
-    compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden: row_chunked(compute_logits, hidden)
+        module.quant_method = (InvariantGemmLinearMethod if on_cuda else RowChunkedLinearMethod)(method.config)
+    if not on_cuda:  # on CUDA the LM head's GEMM is `lm_head_linear`'s, whatever the rows
+        compute_logits = model.compute_logits
+        model.compute_logits = lambda hidden: row_chunked(compute_logits, hidden)
 
 
 def invariant_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,6 +8,7 @@ from torch import nn
 
 from batchllm.distributed.parallel_state import all_reduce, gather_last_dim, get_tp
 from batchllm.model.checkpoint_tensor import copy_checked
+from batchllm.model.layers import batch_invariant
 
 
 class VocabEmbedding(nn.Module):
@@ -54,5 +55,5 @@ def compute_logits(hidden: torch.Tensor, table: VocabEmbedding) -> torch.Tensor 
     Each rank computes the logits of its vocabulary rows; they are gathered on rank 0, the only rank that
     samples. The other ranks get None.
     """
-    logits = gather_last_dim(F.linear(hidden, table.weight))
+    logits = gather_last_dim(batch_invariant.lm_head_linear(hidden, table.weight))
     return None if logits is None else logits[:, : table.vocab_size].float()
