@@ -47,7 +47,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "ranks (an all-to-all of tokens) instead of a slice of every expert on each")
     parser.add_argument("--deterministic", action="store_true", default=ENGINE_DEFAULTS["deterministic"],
                         help="engine: each row's tokens and logprobs bit-identical whatever else is in the batch, the "
-                             "step budget, prefix caching or the replicas (CPU only for now)")
+                             "step budget, prefix caching or the replicas (on CUDA: bfloat16/float16, no tensor "
+                             "parallelism)")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=ENGINE_DEFAULTS["load_format"],
                         help="engine: the checkpoint's weights, or random ones of its shapes (dummy)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=ENGINE_DEFAULTS["quantization"],
