@@ -120,6 +120,7 @@ def main() -> None:
                         help="also run batchllm with async_scheduling=False (the default is on for CUDA)")
     parser.add_argument("--admission-policy", choices=["kv_aware", "optimistic"], default="kv_aware",
                         help="batchllm's admission (engine/admission.py): optimistic preempts and recomputes")
+    parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): batch-invariant kernels")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     args = parser.parse_args()
 
@@ -129,6 +130,8 @@ def main() -> None:
     prompts = make_prompts(workload, rows, SHAPES[args.shape]["vocab_size"])
     directory = make_shape_dir(args.shape)
     options = dict(quantization=args.quantization, admission_policy=args.admission_policy)
+    if args.deterministic:
+        options["deterministic"] = True
     systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, **options)}
     if args.also_sync:
         systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False, **options)
@@ -167,14 +170,17 @@ def main() -> None:
         print(f"batchllm / HF generate_batch total tok/s: {ratio:.1f}x")
     _, hw = hardware("cuda")
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
-              "quantization": args.quantization,
+              "quantization": args.quantization, "deterministic": args.deterministic,
+              "admission_policy": args.admission_policy,
               "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
     card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
     budget = f"-b{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
     quant = f"-{args.quantization}" if args.quantization else ""
+    mode = ("-deterministic" if args.deterministic else "") + ("-optimistic" if args.admission_policy == "optimistic"
+                                                                else "")
     name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{args.max_num_seqs}"
-            f"{budget}-{card}.json")
+            f"{budget}{mode}-{card}.json")
     save_record(name, record, args.out)
 
 
