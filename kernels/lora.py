@@ -16,9 +16,6 @@ Rounding follows the reference: float32 accumulation, `y` rounded to x's dtype (
 operands of the model's dtype), `out + delta` rounded once to out's dtype. Block sizes and splits follow from
 the shapes alone (no autotuning: CUDA graphs, and one summation order per shape). BLOCK_M = 16, the smallest
 `tl.dot` tile, suits decode, where a slot has a few tokens.
-
-Steps of at most FUSED_MAX_TOKENS tokens take one fused launch instead (kernels/lora_fused.py: `y` stays in
-registers, no partials), which sums in the same order: the same bits (tests/kernels/test_lora_fused.py).
 """
 
 from __future__ import annotations
@@ -30,10 +27,6 @@ import triton.language as tl
 BLOCK_M = 16  # rows per program at decode sizes ...
 PREFILL_BLOCK_M = 64  # ... and from PREFILL_TOKENS on: a quarter of the programs and of the re-reads of a and b
 PREFILL_TOKENS = 512
-# Steps of at most this many tokens take the fused kernel. Its repeated shrink grows with the row blocks times the
-# output tiles, so past some size the two kernels win again; 256 covers the decode CUDA-graph sizes of a W1-style
-# 200-row batch. A guess, not yet measured: `benchmarks/lora.py --kernels` times both at T = 1, 16, 64, 256.
-FUSED_MAX_TOKENS = 256
 SHRINK_BLOCK_N = 64  # over W (16..192)
 SHRINK_BLOCK_K = 64  # over the input features
 SPLIT_K_CHUNK = 256  # input features per K split, at least ...
@@ -45,19 +38,7 @@ EXPAND_MAX_BLOCK_K = 64  # over W: W itself (a power of two, at least 16) up to 
 def add_lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
     """See `reference.add_lora_`. Rows of `x` and `out` may be strided; their last dimension must be dense.
-    `split_k` (the number of K splits of shrink) defaults to `choose_split_k(in_features)`. Steps of at most
-    FUSED_MAX_TOKENS tokens take the fused kernel, longer ones shrink then expand (same bits either way)."""
-    if x.shape[0] <= FUSED_MAX_TOKENS:
-        from batchllm.kernels.lora_fused import add_lora_fused  # here: lora_fused imports this module
-
-        return add_lora_fused(x, out, a, b, sorted_tokens, slot_starts, split_k)
-    return add_lora_shrink_expand(x, out, a, b, sorted_tokens, slot_starts, split_k)
-
-
-def add_lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                           sorted_tokens: torch.Tensor, slot_starts: torch.Tensor,
-                           split_k: int | None = None) -> torch.Tensor:
-    """`add_lora_triton`'s two-kernel path, whatever the number of tokens."""
+    `split_k` (the number of K splits of shrink) defaults to `choose_split_k(in_features)`."""
     num_tokens, in_features = x.shape
     num_slots, width, _ = a.shape
     out_features = out.shape[1]
@@ -68,7 +49,11 @@ def add_lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, 
         return out
     block_m = BLOCK_M if num_tokens < PREFILL_TOKENS else PREFILL_BLOCK_M
     m_blocks, n_tiles = triton.cdiv(num_tokens, block_m), triton.cdiv(width, SHRINK_BLOCK_N)
-    split_k, chunk = shrink_splits(in_features, split_k)
+    if split_k is None:
+        split_k = choose_split_k(in_features)
+    # Split i covers input features [i * chunk, (i + 1) * chunk): whole BLOCK_K tiles but for the last.
+    chunk = triton.cdiv(triton.cdiv(in_features, split_k), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    split_k = triton.cdiv(in_features, chunk)
     partials = torch.empty(split_k, num_tokens, width, dtype=torch.float32, device=x.device)
     # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -85,15 +70,6 @@ def add_lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, 
         BLOCK_K=min(EXPAND_MAX_BLOCK_K, max(16, triton.next_power_of_2(width))), DOT_PRECISION=precision,
     )
     return out
-
-
-def shrink_splits(in_features: int, split_k: int | None) -> tuple[int, int]:
-    """`(splits, chunk)`: split i covers input features [i * chunk, (i + 1) * chunk), whole SHRINK_BLOCK_K
-    tiles but for the last; `split_k` (default `choose_split_k(in_features)`) is rounded to what fits."""
-    if split_k is None:
-        split_k = choose_split_k(in_features)
-    chunk = triton.cdiv(triton.cdiv(in_features, split_k), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
-    return triton.cdiv(in_features, chunk), chunk
 
 
 def choose_split_k(in_features: int) -> int:

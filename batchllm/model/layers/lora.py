@@ -6,10 +6,10 @@ to match, `[out, slices * max_rank]`, zero outside each sub-projection's rows an
 `x A^T B^T` per slot then adds every sub-projection's delta at once. The step says which tokens run under
 which slot (`LoRABatch`, set by the runner around the forward pass); tokens of the base model are in no segment.
 
-`kernels.add_lora_` applies every slot's segment per layer in one fused launch at decode sizes and two above
-(Triton on CUDA, the torch reference on the CPU). The batch's tensors are fixed device buffers refilled each
-step, so a captured CUDA graph replays any mix of adapters. Under tensor parallelism a row layer's delta on its
-input shard is a partial sum like its base product, so it joins the same all-reduce.
+`kernels.add_lora_` applies every slot's segment in two launches per layer (Triton on CUDA, the torch
+reference on the CPU). The batch's tensors are fixed device buffers refilled each step, so a captured CUDA
+graph replays any mix of adapters. Under tensor parallelism a row layer's delta on its input shard is a
+partial sum like its base product, so it joins the same all-reduce.
 """
 
 from __future__ import annotations
