@@ -79,3 +79,6 @@ def test_rows_are_bit_identical_alone_in_a_batch_and_under_a_small_budget(random
     budget = LLM(random_llama, max_num_batched_tokens=16, max_num_seqs=16, enable_prefix_caching=True, **ENGINE)
     assert _results(budget, ROWS, [_params(i) for i in range(len(ROWS))]) == alone
     assert _in_batch(budget) == alone
+    del budget  # the GPU tests after this one in the same process need the memory back
+    gc.collect()
+    torch.cuda.empty_cache()
