@@ -22,12 +22,14 @@ BLOCK_M = 64  # rows per program, for every M: a decode step pays for 64 rows of
 
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
-    """The launch shape of `invariant_gemm_kernel` for one (N, K, dtype)."""
+    """The launch shape of `invariant_gemm_kernel` for one (N, K, dtype). Any fixed choice is batch-invariant (a
+    row's bits depend on it, not on M); `benchmarks/invariant_gemm.py` times the candidates against cuBLAS."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    block_m: int = BLOCK_M
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -40,9 +42,11 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(block_n, block_k, num_warps=4, num_stages=3)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: GemmConfig | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x [..., K]`, `weight [N, K]`, `bias [N]` of one dtype (bfloat16, float16 or
-    float32), with each row of the result independent of the others' number (see the module docstring)."""
+    float32), with each row of the result independent of the others' number (see the module docstring). `config`
+    overrides `gemm_config(N, K, dtype)` (the benchmark's sweep); a caller must keep it fixed per weight."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"invariant_linear takes bfloat16, float16 or float32 operands of one dtype, got x "
                          f"{x.dtype} and weight {weight.dtype}")
@@ -57,12 +61,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m > 0:
-        config = gemm_config(n, k, x.dtype)
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n))
+        config = config or gemm_config(n, k, x.dtype)
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
         invariant_gemm_kernel[grid](
             rows, weight, bias if bias is not None else weight, out, m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             # float32 models get float32 products; on the GPU the default would round operands to tf32.
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,0 +1,94 @@
+"""The batch-invariant GEMM of `deterministic=True` against cuBLAS, and the launch shapes it could take (GPU).
+
+    python benchmarks/invariant_gemm.py                      # the default config, llama3-8b's shapes, M = 1 ... 8192
+    python benchmarks/invariant_gemm.py --sweep --out $OUT   # also every candidate config
+
+For each weight shape of the model (qkv, o, gate_up, down, the LM head) and each M, `kernels/invariant_gemm.py`'s
+`invariant_linear` is timed with `triton.testing.do_bench` (median) against `F.linear` (cuBLAS) on the same
+bfloat16 operands. A candidate config is only timed after its invariance is checked: the first rows of the
+M-row product must equal, bit for bit, the same rows multiplied alone (M = 1) and inside M = 7. The W1 cost of the
+mode follows from where the time goes: prefill steps are GEMMs at M in the thousands, decode steps at M = rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from shapes import SHAPES
+
+from batchllm.kernels.invariant_gemm import GemmConfig, gemm_config, invariant_linear
+
+ROWS = (1, 64, 256, 2048, 8192)
+
+
+def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """`name: (N, K)` of one decoder layer's linear layers and the LM head."""
+    config = SHAPES[shape]
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    inter = config["intermediate_size"]
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (config["vocab_size"], hidden)}
+
+
+def candidates():
+    for block_m, block_n, block_k, warps, stages in itertools.product((64, 128), (128, 256), (64,), (4, 8), (3, 4)):
+        yield GemmConfig(block_n, block_k, warps, stages, block_m)
+
+
+def invariant(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> bool:
+    """Rows 0..6 of the M-row product equal those rows alone and inside M = 7."""
+    full = invariant_linear(x, w, config=config)[:7]
+    seven = invariant_linear(x[:7].clone(), w, config=config)
+    alone = torch.cat([invariant_linear(x[i:i + 1].clone(), w, config=config) for i in range(7)])
+    return torch.equal(full, seven) and torch.equal(full, alone)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    results = []
+    for name, (n, k) in weight_shapes(args.shape).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
+            default = gemm_config(n, k, torch.bfloat16)
+            configs = [default] + ([c for c in candidates() if c != default] if args.sweep else [])
+            timed = []
+            for config in configs:
+                try:
+                    ok = m < 7 or invariant(x, w, config)  # M < 7: nothing to compare inside
+                    ms = triton.testing.do_bench(lambda: invariant_linear(x, w, config=config), warmup=10, rep=50)
+                except Exception as exc:  # a shape that does not compile (shared memory, registers)
+                    results.append(dict(layer=name, m=m, config=str(config), error=type(exc).__name__))
+                    continue
+                row = dict(layer=name, n=n, k=k, m=m, config=str(config), default=config == default, ms=ms,
+                           cublas_ms=cublas_ms, vs_cublas=cublas_ms / ms, invariant=ok,
+                           tflops=2 * m * n * k / (ms * 1e-3) / 1e12)
+                results.append(row)
+                timed.append(row)
+            best = max((r for r in timed if r["invariant"]), key=lambda r: r["vs_cublas"])
+            print(f"{name:8} M={m:5}: cuBLAS {cublas_ms * 1e3:8.1f} us; default {timed[0]['ms'] * 1e3:8.1f} us "
+                  f"({timed[0]['vs_cublas']:.2f}x of cuBLAS); best {best['config']} {best['ms'] * 1e3:.1f} us "
+                  f"({best['vs_cublas']:.2f}x)", flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"{time.strftime('%Y-%m-%d')}-invariant-gemm-{args.shape}-{device.split()[1].lower()}.json"
+        (args.out / name).write_text(json.dumps(dict(device=device, shape=args.shape, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
