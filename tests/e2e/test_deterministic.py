@@ -36,7 +36,7 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, logprobs=2)
 
 
-def _results(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[tuple]:
+def _results(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[tuple]:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [(tuple(o.outputs[0].token_ids),
              tuple(tuple((t, lp.logprob) for t, lp in sorted(step.items())) for step in o.outputs[0].logprobs or ()))
@@ -48,16 +48,18 @@ def _each_alone(llm: LLM, indices=range(len(ROWS))) -> list[tuple]:
     return [_results(llm, [ROWS[i]], [_params(i)])[0] for i in indices]
 
 
-def _in_batch(llm: LLM) -> list[tuple]:
-    """The 16 rows spread inside a batch of 64 others (other params: greedy, longer or shorter)."""
+def _in_batch(llm: LLM, rows=ROWS, others=OTHERS, row_params=None, **other_params) -> list[tuple]:
+    """The 16 rows spread inside a batch of 64 others (other params: greedy, longer or shorter; `other_params` added
+    to theirs). `row_params(i)`: row i's (default `_params`)."""
+    row_params = row_params or _params
     mixed, params, where = [], [], []
-    for j, other in enumerate(OTHERS):
+    for j, other in enumerate(others):
         if j % 4 == 0:
             where.append(len(mixed))
-            mixed.append(ROWS[j // 4])
-            params.append(_params(j // 4))
+            mixed.append(rows[j // 4])
+            params.append(row_params(j // 4))
         mixed.append(other)
-        params.append(SamplingParams(max_tokens=MAX_TOKENS + j % 5, temperature=0))
+        params.append(SamplingParams(max_tokens=row_params(0).max_tokens + j % 5, temperature=0, **other_params))
     in_batch = _results(llm, mixed, params)
     return [in_batch[k] for k in where]
 

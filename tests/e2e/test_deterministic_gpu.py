@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from batchllm import LLM, SamplingParams
+from tests.e2e.test_deterministic import _in_batch as in_batch
+from tests.e2e.test_deterministic import _results
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -46,25 +48,9 @@ def _params(i: int) -> SamplingParams:
                           ignore_eos=True)
 
 
-def _results(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [(tuple(o.outputs[0].token_ids),
-             tuple(tuple((t, lp.logprob) for t, lp in sorted(step.items())) for step in o.outputs[0].logprobs or ()))
-            for o in outputs]
-
-
 def _in_batch(llm: LLM) -> list[tuple]:
     """The 16 rows spread inside a batch of 64 others (greedy, of other lengths)."""
-    mixed, params, where = [], [], []
-    for j, other in enumerate(OTHERS):
-        if j % 4 == 0:
-            where.append(len(mixed))
-            mixed.append(ROWS[j // 4])
-            params.append(_params(j // 4))
-        mixed.append(other)
-        params.append(SamplingParams(max_tokens=MAX_TOKENS + j % 5, temperature=0, ignore_eos=True))
-    results = _results(llm, mixed, params)
-    return [results[k] for k in where]
+    return in_batch(llm, ROWS, OTHERS, _params, ignore_eos=True)
 
 
 def test_rows_are_bit_identical_alone_in_a_batch_and_under_a_small_budget(random_llama):
