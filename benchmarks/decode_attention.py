@@ -75,7 +75,7 @@ def make_case(shape: str, kv: str, rows: int, context: int, uniform: bool, seed:
 def launch_shapes(group_p2: int):
     """None (the library's choice) first, then the sweep: tile rows stay at the decode minimum."""
     yield None, None
-    for tile_n, warps, stages, splits in itertools.product((32, 64), (2, 4, 8), (2, 3, 4), (None, 2)):
+    for tile_n, warps, stages, splits in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4), (None, 2)):
         yield TileConfig(max(16, group_p2), tile_n, warps, stages), splits
 
 
