@@ -37,9 +37,8 @@ def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[t
     return [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def release(llm: LLM) -> None:
-    llm.shutdown()
-    del llm
+def free_device_memory() -> None:
+    """Give a dropped engine's memory back before the next one sizes its KV pool from what is free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -60,10 +59,14 @@ def run_mode(directory, prompts: list[list[int]], args, deterministic: bool) -> 
         sharded.update(zip(rows, tokens(llm, [prompts[i] for i in rows], params)))
     half = len(prompts) // 2
     first = tokens(llm, prompts[:half], params)
-    release(llm)
+    llm.shutdown()
+    del llm  # the last reference: its memory must be free for the fresh engine
+    free_device_memory()
     resumed = engine(directory, args, deterministic)  # the restart: a fresh engine computes the rest
     second = tokens(resumed, prompts[half:], params)
-    release(resumed)
+    resumed.shutdown()
+    del resumed
+    free_device_memory()
     restarted = first + second
     same_sharded = sum(whole[i] == sharded[i] for i in range(len(prompts)))
     same_restarted = sum(a == b for a, b in zip(whole, restarted))
