@@ -39,7 +39,7 @@ def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
 
 
 def candidates():
-    for block_m, block_n, block_k, warps, stages in itertools.product((64, 128), (128, 256), (64,), (4, 8), (3, 4)):
+    for block_m, block_n, block_k, warps, stages in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4)):
         yield GemmConfig(block_n, block_k, warps, stages, block_m)
 
 
