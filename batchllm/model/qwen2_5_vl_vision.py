@@ -1,0 +1,252 @@
+"""Qwen2.5-VL's vision tower: a ViT over 14x14 patches of any image size, windowed attention, a 2x2 patch merger.
+
+The processor (transformers' Qwen2-VL image processor) hands over `pixel_values [patches, C*T*ps*ps]` with the
+patches of every 2x2 merge cell adjacent, and `grid_thw` (temporal, height, width in patches) per image. Most
+blocks attend only inside windows of `window_size` pixels; the blocks in `fullatt_block_indexes` attend over the
+whole image. Tokens are permuted once so that every window is a contiguous run, which lets both kinds of block
+run as attention over contiguous segments; the merger's output is permuted back to raster order at the end.
+Parameter names equal the checkpoint's under `model.visual.` (transformers 5) or `visual.` (transformers 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_RMS_EPS = 1e-6
+_ROPE_THETA = 10000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTowerConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    in_channels: int = 3
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, vision_config: dict[str, Any]) -> VisionTowerConfig:
+        """Defaults are transformers' `Qwen2_5_VLVisionConfig`'s; the released checkpoints spell the channel
+        count `in_chans`."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vision_config.items() if k in fields}
+        if "in_channels" not in values and "in_chans" in vision_config:
+            values["in_channels"] = vision_config["in_chans"]
+        missing = [name for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+                   if name not in values]
+        if missing:
+            raise ValueError(f"config.json vision_config lacks {', '.join(missing)}")
+        if "fullatt_block_indexes" in values:
+            values["fullatt_block_indexes"] = tuple(int(i) for i in values["fullatt_block_indexes"])
+        config = cls(**values)
+        if config.hidden_act != "silu":
+            raise ValueError(f"config.json vision_config hidden_act must be 'silu', got {config.hidden_act!r}")
+        if config.hidden_size % config.num_heads or (config.hidden_size // config.num_heads) % 4:
+            raise ValueError(f"config.json vision_config hidden_size {config.hidden_size} must split into "
+                             f"num_heads {config.num_heads} heads of a size divisible by 4 (2-D rotary)")
+        if config.window_size % (config.patch_size * config.spatial_merge_size):
+            raise ValueError(f"config.json vision_config window_size {config.window_size} must be a multiple of "
+                             f"patch_size * spatial_merge_size")
+        return config
+
+
+def image_token_count(grid_thw_row: Any, spatial_merge_size: int) -> int:
+    """How many placeholder tokens (merged cells) one image of this patch grid takes in the prompt."""
+    t, h, w = (int(x) for x in grid_thw_row)
+    return t * h * w // spatial_merge_size**2
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The variance in float32 as in training, so that bf16 weights give the reference's numbers.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
+        return self.weight * x32.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: VisionTowerConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True, dtype=dtype)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # each [tokens, heads, head_dim]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = torch.empty_like(q)
+        for index in segments:
+            # index [segments, length]: equal-length segments go through one batched call.
+            qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [segments, heads, length, head_dim]
+            out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+        return self.proj(out.flatten(1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary in float32 (the reference does it there) over the whole head: halves (x1, x2) -> (-x2, x1)."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    return (x32 * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: VisionTowerConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, config: VisionTowerConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm1 = _RMSNorm(config.hidden_size, dtype)
+        self.norm2 = _RMSNorm(config.hidden_size, dtype)
+        self.attn = _Attention(config, dtype)
+        self.mlp = _MLP(config, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, config: VisionTowerConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        # A Conv3d only to hold the checkpoint's 5-D weight: with stride == kernel it is a linear map over the
+        # flattened patch, which a matmul computes without the convolution's reshapes.
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=False, dtype=dtype)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight.flatten(1)
+        if pixel_values.shape[-1] != weight.shape[1]:
+            raise ValueError(f"pixel_values rows have {pixel_values.shape[-1]} features, the tower's patches "
+                             f"{weight.shape[1]} (in_channels * temporal_patch_size * patch_size**2)")
+        return pixel_values.to(weight.dtype) @ weight.T
+
+
+class _PatchMerger(nn.Module):
+    def __init__(self, config: VisionTowerConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        merged = config.hidden_size * config.spatial_merge_size**2
+        self.ln_q = _RMSNorm(config.hidden_size, dtype)
+        self.mlp = nn.Sequential(nn.Linear(merged, merged, dtype=dtype), nn.GELU(),
+                                 nn.Linear(merged, config.out_hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The merge**2 patches of a cell are adjacent rows, so a reshape concatenates them.
+        return self.mlp(self.ln_q(x).reshape(-1, self.mlp[0].in_features))
+
+
+class Qwen2_5_VisionTower(nn.Module):
+    def __init__(self, vision_config: dict[str, Any] | VisionTowerConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        config = vision_config if isinstance(vision_config, VisionTowerConfig) else VisionTowerConfig.from_hf(
+            vision_config)
+        dtype = dtype or torch.get_default_dtype()
+        self.config = config
+        self.patch_embed = _PatchEmbed(config, dtype)
+        self.blocks = nn.ModuleList(_Block(config, dtype) for _ in range(config.depth))
+        self.merger = _PatchMerger(config, dtype)
+        head_dim = config.hidden_size // config.num_heads
+        # 2-D rotary: head_dim / 4 frequencies per axis, the h angles then the w angles fill half a head.
+        quarter = head_dim // 4
+        inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(quarter, dtype=torch.float32) * 2 / (head_dim // 2)))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """`pixel_values [patches, C*T*ps*ps]`, `grid_thw [images, 3]` -> `[patches / merge**2, out_hidden]`,
+        the merged cells of all images in image order, each image's in raster order of its merged grid."""
+        merge = self.config.spatial_merge_size
+        grids = [tuple(int(x) for x in row) for row in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
+        for i, (t, h, w) in enumerate(grids):
+            if min(t, h, w) < 1 or h % merge or w % merge:
+                raise ValueError(f"grid_thw row {i} = {(t, h, w)}: positive sizes, h and w multiples of {merge}")
+        if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw describes "
+                             f"{sum(t * h * w for t, h, w in grids)}")
+        device = pixel_values.device
+        order, window_lengths = self._window_order(grids)
+        order = order.to(device)
+        unit = merge * merge
+        # Cell order -> patch order: each merged cell's `unit` patches stay adjacent.
+        patch_order = (order[:, None] * unit + torch.arange(unit, device=device)).flatten()
+
+        x = self.patch_embed(pixel_values)[patch_order]
+        cos, sin = self._rotary(grids, device)
+        cos, sin = cos[patch_order], sin[patch_order]
+        # Full attention per frame (a still image is one frame), as the reference's cu_seqlens.
+        frame_segments = _group_segments([h * w for t, h, w in grids for _ in range(t)], device)
+        window_segments = _group_segments([n * unit for n in window_lengths], device)
+        for i, block in enumerate(self.blocks):
+            full = i in self.config.fullatt_block_indexes
+            x = block(x, cos, sin, frame_segments if full else window_segments)
+        merged = self.merger(x)
+        return merged[torch.argsort(order)]
+
+    def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[patches, 1, head_dim]` in the processor's patch order: (h, w) of each patch, the merge cells'
+        patches adjacent; the angles are [h-angles, w-angles] repeated for the two rotate-half halves."""
+        merge = self.config.spatial_merge_size
+        coords = []
+        for t, h, w in grids:
+            hs = torch.arange(h, device=device)[:, None].expand(h, w)
+            ws = torch.arange(w, device=device)[None, :].expand(h, w)
+            hw = torch.stack((hs, ws), dim=-1).reshape(h // merge, merge, w // merge, merge, 2)
+            coords.append(hw.transpose(1, 2).reshape(-1, 2).repeat(t, 1))
+        angles = torch.cat(coords).float()[:, :, None] * self.inv_freq.to(device)  # [patches, 2, quarter]
+        angles = angles.flatten(1).repeat(1, 2)[:, None, :]
+        return angles.cos(), angles.sin()
+
+    def _window_order(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """The merged cells of all images, re-ordered window by window (windows in raster order, cells inside a
+        window in raster order), and each window's cell count; edge windows are smaller and never cross images."""
+        merge = self.config.spatial_merge_size
+        side = self.config.window_size // self.config.patch_size // merge  # window side in merged cells
+        order, lengths, offset = [], [], 0
+        for t, h, w in grids:
+            gh, gw = h // merge, w // merge
+            cells = torch.arange(t * gh * gw).reshape(t, gh, gw) + offset
+            for frame in cells:
+                for top in range(0, gh, side):
+                    for left in range(0, gw, side):
+                        window = frame[top:top + side, left:left + side].flatten()
+                        order.append(window)
+                        lengths.append(window.numel())
+            offset += t * gh * gw
+        return torch.cat(order), lengths
+
+
+def _group_segments(lengths: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Contiguous segments of these lengths, grouped by length: one `index [segments, length]` per length, so
+    attention runs one batched call per distinct length instead of one per window."""
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    sizes = torch.tensor(lengths, dtype=torch.long)
+    groups = []
+    for length in sorted(set(lengths)):
+        first = starts[sizes == length]
+        index = first[:, None] + torch.arange(length)
+        groups.append(index.to(device))
+    return groups
