@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = dict(
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
     pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
     disable_hybrid_kv_cache_manager=False, reasoning_parser=None, enable_expert_parallel=False,
-    admission_policy="kv_aware", deterministic=False)
+    admission_policy="kv_aware", deterministic=False, allow_remote_media=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +200,7 @@ class EngineConfig:
     pooling: PoolingOptions
     reasoning_parser: str | None = None
     deterministic: bool = False  # batch-invariant numerics (check_deterministic)
+    allow_remote_media: bool = False  # image inputs may be http(s) URLs, fetched by the door (multimodal/media.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -232,6 +233,8 @@ class EngineConfig:
             raise ValueError(f"LLM argument max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         device, dtype = resolve_device_and_dtype(a["device"], a["dtype"])
         check_deterministic(a["deterministic"], device, a["enable_lora"], a["speculative_config"], dtype, tp)
+        if not isinstance(a["allow_remote_media"], bool):
+            raise ValueError(f"LLM argument allow_remote_media must be True or False, got {a['allow_remote_media']!r}")
         if a["async_scheduling"] not in (None, True, False):
             raise ValueError(f"LLM argument async_scheduling must be None, True or False, "
                              f"got {a['async_scheduling']!r}")
@@ -257,7 +260,7 @@ class EngineConfig:
                    QuantizationOptions(a["quantization"], a["kv_cache_dtype"]),
                    StructuredOutputsConfig(a["structured_outputs_backend"]), KVTransferConfig(layout),
                    PoolingOptions(a["task"], a["pooling"], a["normalize"]), a["reasoning_parser"],
-                   a["deterministic"])
+                   a["deterministic"], a["allow_remote_media"])
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from typing import Callable, Sequence
 
 BlockHash = bytes
 
@@ -27,8 +27,11 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        extra_keys: tuple = ()) -> None:
-    """Append the hashes of the full blocks of `token_ids` not yet in `hashes`."""
+                        extra_keys: tuple = (), block_keys: Callable[[int, int], tuple] | None = None) -> None:
+    """Append the hashes of the full blocks of `token_ids` not yet in `hashes`. `block_keys(start, end)`: what
+    the block of tokens `[start, end)` depends on beside them and `extra_keys` (the images whose placeholders it
+    holds: the same tokens with another image are other K/V)."""
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[start : start + block_size], extra_keys))
+        keys = extra_keys if block_keys is None else extra_keys + block_keys(start, start + block_size)
+        hashes.append(hash_block(parent, token_ids[start : start + block_size], keys))

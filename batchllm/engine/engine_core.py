@@ -31,6 +31,7 @@ from batchllm.engine.request import Request
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
@@ -71,16 +72,18 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_of: str | None = None, lora_request: LoRARequest | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None, mm: MultiModalPrompt | None = None,
+                    error: str | None = None) -> None:
         """Queue a request. `fork_of` names an earlier request with the same prompt whose prompt K/V this
         one may share (the samples of an n > 1 request); `lora_request` the adapter it runs under; `pooling`
-        makes it a pooling request (an embedding: its prompt is pooled, nothing is generated)."""
+        makes it a pooling request (an embedding: its prompt is pooled, nothing is generated); `mm` its images.
+        `error`: the door already failed the row (an image that does not decode): it finishes with that error,
+        unscheduled, and the others go on."""
         if lora_request is not None and not self.scheduler.config.max_loras:
             raise ValueError("a lora_request needs an LLM built with enable_lora=True")
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=time.perf_counter(),
-                          fork_of=fork_of, lora_request=lora_request, pooling=pooling)
-        error = None
-        if params.structured_outputs is not None:
+                          fork_of=fork_of, lora_request=lora_request, pooling=pooling, mm=mm)
+        if error is None and params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("structured outputs need a tokenizer (the LLM was built with "
                                  "skip_tokenizer_init=True)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from batchllm.engine.block_hash import extend_block_hashes
 from batchllm.engine.block_pool import KVCacheBlock
-from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager, _extra_keys, cdiv
+from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager, _block_keys, _extra_keys, cdiv
 from batchllm.engine.kv_connector import KVConnector
 from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.engine.request import Request
@@ -85,7 +85,8 @@ class HybridKVCacheManager(KVCacheManager):
     def find_cached_prefix(self, request: Request) -> GroupedPrefix:
         if not self.pool.enable_caching or (request.pooling is not None and request.pooling.reads_every_token):
             return _NO_PREFIX
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request),
+                            _block_keys(request))
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         limit = len(hashes)
         for group, window in enumerate(self.layout.group_windows):
@@ -208,7 +209,8 @@ class HybridKVCacheManager(KVCacheManager):
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request),
+                            _block_keys(request))
         for group, table in enumerate(tables):
             for index in range(start, num_full):
                 block = table[index]

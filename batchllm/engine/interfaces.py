@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     lora_request: LoRARequest | None = None
     pooling: PoolingParams | None = None  # a pooling request: its last chunk is pooled, not sampled
+    mm: MultiModalPrompt | None = None  # the prompt's images, for the runner's encoder step
 
 
 @dataclass(slots=True)

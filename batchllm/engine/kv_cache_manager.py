@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchllm.engine.block_hash import extend_block_hashes
@@ -104,7 +105,8 @@ class KVCacheManager:
         """The longest run of cached full blocks that starts the request (excluding its last token)."""
         if not self.pool.enable_caching or (request.pooling is not None and request.pooling.reads_every_token):
             return _NO_PREFIX
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request),
+                            _block_keys(request))
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         device: list[KVCacheBlock] = []
         for block_hash in hashes:
@@ -231,7 +233,8 @@ class KVCacheManager:
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request))
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, _extra_keys(request),
+                            _block_keys(request))
         for index in range(start, num_full):
             self.pool.cache(owned[index], request.block_hashes[index])
         self._num_hashed_blocks[request.request_id] = num_full
@@ -276,3 +279,8 @@ class KVCacheManager:
 def _extra_keys(request: Request) -> tuple:
     """What a block's K/V depends on beside its tokens: the adapter it was computed under."""
     return () if request.lora_request is None else request.lora_request.cache_key
+
+
+def _block_keys(request: Request) -> Callable[[int, int], tuple] | None:
+    """What a block's K/V depends on beside its tokens, per block: the images whose placeholders it holds."""
+    return None if request.mm is None else request.mm.image_hashes_in

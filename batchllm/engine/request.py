@@ -8,6 +8,7 @@ from typing import Any
 
 from batchllm.engine.interfaces import SampledToken
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
@@ -74,6 +75,7 @@ class Request:
     # A pooling request (an embedding, a classification): its prompt is computed, then pooled; nothing is sampled.
     pooling: PoolingParams | None = None
     pooled: Any = None  # the result: a float32 vector (numpy), set when it finishes
+    mm: MultiModalPrompt | None = None  # the prompt's images (multimodal/inputs.py); None: text only
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

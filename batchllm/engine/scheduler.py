@@ -152,6 +152,8 @@ class Scheduler(Admission, StepResults):
         for connector in self.connectors:
             connector.begin_step()
         budget = self.config.max_num_batched_tokens
+        # The images whose encoder runs in this step take their share of the budget (their output rows).
+        encoder_tokens = 0
         scheduled: list[ScheduledRequest] = []
         self._preempted_this_step = False
         speculative = False
@@ -180,6 +182,9 @@ class Scheduler(Admission, StepResults):
             allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
+            if request.mm is not None:
+                work = encoder_work(request, num_new)
+                encoder_tokens, budget = encoder_tokens + work, budget - work
             scheduled.append(self._schedule_request(request, num_new, allocation))
             budget -= num_new
             i += 1
@@ -213,10 +218,13 @@ class Scheduler(Admission, StepResults):
             if self.kv_cache.is_loading(request):
                 num_loading_tokens += num_new
                 continue
+            if request.mm is not None:
+                work = encoder_work(request, num_new)
+                encoder_tokens, budget = encoder_tokens + work, budget - work
             scheduled.append(self._schedule_request(request, num_new, allocation))
             budget -= num_new
 
-        num_tokens = self.config.max_num_batched_tokens - budget
+        num_tokens = self.config.max_num_batched_tokens - budget - encoder_tokens
         self._record_step(num_tokens)
         finished_ids, self._finished_ids = self._finished_ids, []
         self._scheduled_now.clear()
@@ -268,7 +276,7 @@ class Scheduler(Admission, StepResults):
         new_data = None
         if not request.known_to_runner:
             new_data = NewRequestData(request.request_id, list(request.token_ids), request.num_prompt_tokens,
-                                      request.sampling_params, request.lora_request, request.pooling)
+                                      request.sampling_params, request.lora_request, request.pooling, request.mm)
             request.known_to_runner = True
         full_table = new_data is not None or allocation.copied
         block_ids = self.kv_cache.block_ids(request) if full_table else allocation.new_block_ids
@@ -309,3 +317,11 @@ class Scheduler(Admission, StepResults):
         stats.max_step_tokens = max(stats.max_step_tokens, num_tokens)
         stats.max_running = max(stats.max_running, len(self.running))
         stats.peak_used_blocks = self.kv_cache.peak_used_blocks
+
+
+def encoder_work(request: Request, num_new: int) -> int:
+    """The encoder output rows of the images whose first placeholder token is among the `num_new` tokens from
+    `request.num_computed_tokens` on: their encoder runs in this step (unless the runner has them cached)."""
+    start = request.num_computed_tokens
+    return sum(image.length for image in request.mm.images if start <= image.offset < start + num_new)
+

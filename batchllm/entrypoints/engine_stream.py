@@ -45,20 +45,21 @@ def stream_engine(llm: LLM, requests: Iterator[tuple | None], max_in_flight: int
                     _abort(engine, in_flight, pooled)
                     return
                 room = None if max_in_flight is None else max_in_flight - len(in_flight) - len(pooled)
-                for key, text, token_ids, params, lora in source.take(room):
+                for key, text, token_ids, params, lora, *extra in source.take(room):
                     prompt_id = str(next(llm._request_counter))
+                    mm, error = extra[0] if extra else (None, None)  # a prompt's images, or the door's error
                     if isinstance(params, PoolingParams) or llm.task != "generate":
                         llm._check_pooling_item(params)
                         pooled[f"{prompt_id}.0"] = (key, text, token_ids)
                         engine.add_request(f"{prompt_id}.0", token_ids, NO_SAMPLING, lora_request=lora,
-                                           pooling=params)
+                                           pooling=params, mm=mm, error=error)
                         continue
                     output = RequestOutput(prompt_id, text, token_ids, finished=False)
                     in_flight[prompt_id] = _InFlight(key, output, [None] * params.n)
                     for sample in range(params.n):
                         fork_of = f"{prompt_id}.0" if sample else None  # samples share the prompt's K/V
                         engine.add_request(f"{prompt_id}.{sample}", token_ids, sample_params(params, sample),
-                                           fork_of=fork_of, lora_request=lora)
+                                           fork_of=fork_of, lora_request=lora, mm=mm, error=error)
                 if source.finished(len(in_flight) + len(pooled)):
                     return
                 stepping = True

@@ -60,7 +60,8 @@ class LLM(PoolingCalls):
                  disaggregated: dict[str, int] | None = None, task: str = "generate", pooling: str | None = None,
                  normalize: bool | None = None, disable_hybrid_kv_cache_manager: bool = False,
                  reasoning_parser: str | None = None, enable_expert_parallel: bool = False,
-                 admission_policy: str = "kv_aware", deterministic: bool = False) -> None:
+                 admission_policy: str = "kv_aware", deterministic: bool = False,
+                 allow_remote_media: bool = False) -> None:
         # Every keyword as the user wrote it: EngineConfig checks them all, as it does for the CLI and the doors.
         arguments = {name: value for name, value in locals().items() if name != "self"}
         start = time.perf_counter()
@@ -84,6 +85,8 @@ class LLM(PoolingCalls):
         self.reorder_by_prefix = self.config.reorder_by_prefix and self.config.cache.enable_prefix_caching
         lora = self.config.lora
         self._adapters = AdapterRegistry(resolved.model_config, lora.max_lora_rank, lora.enable_lora)
+        self._model_config = resolved.model_config
+        self._image_prompts: Any = None  # MultiModalPrompts, built on first use
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0
         self._transfer_seconds_before = 0.0
@@ -128,7 +131,9 @@ class LLM(PoolingCalls):
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Generate completions for `prompts` (strings, or token-id lists); results come in input order.
+        """Generate completions for `prompts` (strings, token-id lists, or dicts with images:
+        `{"prompt": ..., "multi_modal_data": {"image": ...}}`, see `multimodal_prompts.py`); results come in
+        input order. A row whose image does not load finishes with `finish_reason == "error"`; the others go on.
 
         Text prompts are tokenized in chunks while the engine runs on the first ones (`tokenize_ahead.py`).
         With `reorder_by_prefix` they are admitted in text order (token-id prompts ahead of them, in token order),
@@ -140,10 +145,24 @@ class LLM(PoolingCalls):
         self._check_call_wide(sampling_params)
         params_list = broadcast_params(sampling_params, len(prompt_list))
         loras = self._adapters.check_call(lora_request, len(prompt_list))
-        encoded = [self._encode(prompt, index, tokenize=False) for index, prompt in enumerate(prompt_list)]
+        with_images = {i: prompt for i, prompt in enumerate(prompt_list) if isinstance(prompt, dict)}
+        prepared = self.image_prompts().prepare(with_images) if with_images else {}
+        encoded = [(prepared[i].text, prepared[i].token_ids) if i in prepared else self._encode(prompt, i, False)
+                   for i, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
-        token_lists = [None if text is not None else token_ids for text, token_ids in encoded]
-        return self._run(texts, token_lists, params_list, use_tqdm, loras)
+        token_lists = [token_ids if text is None or i in prepared else None
+                       for i, (text, token_ids) in enumerate(encoded)]
+        extras = [(prepared[i].mm, prepared[i].error) if i in prepared else None for i in range(len(prompt_list))]
+        return self._run(texts, token_lists, params_list, use_tqdm, loras, extras=extras if prepared else None)
+
+    def image_prompts(self) -> Any:
+        """Prompts with images → engine rows, for this model (built on first use: it loads the image processor)."""
+        if self._image_prompts is None:
+            from batchllm.entrypoints.multimodal_prompts import MultiModalPrompts  # Pillow, only for images
+
+            self._image_prompts = MultiModalPrompts(self.model_path, self._model_config, self.tokenizer,
+                                                    self.config.allow_remote_media)
+        return self._image_prompts
 
     def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | tuple[K, Prompt, SamplingParams,
                                                                                 LoRARequest | None] | None], *,
@@ -229,9 +248,9 @@ class LLM(PoolingCalls):
 
     def _run(self, texts: list[str | None], token_lists: list[list[int] | None], params_list: list[SamplingParams],
              use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
-             add_special_tokens: bool = True) -> list[RequestOutput]:
+             add_special_tokens: bool = True, extras: list[tuple | None] | None = None) -> list[RequestOutput]:
         """Every prompt through the engine; a None in `token_lists` is a text to tokenize, which happens while the
-        engine runs on the first rows (`tokenize_ahead.py`)."""
+        engine runs on the first rows (`tokenize_ahead.py`). `extras[i]`: row i's `(images, error)`."""
         if self.tokenizer is None and any(p.stop_strings for p in params_list):
             raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         loras = loras or [None] * len(token_lists)
@@ -251,7 +270,9 @@ class LLM(PoolingCalls):
 
             ready = tokenized_ahead(self.admission_order(keys, loras), tokenize, self.engine.has_unfinished,
                                     can_tokenize_aside(self.tokenizer))
-        items = (None if item is None else (item[0], texts[item[0]], item[1], params_list[item[0]], loras[item[0]])
+        extras = extras or [None] * len(token_lists)
+        items = (None if item is None else (item[0], texts[item[0]], item[1], params_list[item[0]], loras[item[0]],
+                                            *((extras[item[0]],) if extras[item[0]] else ()))
                  for item in ready)
         outputs: list[RequestOutput | None] = [None] * len(token_lists)
         progress = progress_bar(len(token_lists), use_tqdm)

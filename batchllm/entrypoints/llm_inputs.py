@@ -12,7 +12,7 @@ Prompt = str | list[int]
 
 
 def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):  # a dict: one prompt with images (entrypoints/multimodal_prompts.py)
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

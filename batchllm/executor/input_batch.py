@@ -39,6 +39,7 @@ class InputBatch:
     def prepare(self, token_ids: list[int], num_scheduled: np.ndarray, num_computed: np.ndarray,
                 block_tables: np.ndarray, block_rows: np.ndarray, sample_rows: np.ndarray, pad_to: int | None = None,
                 sample_counts: np.ndarray | None = None, query_stride: int | None = None,
+                position_shifts: list[tuple[int, int, int]] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Fill the buffers for one step.
 
@@ -48,7 +49,9 @@ class InputBatch:
         many, speculative decoding's verification rows). `query_stride` (a verification step replayed from a CUDA
         graph) lays every sequence out as that many query tokens, its own first and inert ones after them.
         `pad_to` (steps replayed from a CUDA graph) appends padding rows up to that many sequences of one token
-        (`query_stride` tokens). Returns (input_ids, positions, attention metadata, logits indices) on device.
+        (`query_stride` tokens). `position_shifts`: `(first flat token, tokens, delta)` whose RoPE positions are
+        their index + delta (multimodal RoPE past a prompt's images; their K/V slots stay by index). Returns
+        (input_ids, positions, attention metadata, logits indices) on device.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
@@ -56,6 +59,8 @@ class InputBatch:
         num_tokens = len(token_ids)
         seq_of_token = self.attention.stage(num_scheduled, num_computed, block_tables, block_rows,
                                             self.positions.np[:num_tokens])
+        for first, count, delta in position_shifts or ():
+            self.positions.np[first:first + count] += delta
         cu = self.query_start_loc.np
         self.input_ids.np[:num_tokens] = token_ids
         num_samples = len(sample_rows)

@@ -32,6 +32,7 @@ from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.kv_cache import KVCache, allocate_kv_cache
 from batchllm.executor.kv_connector import allocate_host_tier, build_kv_connector_workers
 from batchllm.executor.lora_slots import LoRASlotManager
+from batchllm.executor.multimodal_step import MultiModalStep
 from batchllm.executor.pipeline import StageLink
 from batchllm.executor.pooler import Pooler
 from batchllm.executor.profiling import kv_pool_blocks
@@ -111,6 +112,8 @@ class ModelRunner(StepSampling):
                                      config.load_format, config.seed)
         self.sampler = Sampler()
         self.pooler = Pooler(getattr(self.model, "score", None), device)
+        self.multimodal = (MultiModalStep(self.model, bool(self.model_config.mrope_section), device)
+                           if self.model_config.vision is not None else None)
         self.rejection_sampler = RejectionSampler()
         self.eos_token_ids = config.eos_token_ids
 
@@ -225,17 +228,25 @@ class ModelRunner(StepSampling):
     def _prepare(self, batch: StepBatch) -> DeviceInputs:
         """Uploads the step into the persistent input buffers, laid out as the CUDA graph it replays, if any."""
         lora_batch = self.lora.batch(batch.lora_rows) if self.lora is not None else None
-        shape = None if self.graphs is None else self.graphs.step_shape(
+        mm_rows = batch.mm_rows
+        images = [row for row in mm_rows if row.reaches_images]  # rows whose tokens reach a prompt's images
+        shape = None if self.graphs is None or images else self.graphs.step_shape(
             len(batch.token_ids), batch.num_scheduled, batch.num_computed, batch.drafts is not None,
             bool(batch.lora_rows or batch.placeholder_slots), self.max_blocks_per_seq * self.block_size)
         stride = shape[1] if shape is not None and shape[1] > 1 else None  # a verification step's layout
         input_ids, positions, metadata, logits_indices = self.inputs.prepare(
             batch.token_ids, batch.num_scheduled, batch.num_computed, self.requests.block_tables.table,
             batch.table_rows, batch.sample_index, pad_to=None if shape is None else shape[0],
-            sample_counts=batch.sample_counts, query_stride=stride)
+            sample_counts=batch.sample_counts, query_stride=stride,
+            position_shifts=self.multimodal.position_shifts(mm_rows) if mm_rows else None)
         if batch.placeholder_slots:
             self.inputs.fill_placeholders(batch.placeholder_slots, batch.placeholder_rows, self._last_sampled)
-        return DeviceInputs(input_ids, positions, metadata, logits_indices, lora_batch, shape, stride)
+        inputs_embeds = None
+        if images:
+            inputs_embeds = self.multimodal.inputs_embeds(input_ids, images)
+            if self.multimodal.uses_mrope:
+                positions = self.multimodal.positions_3d(images, self.inputs.positions.np[:len(batch.token_ids)])
+        return DeviceInputs(input_ids, positions, metadata, logits_indices, lora_batch, shape, stride, inputs_embeds)
 
     def _forward(self, inputs: DeviceInputs) -> torch.Tensor | None:
         """The step's hidden states: replayed from a CUDA graph, computed by this pipeline stage (None on a stage
@@ -251,6 +262,8 @@ class ModelRunner(StepSampling):
             self.stage_link.send(*hidden)
             return None
         with set_forward_context(inputs.metadata), set_lora_batch(inputs.lora_batch):
+            if inputs.inputs_embeds is not None:
+                return self.model(inputs.input_ids, inputs.positions, inputs_embeds=inputs.inputs_embeds)
             return self.model(inputs.input_ids, inputs.positions)
 
     def _observe(self, observe_drafts: bool, batch: StepBatch, inputs: DeviceInputs, hidden: torch.Tensor) -> None:

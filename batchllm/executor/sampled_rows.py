@@ -15,6 +15,7 @@ from batchllm.executor.drafter_base import Drafter, LookaheadRows
 from batchllm.lora.request import LoRARequest
 from batchllm.model.layers.sampler import SamplerOutput
 from batchllm.model.layers.sampling_tensors import SamplingRow, keeps_token_history
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class RequestState:
     lora: LoRARequest | None = None
     pooling: PoolingParams | None = None  # a pooling request: its prompt is pooled (executor/pooler.py)
     num_prompt_tokens: int = 0
+    mm: MultiModalPrompt | None = None  # the prompt's images (executor/multimodal_step.py)
 
 
 @dataclass(slots=True)

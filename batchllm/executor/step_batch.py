@@ -14,6 +14,7 @@ import torch
 from batchllm.engine.interfaces import NewRequestData, SchedulerOutput
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.drafter_base import LookaheadRows
+from batchllm.executor.multimodal_step import MultiModalRow
 from batchllm.executor.pooler import PoolRow
 from batchllm.executor.sampled_rows import RequestState
 from batchllm.executor.sampling_table import SamplingTable
@@ -44,6 +45,7 @@ class StepBatch:
     placeholder_rows: list[int]
     lora_rows: list[tuple[LoRARequest, int, int]]  # (adapter, first flat token, tokens)
     pool_rows: list[PoolRow]
+    mm_rows: list[MultiModalRow]  # the rows of requests with images
 
     @property
     def sample_counts(self) -> np.ndarray | None:
@@ -64,6 +66,7 @@ class DeviceInputs:
     lora_batch: LoRABatch | None
     graph_shape: tuple[int, int] | None
     query_stride: int | None
+    inputs_embeds: torch.Tensor | None = None  # a step with images: the embeddings the model starts from
 
 
 class RequestStates:
@@ -97,7 +100,7 @@ class RequestStates:
         if keeps_token_history(params):
             prompt, output = new.all_token_ids[:new.num_prompt_tokens], new.all_token_ids[new.num_prompt_tokens:]
         state = self.states[request_id] = RequestState(params, row, prompt, output, generator, new.lora_request,
-                                                       new.pooling, new.num_prompt_tokens)
+                                                       new.pooling, new.num_prompt_tokens, new.mm)
         return state
 
     def gather(self, so: SchedulerOutput, last_rows: dict[str, int]) -> StepBatch:
@@ -118,6 +121,7 @@ class RequestStates:
         placeholder_rows: list[int] = []
         lora_rows: list[tuple[LoRARequest, int, int]] = []
         pool_rows: list[PoolRow] = []
+        mm_rows: list[MultiModalRow] = []
         states, block_tables = self.states, self.block_tables
         for i, scheduled in enumerate(so.requests):
             request_id = scheduled.request_id
@@ -130,6 +134,9 @@ class RequestStates:
                                          scheduled.num_computed_tokens, state.num_prompt_tokens, scheduled.sample))
             if state.lora is not None:
                 lora_rows.append((state.lora, len(token_ids), len(new_tokens) + scheduled.placeholder))
+            if state.mm is not None:
+                mm_rows.append(MultiModalRow(state.mm, len(token_ids), scheduled.num_computed_tokens,
+                                             len(new_tokens) + scheduled.placeholder))
             token_ids += new_tokens
             if scheduled.placeholder:
                 placeholder_slots.append(len(token_ids))
@@ -157,4 +164,5 @@ class RequestStates:
             token_ids, np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64),
             np.array(block_rows, dtype=np.int64), new_rows, num_drafts, np.array(sample_rows, dtype=np.int64),
             sampled_states, sample_positions, drafts if so.speculative else None,
-            lookahead if lookahead.num_drafts else None, placeholder_slots, placeholder_rows, lora_rows, pool_rows)
+            lookahead if lookahead.num_drafts else None, placeholder_slots, placeholder_rows, lora_rows, pool_rows,
+            mm_rows)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchllm.model.moe_config import MoEConfig
+    from batchllm.multimodal.spec import VisionSpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -32,6 +33,7 @@ _FAMILY_CONFIG_PARSERS = {
     "Qwen2MoeForCausalLM": "batchllm.model.moe_config",
     "Qwen3MoeForCausalLM": "batchllm.model.moe_config",
     "GptOssForCausalLM": "batchllm.model.gpt_oss_config",
+    "Qwen2_5_VLForConditionalGeneration": "batchllm.model.qwen2_5_vl_config",
 }
 
 
@@ -99,6 +101,11 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the RoPE base of windowed layers when it differs (Gemma 3)
     local_rope_scaling: RopeScaling | None = None
     moe: MoEConfig | None = None  # the experts of a Mixture-of-Experts family (moe_config.py); None: dense
+    # Multimodal RoPE (Qwen2-VL): the rotated frequencies split into (temporal, height, width) sections, each
+    # rotated by its own position component; () for plain RoPE.
+    mrope_section: tuple[int, ...] = ()
+    # A vision-language model's image side (multimodal/spec.py); None: text only.
+    vision: VisionSpec | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

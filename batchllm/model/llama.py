@@ -19,6 +19,7 @@ from batchllm.model.layers.activation import SiluAndMul
 from batchllm.model.layers.attention import Attention
 from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logits
 from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
+from batchllm.model.layers.mrotary import MRotaryEmbedding
 from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.layers.rotary import RotaryEmbedding
 from batchllm.model.quantization.config import QuantConfig
@@ -117,12 +118,13 @@ class DecoderStack(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_stage: StageOutput | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
         """The final hidden states `[T, H]`; under pipeline parallelism a stage other than the first continues
-        from `previous_stage`, and one other than the last returns what the next stage continues from."""
+        from `previous_stage`, and one other than the last returns what the next stage continues from.
+        `inputs_embeds` (a step with images) replaces the token embeddings."""
         if previous_stage is None:
-            hidden, residual = self.embed(input_ids), None
+            hidden, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None
         else:
             hidden, residual = previous_stage
         aux = []
@@ -147,8 +149,10 @@ class LlamaModel(DecoderStack):
         self.stage = StagePlan(config, pp.rank, pp.size)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.stage.has_embedding else None
         # One cos/sin table shared by every layer: for long-context models it is tens of MB.
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
-                                     rotary_dim=config.rotary_dim)
+        rotary_emb = (MRotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.mrope_section)
+                      if config.mrope_section else
+                      RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
+                                      rotary_dim=config.rotary_dim))
         # Windowed layers (Mistral, Qwen2 with use_sliding_window) mask keys outside their window; the hybrid KV
         # cache (engine/kv_groups.py) frees the blocks no window sees any more.
         self.layers = nn.ModuleList(
@@ -198,9 +202,9 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer `layer`'s MLP: the dense gated one here; MoE families (moe.py) put their experts here."""
         return LlamaMLP(config, quant_config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_stage: StageOutput | None = None) -> torch.Tensor | StageOutput:
-        return self.model(input_ids, positions, previous_stage)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_stage: StageOutput | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
+        return self.model(input_ids, positions, previous_stage, inputs_embeds)
 
     def held_elsewhere(self, checkpoint_name: str) -> bool:
         """A checkpoint tensor of a part another pipeline stage holds."""

@@ -108,6 +108,8 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
     # MoE families: an expert's projection name → its part of the stacked experts (layers/fused_moe.py).
     experts: dict[str, str] = getattr(model, "expert_checkpoint_projections", {})
     held_elsewhere = getattr(model, "held_elsewhere", None)  # pipeline parallelism: another stage's tensors
+    # Parts whose checkpoint names are their own (a vision tower's gate_proj is not the decoder's fused one).
+    unpacked: tuple[str, ...] = getattr(model, "checkpoint_unpacked_prefixes", ())
     rename = _checkpoint_renamer(model)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -149,7 +151,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, config: ModelConfig, i
                         raise ValueError(f"{file.name}: {stored}: {exc}") from None
                     loaded.update((f"{module_name}.{part}", shard_id) for part in filled)
                     continue
-                shards = _shards(name, whole, packed, fused, modules)
+                shards = _shards(name, whole, {} if name.startswith(unpacked) else packed, fused, modules)
                 for target, shard_id, tensor in shards:
                     module_name, _, kind = target.rpartition(".")
                     layer = modules.get(module_name)

@@ -11,6 +11,7 @@ from batchllm.model.gpt_oss import GptOssForCausalLM
 from batchllm.model.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from batchllm.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from batchllm.model.phi3 import Phi3ForCausalLM
+from batchllm.model.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 # Llama, Mistral, Qwen2 and Qwen3 share one implementation (their differences are ModelConfig flags); Phi-3 is
 # Llama's with fused checkpoint tensors; Gemma 2 and 3 have their own.
@@ -31,6 +32,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)

@@ -1,0 +1,91 @@
+"""The doors' side of image inputs: prompts with images → the rows the engine takes, a failed image failing its row.
+
+A prompt with images is a dict, vLLM's shape: `{"prompt": text or token ids (or "prompt_token_ids"),
+"multi_modal_data": {"image": one image or a list}}`; an image is bytes, a PIL image, a path, a `data:` URL, or
+(with `allow_remote_media`) an http(s) URL (multimodal/media.py). All the images of a call are decoded on worker
+threads, then each row goes through the model's processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchllm.model.config import ModelConfig
+from batchllm.multimodal.inputs import MultiModalPrompt
+from batchllm.multimodal.media import MediaError, load_images
+from batchllm.multimodal.processor import ImagePromptProcessor
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRow:
+    """A prompt with images, ready for the engine; `error` (a bad image) fails the row alone."""
+
+    text: str | None
+    token_ids: list[int]
+    mm: MultiModalPrompt | None
+    error: str | None = None
+
+
+class MultiModalPrompts:
+    def __init__(self, model_path: str | Path, model_config: ModelConfig, tokenizer: Any,
+                 allow_remote_media: bool) -> None:
+        self.architecture = model_config.architecture
+        self.processor = (None if model_config.vision is None
+                          else ImagePromptProcessor(model_path, model_config.vision, tokenizer))
+        self.allow_remote_media = allow_remote_media
+
+    def prepare(self, prompts: dict[int, dict[str, Any]], add_special_tokens: bool = True) -> dict[int, PreparedRow]:
+        """Rows `index → prompt dict`; a malformed dict is a ValueError naming its row (the caller's mistake, the
+        whole call fails), an image that does not load or fit fails that row alone."""
+        sources: dict[int, list[Any]] = {index: _images_of(prompt, index) for index, prompt in prompts.items()}
+        if self.processor is None and any(sources.values()):
+            index = next(i for i, images in sources.items() if images)
+            raise ValueError(f"prompt {index} has images, but {self.architecture} takes text only")
+        flat = [source for images in sources.values() for source in images]
+        loaded = iter(load_images(flat, allow_remote_media=self.allow_remote_media))
+        rows: dict[int, PreparedRow] = {}
+        for index, prompt in prompts.items():
+            text, token_ids = _prompt_of(prompt, index)
+            images = [next(loaded) for _ in sources[index]]
+            failed = next((image for image in images if isinstance(image, MediaError)), None)
+            if failed is not None:
+                rows[index] = PreparedRow(text, [], None, f"prompt {index}: {failed}")
+                continue
+            try:
+                ids, mm = self.processor.process(text if token_ids is None else token_ids, images, index,
+                                                 add_special_tokens)
+            except ValueError as exc:
+                rows[index] = PreparedRow(text, [], None, str(exc))
+                continue
+            rows[index] = PreparedRow(text, ids, mm if mm.images else None)
+        return rows
+
+
+def _images_of(prompt: dict[str, Any], index: int) -> list[Any]:
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"prompt {index}: unknown key {unknown[0]!r} (a prompt dict takes 'prompt' or "
+                         f"'prompt_token_ids', and 'multi_modal_data')")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"prompt {index}: multi_modal_data must be a dict with the key 'image', got {data!r:.80}")
+    images = data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _prompt_of(prompt: dict[str, Any], index: int) -> tuple[str | None, list[int] | None]:
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
+        return None, ids
+    text = prompt.get("prompt")
+    if isinstance(text, str):
+        return text, None
+    if isinstance(text, list) and all(isinstance(t, int) for t in text):
+        return None, text
+    raise ValueError(f"prompt {index}: 'prompt' must be a str or a list of token ids, got {type(text).__name__}")

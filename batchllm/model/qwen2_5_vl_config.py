@@ -1,0 +1,42 @@
+"""Qwen2.5-VL hyper-parameters from an HF `config.json`: the language model is Qwen2's with multimodal RoPE.
+
+transformers 5 writes the language model's settings under `text_config` and the vision tower's under
+`vision_config`; checkpoints written by transformers 4 (the released ones) keep the text settings at the top level
+and spell the RoPE `rope_scaling: {"type": "mrope", "mrope_section": [...]}`. Both read the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from batchllm.model.config import ModelConfig, required
+from batchllm.multimodal.spec import VisionSpec
+
+ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+_TEXT_ONLY_KEYS = ("architectures", "text_config", "vision_config", "model_type")
+
+
+def parse_config(hf: dict[str, Any]) -> ModelConfig:
+    text = {k: v for k, v in hf.items() if k not in _TEXT_ONLY_KEYS}
+    nested = hf.get("text_config") or {}
+    if not isinstance(nested, dict):
+        raise ValueError(f"config.json text_config must be an object, got {nested!r}")
+    text.update(nested)
+    rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+    section = rope.pop("mrope_section", None)
+    if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for default RoPE + sections
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    text["rope_parameters"] = rope
+    config = ModelConfig.from_hf_dict({**text, "architectures": ["Qwen2ForCausalLM"]})
+    head_half = (config.rotary_dim or config.head_dim) // 2
+    if not section or sum(section) != head_half or any(not isinstance(s, int) or s < 0 for s in section):
+        raise ValueError(f"config.json rope mrope_section must be non-negative integers summing to head_dim / 2 = "
+                         f"{head_half}, got {section!r}")
+    vision = required(hf, "vision_config")
+    if not isinstance(vision, dict):
+        raise ValueError(f"config.json vision_config must be an object, got {vision!r}")
+    spec = VisionSpec("qwen2_5_vl", int(required(hf, "image_token_id")), vision,
+                      int(vision.get("spatial_merge_size", 2)))
+    return dataclasses.replace(config, architecture=ARCHITECTURE, mrope_section=tuple(section), vision=spec)

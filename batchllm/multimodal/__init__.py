@@ -1,0 +1,1 @@
+"""Images in: decoding media, chat content parts, and what the engine carries for each image."""
