@@ -95,7 +95,8 @@ def test_checkpoint_names_map_onto_the_encoder(hf_model, tmp_path):
     assert mapped == ours
     assert vision_param_name("vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight") == \
         "vision_tower.encoder.layers.0.self_attn.q_proj.weight"
-    assert vision_param_name("model.vision_tower.vision_model.post_layernorm.bias") == "vision_tower.post_layernorm.bias"
+    assert vision_param_name("model.vision_tower.vision_model.post_layernorm.bias") == \
+        "vision_tower.post_layernorm.bias"
     assert vision_param_name("vision_tower.vision_model.head.probe") is None
     assert vision_param_name("language_model.model.embed_tokens.weight") is None
 
