@@ -47,6 +47,20 @@ SHAPES = {
                                                            "original_max_position_embeddings": 4096},
                         swiglu_limit=7.0, attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
                         max_position_embeddings=131072),
+    # Qwen2.5-VL-7B: Qwen2-7B's decoder with multimodal RoPE (sections 16/24/24) and a 32-block ViT (windows of
+    # 112 pixels, full attention every 8th block) whose 2x2 merged patches become 3,584-wide embeddings.
+    "qwen2.5-vl-7b": dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
+                          text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                           num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                           max_position_embeddings=128000, rms_norm_eps=1e-6,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                            "mrope_section": [16, 24, 24]}),
+                          vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                             out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                                             temporal_patch_size=2, window_size=112,
+                                             fullatt_block_indexes=[7, 15, 23, 31]),
+                          image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                          vision_end_token_id=151653, tie_word_embeddings=False),
     # Not a workload shape: so small that on the CPU a step's time is the host's Python, for host_profile.py.
     "tiny-host": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2048, rope_theta=10000.0, tie_word_embeddings=True,

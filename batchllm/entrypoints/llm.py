@@ -146,14 +146,14 @@ class LLM(PoolingCalls):
         params_list = broadcast_params(sampling_params, len(prompt_list))
         loras = self._adapters.check_call(lora_request, len(prompt_list))
         with_images = {i: prompt for i, prompt in enumerate(prompt_list) if isinstance(prompt, dict)}
-        prepared = self.image_prompts().prepare(with_images) if with_images else {}
-        encoded = [(prepared[i].text, prepared[i].token_ids) if i in prepared else self._encode(prompt, i, False)
+        given = self.image_prompts().check(with_images) if with_images else {}
+        encoded = [given[i] if i in given else self._encode(prompt, i, tokenize=False)
                    for i, prompt in enumerate(prompt_list)]
         texts = [text for text, _ in encoded]
-        token_lists = [token_ids if text is None or i in prepared else None
-                       for i, (text, token_ids) in enumerate(encoded)]
-        extras = [(prepared[i].mm, prepared[i].error) if i in prepared else None for i in range(len(prompt_list))]
-        return self._run(texts, token_lists, params_list, use_tqdm, loras, extras=extras if prepared else None)
+        token_lists = [token_ids if text is None and i not in given else None for i, (text, token_ids) in
+                       enumerate(encoded)]
+        return self._run(texts, token_lists, params_list, use_tqdm, loras, images=with_images,
+                         image_token_ids={i: ids for i, (_, ids) in given.items() if ids is not None})
 
     def image_prompts(self) -> Any:
         """Prompts with images → engine rows, for this model (built on first use: it loads the image processor)."""
@@ -248,29 +248,42 @@ class LLM(PoolingCalls):
 
     def _run(self, texts: list[str | None], token_lists: list[list[int] | None], params_list: list[SamplingParams],
              use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
-             add_special_tokens: bool = True, extras: list[tuple | None] | None = None) -> list[RequestOutput]:
+             add_special_tokens: bool = True, images: dict[int, dict] | None = None,
+             image_token_ids: dict[int, list[int]] | None = None) -> list[RequestOutput]:
         """Every prompt through the engine; a None in `token_lists` is a text to tokenize, which happens while the
-        engine runs on the first rows (`tokenize_ahead.py`). `extras[i]`: row i's `(images, error)`."""
+        engine runs on the first rows (`tokenize_ahead.py`). `images`: the rows given as dicts with images (their
+        `token_lists` entry None), whose images are decoded and processed the same way, chunk by chunk, while the
+        engine runs; `image_token_ids`: those of them given as token ids (their admission-order key)."""
         if self.tokenizer is None and any(p.stop_strings for p in params_list):
             raise ValueError("stop strings need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         loras = loras or [None] * len(token_lists)
+        images, image_token_ids = images or {}, image_token_ids or {}
+        extras: list[tuple | None] = [None] * len(token_lists)  # a row with images: (its images, its error)
         if all(token_ids is not None for token_ids in token_lists):
             ready: Iterable[tuple[int, list[int]] | None] = (
                 (i, token_lists[i]) for i in self.admission_order(token_lists, loras))
         else:
             # Texts are ordered by their text, which groups shared prefixes as token order does, so that order is
             # known before they are tokenized; rows given as ids sort ahead of them.
-            keys = [(1, texts[i]) if token_ids is None else (0, token_ids) for i, token_ids in enumerate(token_lists)]
+            keys = [(0, image_token_ids[i]) if i in image_token_ids else (1, texts[i]) if token_ids is None
+                    else (0, token_ids) for i, token_ids in enumerate(token_lists)]
 
             def tokenize(rows: Sequence[int]) -> list[list[int]]:
-                pending = [i for i in rows if token_lists[i] is None]
+                prepared = {}
+                if images:
+                    prepared = self.image_prompts().prepare({i: images[i] for i in rows if i in images},
+                                                            add_special_tokens)
+                    for i, row in prepared.items():
+                        extras[i] = (row.mm, row.error)
+                pending = [i for i in rows if token_lists[i] is None and i not in prepared]
                 batch = iter(self.tokenizer([texts[i] for i in pending], add_special_tokens=add_special_tokens)
                              ["input_ids"] if pending else [])
-                return [next(batch) if token_lists[i] is None else token_lists[i] for i in rows]
+                return [prepared[i].token_ids if i in prepared else next(batch) if token_lists[i] is None
+                        else token_lists[i] for i in rows]
 
-            ready = tokenized_ahead(self.admission_order(keys, loras), tokenize, self.engine.has_unfinished,
-                                    can_tokenize_aside(self.tokenizer))
-        extras = extras or [None] * len(token_lists)
+            # Rows with images decode and preprocess on the worker too (Pillow and numpy release the GIL).
+            aside = can_tokenize_aside(self.tokenizer) if self.tokenizer is not None or not images else True
+            ready = tokenized_ahead(self.admission_order(keys, loras), tokenize, self.engine.has_unfinished, aside)
         items = (None if item is None else (item[0], texts[item[0]], item[1], params_list[item[0]], loras[item[0]],
                                             *((extras[item[0]],) if extras[item[0]] else ()))
                  for item in ready)

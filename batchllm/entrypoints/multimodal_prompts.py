@@ -36,13 +36,18 @@ class MultiModalPrompts:
                           else ImagePromptProcessor(model_path, model_config.vision, tokenizer))
         self.allow_remote_media = allow_remote_media
 
+    def check(self, prompts: dict[int, dict[str, Any]]) -> dict[int, tuple[str | None, list[int] | None]]:
+        """Each row's `(text, token ids)` as given (one of them None); a malformed dict, or images for a text-only
+        model, is a ValueError naming its row: the caller's mistake, which fails the whole call before it runs."""
+        for index, prompt in prompts.items():
+            if _images_of(prompt, index) and self.processor is None:
+                raise ValueError(f"prompt {index} has images, but {self.architecture} takes text only")
+        return {index: _prompt_of(prompt, index) for index, prompt in prompts.items()}
+
     def prepare(self, prompts: dict[int, dict[str, Any]], add_special_tokens: bool = True) -> dict[int, PreparedRow]:
-        """Rows `index → prompt dict`; a malformed dict is a ValueError naming its row (the caller's mistake, the
-        whole call fails), an image that does not load or fit fails that row alone."""
+        """Rows `index → prompt dict` (checked by `check`) → engine rows; an image that does not load or fit, or a
+        prompt whose placeholders do not match its images, fails that row alone."""
         sources: dict[int, list[Any]] = {index: _images_of(prompt, index) for index, prompt in prompts.items()}
-        if self.processor is None and any(sources.values()):
-            index = next(i for i, images in sources.items() if images)
-            raise ValueError(f"prompt {index} has images, but {self.architecture} takes text only")
         flat = [source for images in sources.values() for source in images]
         loaded = iter(load_images(flat, allow_remote_media=self.allow_remote_media))
         rows: dict[int, PreparedRow] = {}
