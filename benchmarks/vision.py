@@ -115,7 +115,8 @@ def run_hf(images: list[bytes], args) -> dict:
         processed = processor(images=[Image.open(io.BytesIO(b)) for b in chosen], return_tensors="pt")
         count = int(processed["image_grid_thw"][0].prod()) // 4
         ids = torch.tensor([PROMPT_BEFORE + [image_token] * count + PROMPT_AFTER] * len(chosen), device="cuda")
-        return dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+        # mm_token_type_ids: transformers' 3-D positions need it (without, it falls back to 1-D ones).
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).int(),
                     pixel_values=processed["pixel_values"].to("cuda", torch.bfloat16),
                     image_grid_thw=processed["image_grid_thw"].to("cuda"))
 
