@@ -25,6 +25,7 @@ from batchllm.entrypoints.pooling import PoolingCalls
 from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.messages import split_chat_images
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
 from batchllm.reasoning import reasoning_parser
@@ -191,7 +192,11 @@ class LLM(PoolingCalls):
     def encode_requests(self, requests: Iterable[tuple | None]
                         ) -> Iterator[tuple[K, str | None, list[int], SamplingParams, LoRARequest | None] | None]:
         """`stream`'s items as (key, text, token ids, params, adapter), tokenized as the stream pulls."""
-        return encode_requests(requests, self.tokenizer, self.check_lora)
+        return encode_requests(requests, self.tokenizer, self.check_lora, self._prepare_image_prompt)
+
+    def _prepare_image_prompt(self, index: int, prompt: dict) -> Any:
+        self.image_prompts().check({index: prompt})
+        return self.image_prompts().prepare({index: prompt})[index]
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (once per adapter); raises LoRAError (a ValueError) naming it, or
@@ -222,15 +227,23 @@ class LLM(PoolingCalls):
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations, each rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                               add_generation_prompt=add_generation_prompt)
-            for conversation in conversations
-        ]
+        prompts, images = [], {}
+        for index, conversation in enumerate(conversations):
+            # Image content parts (OpenAI's image_url, or {"type": "image"}) become the template's image parts.
+            with_images = _has_image_parts(conversation)
+            template_messages, sources = split_chat_images(conversation) if with_images else (conversation, [])
+            prompts.append(self.tokenizer.apply_chat_template(template_messages, tokenize=False,
+                                                              chat_template=chat_template,
+                                                              add_generation_prompt=add_generation_prompt))
+            if sources:
+                images[index] = {"prompt": prompts[-1], "multi_modal_data": {"image": sources}}
+        if images:
+            self.image_prompts().check(images)
         self._check_call_wide(sampling_params)
         params_list = broadcast_params(sampling_params, len(prompts))
         # The template already contains the special tokens (BOS etc.), so do not add them a second time.
-        return self._run(list(prompts), [None] * len(prompts), params_list, use_tqdm, add_special_tokens=False)
+        return self._run(list(prompts), [None] * len(prompts), params_list, use_tqdm, add_special_tokens=False,
+                         images=images)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (strings or token ids), with HF transformers' selection and stopping rules;
@@ -309,3 +322,10 @@ class LLM(PoolingCalls):
     def has_unfinished(self) -> bool:
         """Whether requests of a stream are in the engine (a request source may pause admission only then)."""
         return self.engine.has_unfinished()
+
+
+def _has_image_parts(conversation: Messages) -> bool:
+    return any(isinstance(message, dict) and isinstance(message.get("content"), list)
+               and any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
+                       for part in message["content"]) for message in conversation)
+

@@ -57,11 +57,12 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, index: int, tokenize: bool = T
     raise TypeError(f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}")
 
 
-def encode_requests(requests: Iterable[tuple | None], tokenizer: Any,
-                    check_lora: Callable[[Any], None]) -> Iterator[tuple | None]:
+def encode_requests(requests: Iterable[tuple | None], tokenizer: Any, check_lora: Callable[[Any], None],
+                    prepare_images: Callable[[int, dict], Any] | None = None) -> Iterator[tuple | None]:
     """A stream's `(key, prompt, params[, lora_request])` items as (key, text, token ids, params, adapter),
     tokenized lazily as the stream pulls (an unbounded source is never materialized); adapters are checked, None
-    (a pause) passes through."""
+    (a pause) passes through. A prompt with images (a dict, `multimodal_prompts.py`) goes through
+    `prepare_images(index, prompt)` and its item carries `(images, error)` sixth."""
     for index, item in enumerate(requests):
         if item is None:
             yield None
@@ -70,4 +71,10 @@ def encode_requests(requests: Iterable[tuple | None], tokenizer: Any,
         lora = rest[0] if rest else None
         if lora is not None:
             check_lora(lora)
+        if isinstance(prompt, dict):
+            if prepare_images is None:
+                raise ValueError(f"prompt {index} has images: this engine takes text and token ids only")
+            row = prepare_images(index, prompt)
+            yield key, row.text, row.token_ids, params, lora, (row.mm, row.error)
+            continue
         yield (key, *encode_prompt(tokenizer, prompt, index), params, lora)

@@ -133,3 +133,46 @@ def test_prefix_cache_keys_blocks_by_their_images(checkpoint, images):
     first_image_token = prompt.index(ids["image"])
     assert full == (len(prompt) - 1) // 16 * 16 >= 32
     assert other == first_image_token // 16 * 16 < full
+
+
+def test_chat_parts_stream_and_rows_whose_image_fails(checkpoint, hf, images, tmp_path):
+    """`LLM.chat` with OpenAI image parts (a data URL) and `{"type": "image"}` parts, `LLM.stream` with a prompt
+    dict, and rows whose image is corrupt, missing, or an http URL without the opt-in: those fail alone."""
+    import base64
+
+    directory, _ = checkpoint
+    llm = _llm(directory)
+    small = png_bytes(images["small"])
+    expected = hf(chat(f"Describe {PAD} briefly."), [images["small"]])
+    url = "data:image/png;base64," + base64.b64encode(small).decode()
+    conversations = [[{"role": "user", "content": [{"type": "text", "text": "Describe "},
+                                                   {"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": " briefly."}]}],
+                     [{"role": "user", "content": [{"type": "text", "text": "Describe "},
+                                                   {"type": "image", "image": images["small"]},
+                                                   {"type": "text", "text": " briefly."}]}]]
+    assert _tokens(llm.chat(conversations, GREEDY, use_tqdm=False)) == [expected, expected]
+    streamed = list(llm.stream([("k", {"prompt": chat(f"Describe {PAD} briefly."),
+                                       "multi_modal_data": {"image": small}}, GREEDY)]))
+    assert streamed[0][0] == "k" and list(streamed[0][1].outputs[0].token_ids) == expected
+
+    bad = {"corrupt": b"\x89PNG not really", "missing": str(tmp_path / "nowhere.png"),
+           "remote": "http://127.0.0.1:9/image.png"}
+    prompts = [{"prompt": chat(f"Describe {PAD} briefly."), "multi_modal_data": {"image": source}}
+               for source in [*bad.values(), small]]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error"] * 3 + ["length"]
+    messages = [o.outputs[0].error for o in outputs[:3]]
+    assert "prompt 0" in messages[0] and "not a PNG" in messages[0]
+    assert "prompt 1" in messages[1] and "not found" in messages[1]
+    assert "prompt 2" in messages[2] and "allow_remote_media" in messages[2]
+    assert list(outputs[3].outputs[0].token_ids) == expected
+    with pytest.raises(ValueError, match="prompt 0 has 0 image placeholder"):
+        raise_first_error(llm.generate([{"prompt": "no placeholder", "multi_modal_data": {"image": small}}], GREEDY,
+                                       use_tqdm=False))
+
+
+def raise_first_error(outputs) -> None:
+    for output in outputs:
+        if output.outputs[0].error:
+            raise ValueError(output.outputs[0].error)
