@@ -11,6 +11,7 @@ from batchllm.engine.build import BuiltEngine, build_engine
 from batchllm.engine_config import EngineConfig
 from batchllm.entrypoints.admission_order import admission_order
 from batchllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from batchllm.entrypoints.chat_prompts import render_conversations
 from batchllm.entrypoints.engine_stream import stream_engine
 from batchllm.entrypoints.llm_inputs import (
     Prompt,
@@ -25,7 +26,6 @@ from batchllm.entrypoints.pooling import PoolingCalls
 from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
-from batchllm.multimodal.messages import split_chat_images
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
 from batchllm.reasoning import reasoning_parser
@@ -227,16 +227,7 @@ class LLM(PoolingCalls):
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations, each rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts, images = [], {}
-        for index, conversation in enumerate(conversations):
-            # Image content parts (OpenAI's image_url, or {"type": "image"}) become the template's image parts.
-            with_images = _has_image_parts(conversation)
-            template_messages, sources = split_chat_images(conversation) if with_images else (conversation, [])
-            prompts.append(self.tokenizer.apply_chat_template(template_messages, tokenize=False,
-                                                              chat_template=chat_template,
-                                                              add_generation_prompt=add_generation_prompt))
-            if sources:
-                images[index] = {"prompt": prompts[-1], "multi_modal_data": {"image": sources}}
+        prompts, images = render_conversations(self.tokenizer, conversations, chat_template, add_generation_prompt)
         if images:
             self.image_prompts().check(images)
         self._check_call_wide(sampling_params)
@@ -322,10 +313,3 @@ class LLM(PoolingCalls):
     def has_unfinished(self) -> bool:
         """Whether requests of a stream are in the engine (a request source may pause admission only then)."""
         return self.engine.has_unfinished()
-
-
-def _has_image_parts(conversation: Messages) -> bool:
-    return any(isinstance(message, dict) and isinstance(message.get("content"), list)
-               and any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
-                       for part in message["content"]) for message in conversation)
-
