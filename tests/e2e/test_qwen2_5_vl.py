@@ -176,3 +176,13 @@ def raise_first_error(outputs) -> None:
     for output in outputs:
         if output.outputs[0].error:
             raise ValueError(output.outputs[0].error)
+
+
+@pytest.mark.parametrize("option, named", [({"deterministic": True}, "deterministic=True"),
+                                           ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+                                            "speculative_config"),
+                                           ({"task": "embed"}, "task='embed'")])
+def test_options_an_image_model_refuses_by_name(checkpoint, option, named):
+    directory, _ = checkpoint
+    with pytest.raises(ValueError, match=f"{named}.*image models"):
+        _llm(directory, **option)
