@@ -32,7 +32,8 @@ class PromptSpec:
     `chat=True` sends the text of `prompt_column` / `prompt_template` as one user message through the
     model's chat template instead of as raw completion text. `system_prompt` puts a system message first
     in every chat prompt (so it needs `chat=True` or `messages_column`); a conversation that already
-    starts with a system message keeps its own.
+    starts with a system message keeps its own. `image_column` names a column of images that go with each
+    row's prompt (`batchllm/connectors/images.py` says how they are placed in it).
     """
 
     prompt_column: str | None = None
@@ -40,6 +41,7 @@ class PromptSpec:
     template: Template | None = None
     chat: bool = False
     system_prompt: str | None = None
+    image_column: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name, value in (("prompt_column", self.prompt_column),
@@ -61,6 +63,8 @@ class PromptSpec:
                 raise ValueError(f"system_prompt must be a non-empty string, got {self.system_prompt!r}")
             if not self.chat and self.messages_column is None:
                 raise ValueError("system_prompt= applies to chat prompts: pass chat=True or messages_column=")
+        if self.image_column is not None and (not isinstance(self.image_column, str) or not self.image_column):
+            raise ValueError(f"image_column must be a non-empty string, got {self.image_column!r}")
 
     def required_columns(self, available: Sequence[str]) -> list[str]:
         """The input columns a row's prompt needs; raises ValueError naming any that do not exist."""
@@ -71,7 +75,9 @@ class PromptSpec:
         elif isinstance(self.template, str):
             needed = template_fields(self.template)
         else:
-            return list(available)  # a callable sees the whole row
+            needed = list(available)  # a callable sees the whole row
+        if self.image_column is not None and self.image_column not in needed:
+            needed = [*needed, self.image_column]
         missing = [name for name in needed if name not in available]
         if missing:
             raise ValueError(f"unknown column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}; "
@@ -87,6 +93,8 @@ class PromptSpec:
                     "prompt_template": template, "chat": self.chat}
         if self.system_prompt is not None:  # only when set: manifests of jobs without one stay resumable
             identity["system_prompt"] = self.system_prompt
+        if self.image_column is not None:
+            identity["image_column"] = self.image_column
         return identity
 
 
@@ -235,7 +243,8 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
                     sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
                     truncate: str = "error", schema_column: str | None = None, parse_json: bool = False,
                     lora_column: str | None = None, loras: Mapping[str, str | Path] | None = None,
-                    sampling_fields: Mapping[str, Any] | None = None, task: str = "generate") -> MapOptions:
+                    sampling_fields: Mapping[str, Any] | None = None, task: str = "generate",
+                    image_column: str | None = None) -> MapOptions:
     """Validate the per-call options; `sampling_fields` are the caller's other keywords: SamplingParams fields,
     and `system_prompt` when the caller does not name it itself (the Parquet job and batchllm.ray pass their
     remaining keywords on as they come). A call-wide `structured_outputs` is a sampling field like any other."""
@@ -253,7 +262,7 @@ def resolve_options(*, prompt_column: str | None = None, messages_column: str | 
         if output_column == DEFAULT_OUTPUT_COLUMN:
             output_column = DEFAULT_EMBEDDING_COLUMN
     names = OutputNames.for_column(output_column, DEFAULT_EMBEDDING_COLUMN if pools else DEFAULT_OUTPUT_COLUMN)
-    return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt),
+    return MapOptions(PromptSpec(prompt_column, messages_column, prompt_template, chat, system_prompt, image_column),
                       resolve_sampling_params(sampling_params, fields), names, truncate, schema_column, parse_json,
                       lora_column, lora_pairs(loras), task)
 

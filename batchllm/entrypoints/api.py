@@ -25,7 +25,8 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
              sampling_params: SamplingParams | None = None, output_column: str = DEFAULT_OUTPUT_COLUMN,
              truncate: str = "error", use_tqdm: bool = True, data_parallel_size: int = 1,
              schema_column: str | None = None, parse_json: bool = False, lora_column: str | None = None,
-             loras: Mapping[str, str | Path] | None = None, **sampling_fields: Any) -> Any:
+             loras: Mapping[str, str | Path] | None = None, image_column: str | None = None,
+             **sampling_fields: Any) -> Any:
     """Generate a completion per row and return the same kind of object with output columns added.
 
         df.pipe(batchllm.generate, prompt_column="question", max_tokens=64, temperature=0)
@@ -39,6 +40,13 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     the text of a prompt column or template as one user message through the chat template. A list of
     strings needs none of them. `system_prompt` puts a system message first in every chat prompt (with
     `chat=True` or `messages_column`), except in conversations that already start with their own.
+
+    Images (a vision-language model, e.g. Qwen2.5-VL): `image_column="img"` names a column holding each row's
+    image or list of images (bytes, PIL images, paths, `data:` URLs, HF `Image` values), and messages may carry
+    OpenAI image parts (`{"type": "image_url", "image_url": {"url": ...}}`, `{"type": "image", "image": ...}`).
+    A prompt without the model's image placeholder gets its images first, in a user message rendered with the
+    chat template: `prompt_template="Describe the image."` captions every row. A row whose image is missing,
+    corrupt or too large gets its `error` (`batchllm/connectors/images.py`).
 
     Sampling: `sampling_params=SamplingParams(...)` or its fields as keywords (`max_tokens=64`,
     `temperature=0`, `n=2`, `logprobs=3`, ...). The engine: `llm=` an existing `LLM`, or `model=` (a
@@ -84,7 +92,7 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
                               prompt_template=prompt_template, chat=chat, system_prompt=system_prompt,
                               sampling_params=sampling_params, output_column=output_column, truncate=truncate,
                               schema_column=schema_column, parse_json=parse_json, lora_column=lora_column,
-                              loras=loras, sampling_fields=sampling_fields)
+                              loras=loras, sampling_fields=sampling_fields, image_column=image_column)
     columns, num_rows = connector.read_columns(data, options)
     with engine_for(data_parallel_size, model, llm, engine_kwargs) as engine:
         options = options.with_engine(engine)

@@ -3,6 +3,7 @@ bar, and a stream's items (shared with the server's view of an engine in another
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Sequence
 
@@ -62,7 +63,9 @@ def encode_requests(requests: Iterable[tuple | None], tokenizer: Any, check_lora
     """A stream's `(key, prompt, params[, lora_request])` items as (key, text, token ids, params, adapter),
     tokenized lazily as the stream pulls (an unbounded source is never materialized); adapters are checked, None
     (a pause) passes through. A prompt with images (a dict, `multimodal_prompts.py`) goes through
-    `prepare_images(index, prompt)` and its item carries `(images, error)` sixth."""
+    `prepare_images(index, prompt)` and its item carries `(images, error)` sixth; a `PreparedRow` (what
+    `MultiModalPrompts.prepare` returns: the table doors prepare rows on their tokenize-ahead worker) is taken as
+    it is."""
     for index, item in enumerate(requests):
         if item is None:
             yield None
@@ -71,6 +74,9 @@ def encode_requests(requests: Iterable[tuple | None], tokenizer: Any, check_lora
         lora = rest[0] if rest else None
         if lora is not None:
             check_lora(lora)
+        if _is_prepared(prompt):  # a row whose images a door already decoded and processed, off this thread
+            yield key, prompt.text, prompt.token_ids, params, lora, (prompt.mm, prompt.error)
+            continue
         if isinstance(prompt, dict):
             if prepare_images is None:
                 raise ValueError(f"prompt {index} has images: this engine takes text and token ids only")
@@ -78,3 +84,9 @@ def encode_requests(requests: Iterable[tuple | None], tokenizer: Any, check_lora
             yield key, row.text, row.token_ids, params, lora, (row.mm, row.error)
             continue
         yield (key, *encode_prompt(tokenizer, prompt, index), params, lora)
+
+
+def _is_prepared(prompt: Any) -> bool:
+    # A PreparedRow can only exist once its module (which needs Pillow) is imported: never import it to type-check.
+    module = sys.modules.get("batchllm.entrypoints.multimodal_prompts")
+    return module is not None and isinstance(prompt, module.PreparedRow)

@@ -230,7 +230,7 @@ def run_sharded_job(source: Source, planner: Planner, sink: Sink, llm: LLM | Rep
                     else:
                         params = request.params if isinstance(request.params, PoolingParams) else cap_max_tokens(
                             request.params, settings.max_tokens_cap, llm.max_model_len - len(prompt.token_ids))
-                        item = ((shard, row, params), prompt.token_ids, params, request.lora)
+                        item = ((shard, row, params), prompt.engine_prompt, params, request.lora)
                         yield item if request.model is None else (*item, request.model)
             # Rows wait here, not in memory: pause admission (the engine keeps stepping) while too many are held.
             # With nothing pending, the held rows are the current shard's: reading on is the only way forward.

@@ -69,7 +69,7 @@ def map_columns(columns: Mapping[str, Sequence[Any]], num_rows: int, options: Ma
             i, prompt = item
             outcomes[i] = _failure(prompt, params[i], loras[i])
             if outcomes[i] is None:
-                yield i, prompt.token_ids, params[i], loras[i]
+                yield i, prompt.engine_prompt, params[i], loras[i]
             else:
                 progress.update(1)
 
