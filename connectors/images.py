@@ -30,7 +30,8 @@ from typing import Any
 from batchllm.entrypoints.chat_prompts import has_image_parts
 from batchllm.multimodal.messages import split_chat_images
 
-__all__ = ["ImagePreparer", "has_image_parts", "images_first", "split_message_images"]
+__all__ = ["NOT_CARRIED", "ImagePreparer", "has_image_parts", "images_first", "refuse_uncarried",
+           "split_message_images"]
 
 
 def split_message_images(messages: list[dict[str, Any]], check: Any) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -59,6 +60,17 @@ def images_first(conversation: list[dict[str, Any]], count: int) -> list[dict[st
     raise ValueError("the messages have no user message to put the images in")
 
 
+# Replicas and several-model jobs receive rows as token ids; the images would have to travel with them.
+NOT_CARRIED = ("image inputs need one in-process engine: data_parallel_size > 1 (--data-parallel) and several models "
+               "(models= / --model NAME=PATH) do not carry images yet; run with data_parallel_size=1 and one model")
+
+
+def refuse_uncarried(image_column: str | None, data_parallel_size: int, several_models: bool = False) -> None:
+    """Fail a call with an image column that would run on replicas (or several models) before any engine starts."""
+    if image_column is not None and (data_parallel_size > 1 or several_models):
+        raise ValueError(NOT_CARRIED)
+
+
 class ImagePreparer:
     """The engine's image side (`LLM.image_prompts()`): its placeholder text, and rows → engine rows.
 
@@ -67,8 +79,7 @@ class ImagePreparer:
     def __init__(self, engine: Any) -> None:
         image_prompts = getattr(engine, "image_prompts", None)
         if image_prompts is None:
-            raise ValueError("image inputs need an in-process engine: data_parallel_size > 1 (--data-parallel) does "
-                             "not carry images to its replicas yet; run with data_parallel_size=1")
+            raise ValueError(NOT_CARRIED)
         self.prompts = image_prompts()
         if self.prompts.processor is None:
             raise ValueError(f"the model at {engine.model_path} ({self.prompts.architecture}) takes text only; "

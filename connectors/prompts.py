@@ -20,7 +20,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.connectors.images import ImagePreparer, has_image_parts, images_first, row_error, split_message_images
+from batchllm.connectors.images import (
+    NOT_CARRIED,
+    ImagePreparer,
+    has_image_parts,
+    images_first,
+    row_error,
+    split_message_images,
+)
 from batchllm.connectors.options import MapOptions, PromptSpec, with_system_prompt
 
 _MAX_RENDERED = 65536  # distinct conversations remembered per encoder
@@ -135,7 +142,10 @@ class PromptEncoder:
         return self.render_chat([{"role": "user", "content": text}], images)
 
     def _takes_images(self) -> bool:
-        """Whether the engine takes images; if not, image parts fail their row as any non-text part does."""
+        """Whether the engine takes images; if not, image parts fail their row as any non-text part does. An engine
+        that cannot carry them (replicas) fails the row saying so."""
+        if self.engine is not None and getattr(self.engine, "image_prompts", None) is None:
+            raise RowError(NOT_CARRIED)
         try:
             self.image_preparer()
         except ValueError:

@@ -152,7 +152,7 @@ def _run(source: JsonlSource, output: Path, manifest_path: Path, engine: LLM | R
         fingerprint["quantization"] = numerics
     manifest = Manifest.open(manifest_path, fingerprint, output)
     sink = JsonlSink(output, manifest, engine.model_path.name, settings.retry_errors, frozenset(adapters))
-    encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate)
+    encoder = PromptEncoder(engine.tokenizer, engine.max_model_len, truncate, engine=engine)  # engine: images
     planner = _planner(encoder, defaults, source.duplicates, settings.max_tokens_cap,
                        _AdapterOfModel(adapters, engine.model_path.name), pooling, getattr(engine, "embedding_dim", 0))
     return run_sharded_job(source, planner, sink, engine, settings)

@@ -21,7 +21,9 @@ with finish_reason "length".
 refused for that line rather than silently ignored.
 
 Chat messages follow `batchllm.connectors.prompts.check_messages`: the roles are system, user, assistant
-and tool (any other fails the line); content is a string or a list of text parts (joined); an assistant's
+and tool (any other fails the line); content is a string or a list of text parts (joined), or, for a
+vision-language model, of text and image parts (`image_url` with a data: URL or a path; `batchllm/connectors/images.py`;
+an image that does not load fails its line); an assistant's
 `tool_calls` (its content may then be null) and `tool` results go to the chat template when it renders
 tool calls, and fail the line otherwise. A line that is not valid UTF-8 fails on its own.
 

@@ -22,7 +22,8 @@ directory is fine but any rewrite is caught; a CSV / JSON file's name, size and 
 prompt options, the sampling parameters (a call-wide constraint's canonical text among them),
 `schema_column` and `parse_json` (when set), `lora_column` and `loras` (with each adapter's files' SHA-256),
 `truncate`, `output_column`, `rows_per_shard` and `max_tokens_cap`; a mismatch is refused. Per-row schemas
-and adapter names are input data, pinned with the input.
+and adapter names are input data, pinned with the input. A job with images (`image_column`, or messages with image
+parts) also pins a hash of every image's bytes, files named by path included (`image_identity.py`).
 Engine-only options (device, dtype, batch limits, `max_in_flight`, `flush_seconds`) may change between runs.
 """
 
@@ -38,6 +39,7 @@ import pyarrow as pa
 
 from batchllm.connectors.adapters import adapter_requests, adapters_identity, row_adapters
 from batchllm.connectors.constraints import SchemaColumn, require_compiles
+from batchllm.connectors.images import refuse_uncarried
 from batchllm.connectors.jobs.atomic import is_temporary, remove_stale_temporaries
 from batchllm.connectors.jobs.identity import (
     model_identity,
@@ -45,6 +47,7 @@ from batchllm.connectors.jobs.identity import (
     require_chat_template,
     tokenizer_identity,
 )
+from batchllm.connectors.jobs.image_identity import images_identity
 from batchllm.connectors.jobs.job import (
     DEFAULT_FLUSH_SECONDS,
     DEFAULT_MAX_TOKENS_CAP,
@@ -86,7 +89,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                     schema_column: str | None = None, parse_json: bool = False, lora_column: str | None = None,
                     loras: Mapping[str, str | Path] | None = None,
                     models: Mapping[str, str | Path | LLM | None] | None = None, model_column: str | None = None,
-                    **sampling_fields: Any) -> JobResult:
+                    image_column: str | None = None, **sampling_fields: Any) -> JobResult:
     """Generate for every row of the table `input` (read as `input_format`, see `sources.py`) into shards under
     the directory `output`.
 
@@ -106,6 +109,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     instead (see `batchllm.embed`): no sampling options, `truncate` "right" by default (else "error").
     """
     check_data_parallel_size(data_parallel_size, llm)
+    refuse_uncarried(image_column, data_parallel_size, models is not None)
     task = llm.task if llm is not None else dict(engine_kwargs or {}).get("task", "generate")
     if truncate is None:
         truncate = "error" if task == "generate" else "right"
@@ -113,7 +117,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
                               prompt_template=prompt_template, chat=chat, sampling_params=sampling_params,
                               output_column=output_column, truncate=truncate, schema_column=schema_column,
                               parse_json=parse_json, lora_column=lora_column, loras=loras,
-                              sampling_fields=sampling_fields, task=task)
+                              sampling_fields=sampling_fields, task=task, image_column=image_column)
     settings = JobSettings(rows_per_shard, max_in_flight, max_buffered_rows, use_tqdm, max_tokens_cap, flush_seconds,
                            retry_errors)
     if models is not None or model_column is not None:
@@ -160,6 +164,9 @@ def _run(source: ParquetSource | TextTableSource, directory: Path, engine: LLM |
     numerics = quantization_identity(engine)
     if numerics is not None:
         fingerprint["quantization"] = numerics
+    images = images_identity(source, options.prompt)
+    if images is not None:  # only with images: the manifests of text jobs stay as they were
+        fingerprint["images"] = images
     manifest = Manifest.open(directory / MANIFEST_NAME, fingerprint, directory)
     sink = ParquetSink(directory, manifest, options, source.total_rows, settings.rows_per_shard,
                        settings.retry_errors)

@@ -117,3 +117,10 @@ def test_call_level_refusals(vl, tmp_path):
     text_only = LLM(device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="takes text only"):
         batchllm.generate(frame, prompt_template=CAPTION, image_column="img", llm=text_only)
+
+
+def test_data_parallel_is_refused_naming_the_flag(checkpoint):  # noqa: F811
+    frame = pd.DataFrame({"img": [b"x"]})
+    with pytest.raises(ValueError, match=r"data_parallel_size > 1 \(--data-parallel\)"):
+        batchllm.generate(frame, prompt_template=CAPTION, image_column="img", model=checkpoint[0],
+                          data_parallel_size=2)

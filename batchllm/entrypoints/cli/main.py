@@ -106,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="column holding the prompt text (with --task embed: the text to embed)")
     prompt.add_argument("--messages-column", help="column holding chat messages (a list of {role, content})")
     prompt.add_argument("--template", help="str.format template over the row's columns, e.g. 'Q: {question}'")
+    prompt.add_argument("--prompt", metavar="TEXT",
+                        help="the same prompt for every row, e.g. 'Describe the image.' with --image-column (braces "
+                             "are literal)")
+    run.add_argument("--image-column", metavar="NAME",
+                     help="column holding each row's image or list of images (binary, a {bytes, path} struct, a path "
+                          "or a data: URL) for a vision-language model; a prompt without the image placeholder gets "
+                          "the images first, through the chat template; tables only")
     run.add_argument("--chat", action="store_true", help="send the prompt text as a user message through the "
                                                          "model's chat template")
     run.add_argument("--system-prompt", metavar="TEXT",
@@ -202,8 +209,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
                    if name not in sampling or value != _SAMPLING_DEFAULTS[name]}
     if args.truncate is not None:
         options["truncate"] = args.truncate
+    # --prompt is a template without fields: its braces are escaped, so they stay text.
+    fixed = None if args.prompt is None else args.prompt.replace("{", "{{").replace("}", "}}")
     prompt = {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
-              "prompt_template": args.template, "chat": args.chat, "system_prompt": args.system_prompt,
+              "prompt_template": args.template if fixed is None else fixed, "chat": args.chat,
+              "system_prompt": args.system_prompt, "image_column": args.image_column,
               "output_column": args.output_column}
     if args.lora:
         engine["enable_lora"] = True
@@ -230,8 +240,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
                 return fail("--lora on a table needs --lora-column: the column naming each row's adapter")
             options["lora_column"] = args.lora_column
     elif any(value for key, value in prompt.items() if key != "output_column"):
-        return fail("--prompt-column / --messages-column / --template / --chat / --system-prompt do not apply to "
-                    "an OpenAI batch file: each request carries its prompt")
+        return fail("--prompt-column / --messages-column / --template / --prompt / --chat / --system-prompt / "
+                    "--image-column do not apply to an OpenAI batch file: each request carries its prompt (and its "
+                    "images, as image_url parts)")
     elif args.lora_column is not None:
         return fail("--lora-column does not apply to an OpenAI batch file: a request's `model` names its adapter")
     elif args.schema_column is not None or args.parse_json:
@@ -240,6 +251,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         if args.dry_run and "models" in options:
             return fail("--dry-run plans the rows of one model: give one --model")
+        if args.dry_run and args.image_column is not None:
+            return fail("--dry-run does not plan rows with images (--image-column) yet: it loads no image processor")
         if args.dry_run:  # the same arguments, checked and sized (batchllm/connectors/jobs/dry_run.py)
             from batchllm.connectors.jobs.dry_run import print_dry_run
 
