@@ -35,7 +35,7 @@ from batchllm.engine_config import DEFAULTS
 
 # resolve_options' named options; any other keyword that is not an engine option is a sampling field.
 _MAP_OPTIONS = ("prompt_column", "messages_column", "prompt_template", "chat", "sampling_params",
-                "output_column", "truncate", "schema_column", "parse_json")
+                "output_column", "truncate", "schema_column", "parse_json", "image_column")
 _ENGINE_OPTIONS = ("model", "engine_kwargs")
 # LLM(...)'s default max_num_seqs: the most sequences the engine runs at once.
 DEFAULT_MAX_NUM_SEQS = DEFAULTS["max_num_seqs"]

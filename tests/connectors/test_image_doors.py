@@ -124,3 +124,17 @@ def test_data_parallel_is_refused_naming_the_flag(checkpoint):  # noqa: F811
     with pytest.raises(ValueError, match=r"data_parallel_size > 1 \(--data-parallel\)"):
         batchllm.generate(frame, prompt_template=CAPTION, image_column="img", model=checkpoint[0],
                           data_parallel_size=2)
+
+
+def test_ray_predictor_numpy_batch(checkpoint, hf, pictures):  # noqa: F811
+    import numpy as np
+
+    from batchllm.ray import LLMPredictor
+
+    predictor = LLMPredictor(model=str(checkpoint[0]), engine_kwargs={"device": "cpu", "dtype": "float32",
+                                                                      "num_kv_blocks": 64},
+                             image_column="img", prompt_template=CAPTION, use_tqdm=False, **GREEDY)
+    out = predictor({"img": np.array([png_bytes(pictures[0]), b"broken"], dtype=object)})
+    want = predictor.llm.tokenizer.decode(_expected(hf, CAPTION, [pictures[0]]), skip_special_tokens=True)
+    assert list(out["generated_text"][:1]) == [want] and out["error"][0] is None
+    assert "not a PNG/JPEG" in out["error"][1]
