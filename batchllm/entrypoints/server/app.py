@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP application over the server's engines (`engine_handle.EngineHandle`: an engine process
 each under `batchllm serve`, one per served model).
 
-    POST /v1/completions, POST /v1/chat/completions   (server-sent events with "stream": true)
+    POST /v1/completions, POST /v1/chat/completions   (server-sent events with "stream": true; chat messages may
+                                                      hold image parts, as data: URLs: `image_chat.py`)
     POST /v1/embeddings                               on a model built with task="embed" (`--task embed`), which
                                                       serves it instead of the two above (`embeddings.py`)
     GET  /v1/models, /v1/models/{id}                  the models (by default their directories' names) and adapters
@@ -29,6 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from batchllm.entrypoints.chat_prompts import has_image_parts
 from batchllm.entrypoints.server.batch_api import mount_batch_api
 from batchllm.entrypoints.server.batch_runner import BatchSettings
 from batchllm.entrypoints.server.embeddings import mount_embeddings
@@ -91,7 +93,11 @@ def build_app(engines: EngineHandle | ServedModels, *, api_key: str | None = Non
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         served = _generating(models, body.model)
-        return await _answer(served.engine, request, body, served.mapper.chat(body), chat=True)
+        if has_image_parts(body.messages):  # decoding and preprocessing images takes milliseconds: not on the loop
+            inputs = await asyncio.to_thread(served.mapper.chat, body)
+        else:
+            inputs = served.mapper.chat(body)
+        return await _answer(served.engine, request, body, inputs, chat=True)
 
     @app.get("/health")
     async def health():
@@ -148,7 +154,8 @@ def api_key_checker(api_key: str | None):
 
 async def _answer(loop: EngineHandle, request: Request, body: Any, inputs: EngineInputs, chat: bool):
     sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
-    streams = submit_all(loop, inputs.prompts, inputs.params, inputs.lora_request, incremental=body.stream, sink=sink)
+    streams = submit_all(loop, inputs.prompts, inputs.params, inputs.lora_request, inputs.images,
+                         incremental=body.stream, sink=sink)
     if body.stream:
         writer = ChunkWriter(chat, inputs.model, inputs.params.n, inputs.top_logprobs)
         return StreamingResponse(_events(loop, streams, sink, writer, body.include_usage),

@@ -1,9 +1,10 @@
 """The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on an `EngineHandle`.
 
-`BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, None pauses
-admission, `(key, RequestOutput)` in completion order (`PoolingRequestOutput` for the PoolingParams items of an
-embed server's jobs), at most `max_in_flight` prompts out at once), but its
-requests go through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
+`BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, a prompt being text,
+token ids or a dict with images (`multimodal_prompts.py`: prepared by the client's `llm`; a row whose image fails ends
+with its error), None pauses admission, `(key, RequestOutput)` in completion order (`PoolingRequestOutput` for the
+PoolingParams items of an embed server's jobs), at most `max_in_flight` prompts out at once), but its requests go
+through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
 thread never touches the engine. Every other attribute (tokenizer, model_path, max_model_len, check_lora,
 quantization, kv_cache_dtype, max_num_seqs, ...) is the client's `llm` (the real LLM, or what the HTTP
 process knows of it: `remote_llm.RemoteLLM`), read-only; `check_structured_outputs` compiles on the engine, where the
@@ -100,9 +101,10 @@ class BatchEngine:
                         return
                 else:
                     room = None if max_in_flight is None else max_in_flight - len(in_flight)
-                    for key, text, token_ids, params, lora in source.take(room):
+                    for key, text, token_ids, params, lora, *images in source.take(room):
+                        mm, error = images[0] if images else (None, None)  # a prompt dict's images, or its error
                         stream = self._loop.submit(token_ids, params, lora, priority=1, incremental=False,
-                                                   prompt_text=text, sink=results)
+                                                   prompt_text=text, sink=results, mm=mm, error=error)
                         in_flight[stream] = key
                     if source.finished(len(in_flight)):
                         return

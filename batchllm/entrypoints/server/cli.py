@@ -98,6 +98,9 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--lora", type=adapter, action="append", metavar="NAME=PATH",
                        help="a PEFT LoRA adapter directory under a name (repeatable): a request's `model` names it; "
                             "adapters apply to the first --model")
+    serve.add_argument("--allow-remote-media", action="store_true",
+                       help="let chat image parts be http(s) URLs, which the server fetches (otherwise images come as "
+                            "data: URLs only); the server can then be made to fetch any URL it can reach")
     serve.add_argument("--grace-seconds", type=_seconds, default=30.0,
                        help="on SIGTERM / SIGINT, how long the requests in flight may take to finish")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -147,6 +150,8 @@ def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tupl
     engine = engine_options(args)
     if loras:
         engine["enable_lora"] = True
+    if args.allow_remote_media:
+        engine["allow_remote_media"] = True
     if args.task != "generate" and "max_num_batched_tokens" not in engine:
         engine["max_num_batched_tokens"] = SERVER_POOLING_BUDGET["gpu" if gpu_count(engine) else "cpu"]
     placements = plan_engines(len(models), engine)

@@ -122,7 +122,8 @@ class EngineDriver:
         if isinstance(submit.params, PoolingParams):
             try:
                 self._engine.add_request(f"{submit.prompt_id}.0", submit.token_ids, NO_SAMPLING,
-                                         lora_request=submit.lora, pooling=submit.params)
+                                         lora_request=submit.lora, pooling=submit.params, mm=submit.mm,
+                                         error=submit.error)
             except ValueError as exc:
                 self._results.refused.append((submit.prompt_id, str(exc)))
                 return
@@ -134,7 +135,8 @@ class EngineDriver:
                     request_id = f"{submit.prompt_id}.{index}"
                     fork_of = f"{submit.prompt_id}.0" if index else None  # the samples share the prompt's K/V
                     self._engine.add_request(request_id, submit.token_ids, sample_params(submit.params, index),
-                                             fork_of=fork_of, lora_request=submit.lora)
+                                             fork_of=fork_of, lora_request=submit.lora, mm=submit.mm,
+                                             error=submit.error)
                     admitted.samples.append(_Sample(request_id, index))
             except ValueError as exc:  # e.g. an adapter this engine cannot apply
                 for sample in admitted.samples:

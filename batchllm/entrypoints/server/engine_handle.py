@@ -21,6 +21,7 @@ from batchllm.entrypoints.server.admitted import AdmittedRequests, LoopObserver,
 from batchllm.entrypoints.server.engine_protocol import LIVE, Abort, Compile, EngineSnapshot, StepResults, Submit
 from batchllm.entrypoints.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
@@ -67,11 +68,14 @@ class EngineHandle:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                lora_request: LoRARequest | None = None, priority: int = LIVE, *, incremental: bool = True,
-               prompt_text: str | None = None, sink: Any = None) -> RequestStream:
+               prompt_text: str | None = None, sink: Any = None, mm: MultiModalPrompt | None = None,
+               error: str | None = None) -> RequestStream:
         """Queue one prompt (its `params.n` samples) and return its stream. `incremental=False`: only the final
         event (no per-step updates, no streamed text). `PoolingParams` (the LLM's `pooling_params`; ValueError on
         an engine that generates, as SamplingParams on one that pools): one pooling request, one final event.
-        Raises ServerShuttingDown / EngineDead when the engine no longer admits requests."""
+        `mm`: the prompt's images (`prompt_token_ids` holds their placeholders); `error`: the prompt already failed
+        (its image did not load): it ends with that error. Raises ServerShuttingDown / EngineDead when the engine no
+        longer admits requests."""
         pooling = isinstance(params, PoolingParams)
         task = self.llm.task
         if pooling == (task == "generate"):
@@ -86,7 +90,7 @@ class EngineHandle:
             self._book.add(stream, token_ids, params, prompt_text, incremental)
             self._idle.clear()
             self._send(Submit(stream.prompt_id, token_ids, params, lora_request, priority, incremental,
-                              time.perf_counter()))
+                              time.perf_counter(), mm, error))
         return stream
 
     def abort(self, stream: RequestStream) -> None:

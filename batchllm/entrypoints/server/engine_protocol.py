@@ -2,10 +2,11 @@
 runs in a process of its own (`engine_process.py`, over a pipe) or in a thread beside the HTTP server
 (`engine_loop.py`, through a queue).
 
-Client → engine: `Submit` (one prompt: its n samples, or one pooling request), `Abort`, `Compile` (a structured-output
-constraint, compiled now), `Stop` (abort what is left and end). Engine → client: `Ready` or `BuildFailed` once (a
-process only), then a `StepResults` after every step that changed something, and `Crashed` before an unexpected
-exit. Only token ids, raw logprobs and pooled vectors travel back: texts are decoded on the HTTP side.
+Client → engine: `Submit` (one prompt: its n samples, or one pooling request; its images, prepared on the HTTP side,
+too), `Abort`, `Compile` (a structured-output constraint, compiled now), `Stop` (abort what is left and end). Engine →
+client: `Ready` or `BuildFailed` once (a process only), then a `StepResults` after every step that changed something,
+and `Crashed` before an unexpected exit. Only token ids, raw logprobs and pooled vectors travel back: texts are
+decoded on the HTTP side.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from batchllm.config import SchedulerConfig
 from batchllm.engine.interfaces import SampledToken
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.outputs import PoolingRequestOutput, RequestMetrics
 from batchllm.pooling_params import PoolingParams
 from batchllm.sampling_params import SamplingParams
@@ -34,6 +36,8 @@ class Submit:
     priority: int
     incremental: bool  # tokens after every step; False: only when the request ends
     submitted_at: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for every process of the machine)
+    mm: MultiModalPrompt | None = None  # the prompt's images, prepared on the HTTP side (numpy arrays: they pickle)
+    error: str | None = None  # the HTTP side already failed the prompt (an image that does not load): it ends with this
 
 
 @dataclass(slots=True)
@@ -124,6 +128,7 @@ class EngineInfo:
     embedding_dim: int
     quantization: Any
     kv_cache_dtype: str
+    allow_remote_media: bool = False  # image inputs may be http(s) URLs (the HTTP side fetches them)
 
 
 @dataclass(slots=True)

@@ -46,7 +46,8 @@ def engine_main(spec: EngineSpec, tasks: Connection, results: Connection) -> Non
     pool = llm.engine.scheduler.kv_cache.pool
     outbox.send(Ready(os.getpid(), EngineInfo(llm.model_path, llm.task, llm.max_model_len,
                                               llm.engine.scheduler.config, pool.num_blocks, llm.pooling_params,
-                                              llm.embedding_dim, llm.quantization, llm.kv_cache_dtype)))
+                                              llm.embedding_dim, llm.quantization, llm.kv_cache_dtype,
+                                              llm.config.allow_remote_media)))
     try:
         with objects_frozen():  # the model and everything loaded stay out of the collector's scans
             _serve(EngineDriver(llm, spec.batch_waiting_limit), inbox, outbox, spec.parent_pid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +15,7 @@ from batchllm.entrypoints.server.engine_handle import EngineHandle
 from batchllm.entrypoints.server.engine_protocol import LIVE
 from batchllm.entrypoints.server.errors import APIError, bad_request, from_validation_errors, unavailable
 from batchllm.entrypoints.server.request_stream import EngineDead, RequestStream, ServerShuttingDown
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
 
 _DISCONNECT_POLL_SECONDS = 0.5
@@ -34,14 +35,16 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise from_validation_errors(exc.errors()) from None
 
 
-def submit_all(engine: EngineHandle, prompts: Iterable[tuple[str | None, list[int]]], params: Any,
-               lora_request: Any = None, **options: Any) -> list[RequestStream]:
-    """Submit each (text, token ids) at LIVE priority (`options`: `EngineHandle.submit`'s); 503, with the ones
-    already submitted aborted, when the engine admits no more."""
+def submit_all(engine: EngineHandle, prompts: Sequence[tuple[str | None, list[int]]], params: Any,
+               lora_request: Any = None, images: Sequence[MultiModalPrompt | None] | None = None,
+               **options: Any) -> list[RequestStream]:
+    """Submit each (text, token ids) at LIVE priority, with its images if `images` has them (one per prompt);
+    `options`: `EngineHandle.submit`'s. 503, with the ones already submitted aborted, when the engine admits no
+    more."""
     streams: list[RequestStream] = []
     try:
-        for text, token_ids in prompts:
-            streams.append(engine.submit(token_ids, params, lora_request, LIVE, prompt_text=text, **options))
+        for (text, token_ids), mm in zip(prompts, images or [None] * len(prompts), strict=True):
+            streams.append(engine.submit(token_ids, params, lora_request, LIVE, prompt_text=text, mm=mm, **options))
     except (ServerShuttingDown, EngineDead) as exc:
         abort_all(engine, streams)
         raise unavailable(str(exc)) from None

@@ -3,8 +3,9 @@
 Sampling fields map exactly as in an OpenAI batch file (`connectors.jobs.openai_batch.sampling_params`, with
 `response_format` through `connectors.constraints`), so a request means the same over HTTP and in a batch.
 Prompts are tokenized as `LLM.generate` (text) and `LLM.chat` (messages, through `PromptEncoder.render_chat`)
-do, so the server's greedy answers equal theirs. Runs on the event loop's thread: tokenizing one request is
-quick, and nothing here touches the engine.
+do, so the server's greedy answers equal theirs; messages with image content parts are rendered and their images
+prepared as `LLM.chat` does (`image_chat.py`). Runs on the event loop's thread (a chat with images on a worker
+thread: `app.py`): tokenizing one request is quick, and nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from typing import Any
 
 from batchllm.connectors.jobs.openai_batch import sampling_params
 from batchllm.connectors.prompts import PromptEncoder, RowError
+from batchllm.entrypoints.chat_prompts import has_image_parts
 from batchllm.entrypoints.server.errors import APIError, bad_request
+from batchllm.entrypoints.server.image_chat import ImageChat
 from batchllm.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.sampling_params import SamplingParams
 
 # Fields that are not sampling parameters: the batch mapping must not see them.
@@ -35,16 +39,19 @@ class EngineInputs:
     lora_request: LoRARequest | None
     top_logprobs: int | None  # the top-k per token the response shows; None: no logprobs
     model: str  # the name the response gives
+    images: list[MultiModalPrompt | None] | None = None  # per prompt, for a chat with image parts
 
 
 class RequestMapper:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, model_name: str,
-                 loras: Mapping[str, LoRARequest]) -> None:
+                 loras: Mapping[str, LoRARequest], image_chat: ImageChat | None = None) -> None:
+        """`image_chat`: how this model takes chat image parts (None: it refuses them as a text-only model)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.loras = dict(loras)
+        self.image_chat = image_chat or ImageChat(model_name, None, None)
         self._encoder = PromptEncoder(tokenizer, max_model_len, "error")
 
     def completion(self, request: CompletionRequest) -> EngineInputs:
@@ -72,15 +79,19 @@ class RequestMapper:
         params = self._params(request, chat=True)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
-        try:
-            rendered = self._encoder.render_chat(request.messages)
-        except RowError as exc:
-            raise bad_request(str(exc), "messages") from None
-        # The template already holds the special tokens (BOS etc.): none are added a second time, as LLM.chat does.
-        token_ids = self.tokenizer(rendered.text, add_special_tokens=False)["input_ids"]
+        mm = None
+        if has_image_parts(request.messages):
+            text, token_ids, mm = self.image_chat.prepare(request.messages, self.tokenizer)
+        else:
+            try:
+                text = self._encoder.render_chat(request.messages).text
+            except RowError as exc:
+                raise bad_request(str(exc), "messages") from None
+            # The template already holds the special tokens (BOS etc.): none are added again, as LLM.chat does.
+            token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         self._check_length(len(token_ids), params.max_tokens, "messages")
         top_k = (request.top_logprobs or 0) if request.logprobs else None
-        return EngineInputs([(rendered.text, token_ids)], params, lora, top_k, request.model or self.model_name)
+        return EngineInputs([(text, token_ids)], params, lora, top_k, request.model or self.model_name, [mm])
 
     def adapter_of(self, model: str | None) -> LoRARequest | None:
         """None for the base model (its name, or no name); an adapter's LoRARequest; 404 for anything else."""

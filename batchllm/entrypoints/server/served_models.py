@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.entrypoints.server.errors import APIError
+from batchllm.entrypoints.server.image_chat import ImageChat
 from batchllm.entrypoints.server.request_mapping import RequestMapper
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig, read_hf_config
@@ -41,8 +42,9 @@ class ServedModels:
                     raise ValueError(f"the name {served!r} is given to two models or adapters: each needs its own")
                 seen.add(served)
             llm = engine.llm
-            vocab_size = ModelConfig.from_hf_dict(read_hf_config(llm.model_path)).vocab_size
-            mapper = RequestMapper(llm.tokenizer, llm.max_model_len, vocab_size, name, adapters)
+            config = ModelConfig.from_hf_dict(read_hf_config(llm.model_path))
+            images = ImageChat(name, config.architecture, None if config.vision is None else llm.image_prompts)
+            mapper = RequestMapper(llm.tokenizer, llm.max_model_len, config.vocab_size, name, adapters, images)
             self.models.append(ServedModel(name, engine, dict(adapters), mapper))
 
     @classmethod
