@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import http.server
+import io
+import json
 import threading
 
 import openai
@@ -23,7 +25,7 @@ from batchllm.entrypoints.server.engine_process import EngineLaunch, launch_engi
 from batchllm.entrypoints.server.served_models import ServedModels
 from tests.e2e.qwen2_5_vl_checkpoint import png_bytes, random_image
 from tests.e2e.test_qwen2_5_vl import MAX_NEW, PAD, chat, checkpoint, hf  # noqa: F401 (checkpoint, hf: fixtures)
-from tests.server.conftest import openai_client, serving
+from tests.server.conftest import openai_client, serving, wait_until
 
 ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=4)
 SMALL, OTHER = random_image(1, 100, 80), random_image(4, 100, 80)  # same size, other pixels
@@ -54,11 +56,12 @@ def expected(checkpoint, hf):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def served(checkpoint):  # noqa: F811
+def served(checkpoint, tmp_path_factory):  # noqa: F811
     (vl,) = launch_engines([EngineLaunch("vl", checkpoint[0], ENGINE, num_threads=1)])
     text_only = EngineLoop(LLM(num_kv_blocks=16, max_num_seqs=2))
     try:
-        with serving(build_app(ServedModels([("vl", vl, {}), ("text", text_only, {})]))) as url:
+        models = ServedModels([("vl", vl, {}), ("text", text_only, {})])
+        with serving(build_app(models, data_dir=tmp_path_factory.mktemp("data"))) as url:
             yield {"client": openai_client(url), "engine": vl}
     finally:
         vl.shutdown(0)
@@ -122,6 +125,33 @@ def test_batch_rows_with_images_run_on_the_engine_process(served, expected):
     assert list(outputs["good"].outputs[0].token_ids) == expected["small"][0]
     assert outputs["bad"].outputs[0].finish_reason == "error"
     assert "not a PNG" in outputs["bad"].outputs[0].error
+
+
+def test_a_batch_file_with_image_parts(served, expected):
+    """The Batch API's rows: a data URL answered as HF's greedy; a path (a file of the server) and a corrupt image
+    fail their own line."""
+    def line(custom_id: str, url: str) -> str:
+        body = {"model": "vl", "messages": describe(url), "max_tokens": MAX_NEW, "temperature": 0}
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    client = served["client"]
+    lines = [line("good", data_url(SMALL)), line("path", "/etc/hosts"),
+             line("corrupt", "data:image/png;base64," + base64.b64encode(b"not a picture").decode())]
+    upload = client.files.create(file=("input.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 60, "the batch")
+    batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    rows = {}
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is not None:
+            lines = client.files.content(file_id).content.splitlines()
+            rows.update((row["custom_id"], row) for row in map(json.loads, lines))
+    assert rows["good"]["response"] is not None, rows["good"]
+    good = rows["good"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert good == expected["small"][1]
+    assert "never reads its own files" in json.dumps(rows["path"]), rows["path"]
+    assert "not a PNG" in json.dumps(rows["corrupt"]), rows["corrupt"]
 
 
 @pytest.fixture

@@ -1,15 +1,15 @@
 """The Batch API's view of the server's engine: an `llm=` for `run_jsonl_job` that runs on an `EngineHandle`.
 
 `BatchEngine.stream` keeps `LLM.stream`'s contract (items `(key, prompt, params[, lora_request])`, a prompt being text,
-token ids or a dict with images (`multimodal_prompts.py`: prepared by the client's `llm`; a row whose image fails ends
-with its error), None pauses admission, `(key, RequestOutput)` in completion order (`PoolingRequestOutput` for the
-PoolingParams items of an embed server's jobs), at most `max_in_flight` prompts out at once), but its requests go
-through the loop at BATCH priority, so live HTTP traffic is admitted ahead of them, and the job's
-thread never touches the engine. Every other attribute (tokenizer, model_path, max_model_len, check_lora,
-quantization, kv_cache_dtype, max_num_seqs, ...) is the client's `llm` (the real LLM, or what the HTTP
-process knows of it: `remote_llm.RemoteLLM`), read-only; `check_structured_outputs` compiles on the engine, where the
-engine's own compilations happen. It implements `batchllm.engine_client.EngineClient`, which is all a job uses; it
-builds no engine of its own.
+token ids, a dict with images (`multimodal_prompts.py`, prepared here: a row whose image fails ends with its error, and
+a path is never read: `image_prompts`) or a job's prepared row, None pauses admission, `(key, RequestOutput)` in
+completion order (`PoolingRequestOutput` for the PoolingParams items of an embed server's jobs), at most
+`max_in_flight` prompts out at once), but its requests go through the loop at BATCH priority, so live HTTP traffic is
+admitted ahead of them, and the job's thread never touches the engine. Every other attribute (tokenizer, model_path,
+max_model_len, check_lora, quantization, kv_cache_dtype, max_num_seqs, ...) is the client's `llm` (the real LLM, or
+what the HTTP process knows of it: `remote_llm.RemoteLLM`), read-only; `check_structured_outputs` compiles on the
+engine, where the engine's own compilations happen. It implements `batchllm.engine_client.EngineClient`, which is
+all a job uses; it builds no engine of its own.
 
 Cancelling: when `stop_event` is set, the stream admits nothing more; the requests already out finish and are
 yielded (the job saves them), then the stream ends. With `abort_on_stop=True` those are aborted instead and
@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchllm.entrypoints.admission_order import admission_order
+from batchllm.entrypoints.llm_inputs import encode_requests
 from batchllm.entrypoints.server.admitted import was_aborted
+from batchllm.entrypoints.server.image_chat import ServedImagePrompts
 from batchllm.entrypoints.server.request_stream import EngineDead, RequestStream, ServerShuttingDown, StreamEvent
 from batchllm.lora.request import LoRARequest
 from batchllm.request_source import RequestSource
@@ -77,7 +79,18 @@ class BatchEngine:
         ends."""
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be an int >= 1 or None, got {max_in_flight!r}")
-        return self._stream(self._llm.encode_requests(requests), max_in_flight, stop)
+        return self._stream(encode_requests(requests, self.tokenizer, self.check_lora, self._prepare_image_prompt),
+                            max_in_flight, stop)
+
+    def image_prompts(self) -> ServedImagePrompts:
+        """`LLM.image_prompts` for rows that came over HTTP (a job prepares its rows' images with it): a row whose
+        image names a file of the server, or an http(s) URL without the opt-in, fails instead of being loaded."""
+        return ServedImagePrompts(self._llm.image_prompts())
+
+    def _prepare_image_prompt(self, index: int, prompt: dict) -> Any:
+        prompts = self.image_prompts()
+        prompts.check({index: prompt})
+        return prompts.prepare({index: prompt})[index]
 
     def _stopped(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()

@@ -1,18 +1,16 @@
 """What the HTTP process knows of an engine that runs in another process: `RemoteLLM` quacks like the parts of `LLM`
 that the routes, the Batch API and its JSONL job read (task, tokenizer, model_path, max_model_len, pooling_params,
-embedding_dim, quantization, kv_cache_dtype, max_num_seqs, reasoning_parser, check_lora, encode_requests,
-image_prompts). The tokenizer is loaded here, as the engine loads it: prompts are tokenized, and outputs detokenized, in
-the HTTP process; adapters are checked here too (that needs the model's config only, and the engine was built alike);
-so are images decoded and preprocessed (the model's image processor, loaded here on first use): the prepared
-`MultiModalPrompt` crosses to the engine with the prompt's token ids.
+embedding_dim, quantization, kv_cache_dtype, max_num_seqs, reasoning_parser, check_lora, image_prompts). The
+tokenizer is loaded here, as the engine loads it: prompts are tokenized, and outputs detokenized, in the HTTP process;
+adapters are checked here too (that needs the model's config only, and the engine was built alike); images are
+decoded and preprocessed here too (the model's image processor, loaded on first use): the prepared `MultiModalPrompt`
+crosses to the engine with the prompt's token ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
-from batchllm.entrypoints.llm_inputs import encode_requests
 from batchllm.entrypoints.server.engine_protocol import EngineInfo
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
@@ -41,11 +39,6 @@ class RemoteLLM:
         """`LLM.check_lora`: LoRAError (a ValueError) naming an adapter the engine cannot apply."""
         self._adapters.check_call(lora_request, 1)
 
-    def encode_requests(self, requests: Iterable[tuple | None]) -> Iterator[tuple | None]:
-        """`LLM.encode_requests`: (key, text, token ids, params, adapter) per item, tokenized as the stream pulls; a
-        prompt dict with images has its images prepared here and carries `(MultiModalPrompt, error)` sixth."""
-        return encode_requests(requests, self.tokenizer, self.check_lora, self._prepare_image_prompt)
-
     def image_prompts(self) -> Any:
         """`LLM.image_prompts`: the model's `MultiModalPrompts` (built on first use: it loads the image processor;
         two threads that both build one get equal ones)."""
@@ -56,7 +49,3 @@ class RemoteLLM:
             self._image_prompts = MultiModalPrompts(self.model_path, ModelConfig.from_dir(self.model_path),
                                                     self.tokenizer, self.allow_remote_media)
         return self._image_prompts
-
-    def _prepare_image_prompt(self, index: int, prompt: dict) -> Any:
-        self.image_prompts().check({index: prompt})
-        return self.image_prompts().prepare({index: prompt})[index]
