@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchllm import kernels
+
 _RMS_EPS = 1e-6
 _ROPE_THETA = 10000.0
 
@@ -74,10 +76,8 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The variance in float32 as in training, so that bf16 weights give the reference's numbers.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
-        return self.weight * x32.to(x.dtype)
+        # The decoder's fused norm: the variance in float32, the cast back before the weight multiply (HF's order).
+        return kernels.rms_norm(x, self.weight, _RMS_EPS)
 
 
 class _Attention(nn.Module):
@@ -90,20 +90,14 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: list[torch.Tensor]) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # each [tokens, heads, head_dim]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # The decoder's rotary kernel, in place, each token its own cos/sin row (positions = row numbers).
+        q, k = kernels.apply_rotary(torch.arange(q.shape[0], device=q.device), q, k, cos, sin)
         out = torch.empty_like(q)
         for index in segments:
             # index [segments, length]: equal-length segments go through one batched call.
             qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [segments, heads, length, head_dim]
             out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
         return self.proj(out.flatten(1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary in float32 (the reference does it there) over the whole head: halves (x1, x2) -> (-x2, x1)."""
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    return (x32 * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class _MLP(nn.Module):
@@ -114,7 +108,7 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))
 
 
 class _Block(nn.Module):
@@ -207,8 +201,8 @@ class Qwen2_5_VisionTower(nn.Module):
         return merged[torch.argsort(order)]
 
     def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[patches, 1, head_dim]` in the processor's patch order: (h, w) of each patch, the merge cells'
-        patches adjacent; the angles are [h-angles, w-angles] repeated for the two rotate-half halves."""
+        """cos/sin `[patches, head_dim / 2]` in the processor's patch order: (h, w) of each patch, the merge cells'
+        patches adjacent; the angles are [h-angles, w-angles], one per rotate-half pair (neox style)."""
         merge = self.config.spatial_merge_size
         coords = []
         for t, h, w in grids:
@@ -217,7 +211,7 @@ class Qwen2_5_VisionTower(nn.Module):
             hw = torch.stack((hs, ws), dim=-1).reshape(h // merge, merge, w // merge, merge, 2)
             coords.append(hw.transpose(1, 2).reshape(-1, 2).repeat(t, 1))
         angles = torch.cat(coords).float()[:, :, None] * self.inv_freq.to(device)  # [patches, 2, quarter]
-        angles = angles.flatten(1).repeat(1, 2)[:, None, :]
+        angles = angles.flatten(1)  # [patches, head_dim / 2]: the rotate-half pairs' angles
         return angles.cos(), angles.sin()
 
     def _window_order(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
