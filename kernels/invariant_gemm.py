@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 
-
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
     """The launch shape of `invariant_gemm_kernel` for one (N, K, dtype). Any fixed choice is batch-invariant (a
