@@ -188,4 +188,3 @@ def check_vision_options(config: EngineConfig, architecture: str) -> None:
                                        (f"task={config.pooling.task!r}", config.pooling.task != "generate")) if used]
     if refused:
         raise ValueError(f"LLM argument {refused[0]} does not work with image models ({architecture}) yet")
-

@@ -324,4 +324,3 @@ def encoder_work(request: Request, num_new: int) -> int:
     `request.num_computed_tokens` on: their encoder runs in this step (unless the runner has them cached)."""
     start = request.num_computed_tokens
     return sum(image.length for image in request.mm.images if start <= image.offset < start + num_new)
-
