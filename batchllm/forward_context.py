@@ -25,6 +25,15 @@ class AttentionMetadata:
 
     With a hybrid KV cache (engine/kv_groups.py) each group of layers has its own block tables and slots:
     `groups[g]` is group g's metadata (views of one buffer), which its layers read instead.
+
+    `key_limit[t]` (int32 `[num_tokens]`, on the metadata's device) lets query token t see keys past its own
+    position: it is the absolute position of the last key t may see, so token t of sequence i at position p sees
+    keys `<= key_limit[t]` with `p <= key_limit[t] < seq_lens[i]` (Gemma 3's image tokens see the whole image
+    they belong to). With a sliding window keys must still be `> p - window`: the window stays relative to the
+    token's own position, only the upper bound moves. None (the default) is causal: every limit is `p`. Keys up
+    to the limit must be in the cache when the layer runs, so a bidirectional span is computed in one chunk (the
+    K/V write precedes attention). Layers read their group's metadata: set it with `set_key_limit`, which gives
+    every group the same tensor (the limit is per token, not per group).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -38,6 +47,14 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None
     seq_lens_cpu: list[int] | None
     groups: list[AttentionMetadata] | None = None
+    key_limit: torch.Tensor | None = None  # [num_tokens] int32; None: causal
+
+    def set_key_limit(self, key_limit: torch.Tensor | None) -> AttentionMetadata:
+        """Set `key_limit` here and on every group's metadata, which a hybrid KV cache's layers read instead."""
+        self.key_limit = key_limit
+        for group in self.groups or ():
+            group.key_limit = key_limit
+        return self
 
 
 _current: AttentionMetadata | None = None

@@ -34,6 +34,10 @@ blocks, and split-KV cuts the window, not the whole sequence), logit soft-cappin
 on the scaled score), and sinks (a logit per query head in the softmax denominator with no value: the running
 max and sum start from it, in slice 0 only when the keys are split).
 
+Key limits (`AttentionMetadata.key_limit`, Gemma 3's bidirectional image tokens), also a constexpr switch: a row's
+upper bound is its limit instead of its position, and a query block's key loop (and the split-KV arithmetic) ends
+after the block's largest limit instead of its last row's position. The window still starts from the position.
+
 Batch invariance (`invariant=True`, for `deterministic=True`): a row's result then depends only on its sequence's
 K/V and its position, never on the rest of the batch. What it would otherwise depend on is fixed: one launch shape
 (`invariant_tile`, the prefill tile, for decode rows too: the reductions over a key tile (`tl.sum`, `tl.dot`) follow
@@ -43,7 +47,8 @@ whatever is cached or chunked. The loop's ends do move with the batch (a block's
 first row the window start, rounded down to a tile), but only over tiles where the row sees no key, and such a tile
 leaves its state bit for bit as it was: its probabilities are exactly 0, so the running max stays, the rescale is
 exp2(0) = 1 and the sum and accumulator add exact zeros (before the row's first visible key its state is the
-initial one, which a masked tile also keeps).
+initial one, which a masked tile also keeps). Key limits keep this: the loop then ends at the block's largest limit,
+and the tiles past a row's own limit are again tiles where it sees no key.
 """
 
 from __future__ import annotations
@@ -139,9 +144,10 @@ def paged_attention_triton(
     ints, never from device values, so the call can be captured in a CUDA graph.
 
     `sliding_window`, `logit_soft_cap` and `sinks [num_heads]` (float32 logits) are the options of
-    `reference.paged_attention`, with the same meaning. `invariant=True` makes each row's result independent of the
-    batch (see the module docstring): it takes `invariant_tile` and one pass, so `tile` and `num_splits` > 1 are
-    refused with it.
+    `reference.paged_attention`, with the same meaning, as is `metadata.key_limit` (which the kernel clamps into
+    `[position, seq_len - 1]` rather than checks: a check would sync). `invariant=True` makes each row's result
+    independent of the batch (see the module docstring), with key limits too: it takes `invariant_tile` and one
+    pass, so `tile` and `num_splits` > 1 are refused with it.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -182,6 +188,7 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
+        HAS_KEY_LIMIT=metadata.key_limit is not None,
     )
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -189,7 +196,8 @@ def paged_attention_triton(
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
               # Scores are kept in log2 units, so the cap is too: cap * tanh(s / cap) scales with s.
               sliding_window or 0, (logit_soft_cap or 0.0) * math.log2(math.e),
-              sinks if sinks is not None else query)
+              sinks if sinks is not None else query,
+              metadata.key_limit if metadata.key_limit is not None else metadata.seq_lens)
     if num_splits == 1:
         paged_attention_kernel[grid](*common, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
                                 **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)

@@ -32,13 +32,13 @@ def paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, num_tokens, qk_scale, v_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-    sliding_window, soft_cap, sinks_ptr,
+    sliding_window, soft_cap, sinks_ptr, key_limit_ptr,
     out_ptr, stride_ot, stride_oh,
     acc_ptr, max_ptr, sum_ptr, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_KEY_LIMIT: tl.constexpr,
 ):
     """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`; see attention.py's docstring."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
@@ -77,8 +77,17 @@ def paged_attention_kernel(
         q = q.to(KV_DOT_DTYPE)
     context_len = tl.load(seq_lens_ptr + seq) - query_len
     q_pos = context_len + q_index  # absolute position: sees keys at positions <= q_pos
-    # Keys visible to the block's last row; later keys are skipped, not just masked.
-    kv_end = context_len + tl.minimum(query_len, (q_block + 1) * BLOCK_Q)
+    if HAS_KEY_LIMIT:
+        # Clamped into [q_pos, seq_len - 1] (checking would take a sync): never a key past the sequence, and
+        # always the row's own, so l_i > 0 below.
+        key_limit = tl.load(key_limit_ptr + token, mask=row_ok, other=0)
+        key_limit = tl.minimum(tl.maximum(key_limit, q_pos), context_len + query_len - 1)
+        # Keys visible to the block's furthest-seeing row; later keys are skipped, not just masked.
+        kv_end = tl.max(tl.where(row_ok, key_limit, 0), 0) + 1
+    else:
+        key_limit = q_pos
+        # Keys visible to the block's last row; later keys are skipped, not just masked.
+        kv_end = context_len + tl.minimum(query_len, (q_block + 1) * BLOCK_Q)
     kv_start = 0
     if USE_WINDOW:
         # Keys before the block's first row's window are skipped; the loop starts on a tile boundary.
@@ -121,7 +130,7 @@ def paged_attention_kernel(
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap * _tanh(scores / soft_cap)
-        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        visible = (key_pos[None, :] <= key_limit[:, None]) & key_ok[None, :]
         if USE_WINDOW:
             visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))

@@ -85,7 +85,8 @@ def paged_attention(
     The options of `batchllm.model.attention.AttentionParams`: with `sliding_window` a query sees only the keys
     at positions `q - sliding_window < k <= q`; `logit_soft_cap` maps each scaled score s to
     `cap * tanh(s / cap)`; `sinks [num_heads]` adds one logit per head to each softmax's denominator, with no
-    value. These take a float32 path with an explicit mask.
+    value. These take a float32 path with an explicit mask. `metadata.key_limit` moves each query's upper bound
+    from its own position to its limit (the window stays relative to the own position).
     """
     if metadata.query_start_loc_cpu is None or metadata.seq_lens_cpu is None:
         raise ValueError("the reference attention loops over the metadata's host copies (query_start_loc_cpu, "
@@ -105,19 +106,34 @@ def paged_attention(
             max(0, seq_len - (end - start) - sliding_window + 1) // k_cache.shape[1])
         keys = _gather_sequence(k_cache, metadata.block_tables[i], seq_len, k_scale, query.dtype, first_block)
         values = _gather_sequence(v_cache, metadata.block_tables[i], seq_len, v_scale, query.dtype, first_block)
+        limit = None if metadata.key_limit is None else _sequence_key_limit(metadata.key_limit, i, start, end, seq_len)
         if plain:
-            output[start:end] = _sequence_attention(query[start:end], keys, values, scale)
+            output[start:end] = _sequence_attention(query[start:end], keys, values, scale, limit)
         else:
             output[start:end] = _masked_attention(query[start:end], keys, values, scale, sliding_window,
-                                                  logit_soft_cap, sinks, first_block * k_cache.shape[1])
+                                                  logit_soft_cap, sinks, first_block * k_cache.shape[1], limit)
     return output
 
 
-def _sequence_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's `query_len` newest tokens attending over its `seq_len` gathered keys and values."""
+def _sequence_key_limit(key_limit: torch.Tensor, seq: int, start: int, end: int, seq_len: int) -> torch.Tensor | None:
+    """Sequence `seq`'s query tokens' key limits `[query_len]`, or None where every one is its own position."""
+    limit = key_limit[start:end].long()
+    own = torch.arange(seq_len - (end - start), seq_len, device=limit.device)
+    if bool((limit < own).any()) or bool((limit >= seq_len).any()):
+        raise ValueError(f"key_limit of sequence {seq} (tokens {start}..{end - 1}) must lie between each token's "
+                         f"own position and seq_len - 1 = {seq_len - 1}: got {limit.tolist()}")
+    return limit if bool((limit > own).any()) else None
+
+
+def _sequence_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        key_limit: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's `query_len` newest tokens attending over its `seq_len` gathered keys and values, each up to
+    its own position, or up to `key_limit [query_len]` (absolute positions) when given."""
     query_len, seq_len = query.shape[0], keys.shape[0]
     num_context = seq_len - query_len
-    if query_len == 1:
+    if key_limit is not None:
+        mask, is_causal = torch.arange(seq_len, device=query.device)[None, :] <= key_limit[:, None], False
+    elif query_len == 1:
         mask, is_causal = None, False  # a decode row sees every key
     elif num_context == 0:
         mask, is_causal = None, True
@@ -135,14 +151,14 @@ def _sequence_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 def _masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                       sliding_window: int | None, logit_soft_cap: float | None, sinks: torch.Tensor | None,
-                      first_key: int = 0) -> torch.Tensor:
+                      first_key: int = 0, key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """`_sequence_attention` with the optional features, as an explicit float32 softmax. `keys` and `values` are
     the sequence's from position `first_key` on."""
     query_len, num_keys = query.shape[0], keys.shape[0]
     seq_len = first_key + num_keys
     query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
     key_pos = torch.arange(first_key, seq_len, device=query.device)[None, :]
-    visible = key_pos <= query_pos
+    visible = key_pos <= (query_pos if key_limit is None else key_limit[:, None])
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     group = query.shape[1] // keys.shape[1]
