@@ -84,7 +84,7 @@ class ImagePreparer:
         if self.prompts.processor is None:
             raise ValueError(f"the model at {engine.model_path} ({self.prompts.architecture}) takes text only; "
                              f"image inputs need a vision-language model (Qwen2.5-VL)")
-        token_id = self.prompts.processor.spec.image_token_id
+        token_id = self.prompts.processor.placeholder_token_id
         self.placeholder = engine.tokenizer.convert_ids_to_tokens(token_id)
 
     def prepare(self, texts: Sequence[str], images: Sequence[list[Any]], add_special_tokens: bool) -> list[Any]:

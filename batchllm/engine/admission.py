@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from batchllm.engine.image_chunks import whole_images
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import KVConnector
 from batchllm.engine.output_length import OutputLengthEstimator
@@ -94,6 +95,10 @@ class Admission:
             return None
         num_cached = cached.num_blocks * kv.block_size
         num_new = min(request.num_tokens - num_cached, budget)
+        if request.mm is not None and request.mm.bidirectional:
+            num_new = whole_images(request.mm, num_cached, num_new, budget)
+            if not num_new:
+                return None  # its first image does not fit what is left of this step
         allocation = kv.allocate_slots(request, num_new, cached)
         if allocation is None:
             return None

@@ -83,8 +83,6 @@ def resolve_engine(config: EngineConfig) -> ResolvedEngine:
     if spec is not None:
         check_speculative_model(spec, model_path, config.parallel.tensor_parallel_size)
     parallel = config.parallel
-    if model_config.vision is not None:
-        check_vision_options(config, model_config.architecture)
     if parallel.enable_expert_parallel and parallel.tensor_parallel_size > 1 and model_config.moe is not None:
         check_expert_parallel(model_config.moe.num_experts, parallel.tensor_parallel_size)
     if not parallel.enable_expert_parallel and model_config.moe is not None:
@@ -175,16 +173,3 @@ def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout |
     layout = plan_kv_groups(windows)
     spec = config.speculative
     return layout if spec is None or spec.method in (NGRAM, MEDUSA) else with_drafter_group(layout)
-
-
-def check_vision_options(config: EngineConfig, architecture: str) -> None:
-    """What an image model cannot do yet, refused by name: speculative decoding (drafts would need the multimodal
-    positions), pipeline parallelism (the stages after the first would need the image rows' 3-D positions without
-    the tower), `deterministic=True` (the vision tower's GEMMs and attention are not batch-invariant, and a step
-    encodes whichever images its rows reach) and pooling tasks."""
-    refused = [name for name, used in (("speculative_config", config.speculative is not None),
-                                       ("pipeline_parallel_size", config.parallel.pipeline_parallel_size > 1),
-                                       ("deterministic=True", config.deterministic),
-                                       (f"task={config.pooling.task!r}", config.pooling.task != "generate")) if used]
-    if refused:
-        raise ValueError(f"LLM argument {refused[0]} does not work with image models ({architecture}) yet")

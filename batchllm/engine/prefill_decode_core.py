@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from batchllm.engine.engine_core import EngineCore, FinishedRequest
 from batchllm.engine.kv_handoff import DecodeKVCacheManager, Handoff, PrefillKVCacheManager, free_slots
@@ -40,12 +41,17 @@ class DisaggregatedEngineCore:
         self._prefilling: dict[str, _Pending] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    fork_of: str | None = None, lora_request: LoRARequest | None = None) -> None:
+                    fork_of: str | None = None, lora_request: LoRARequest | None = None, mm: Any = None,
+                    error: str | None = None) -> None:
         """Queue a request. A prompt of one token, or one the decode engine will reject (too long), goes to the
-        decode engine directly. `fork_of` is not used: each sample is prefilled (the prefill engine's prefix cache
-        computes a shared prompt once)."""
-        if len(prompt_token_ids) < 2 or len(prompt_token_ids) >= self.scheduler.config.max_model_len:
-            self.decode.add_request(request_id, prompt_token_ids, params, lora_request=lora_request)
+        decode engine directly, as does a row the door failed (`error`). `fork_of` is not used: each sample is
+        prefilled (the prefill engine's prefix cache computes a shared prompt once). Images (`mm`) are refused
+        before they get here (`image_refusal`)."""
+        if mm is not None:
+            raise ValueError("disaggregated prefill / decode does not take images yet")
+        max_model_len = self.scheduler.config.max_model_len
+        if error is not None or len(prompt_token_ids) < 2 or len(prompt_token_ids) >= max_model_len:
+            self.decode.add_request(request_id, prompt_token_ids, params, lora_request=lora_request, error=error)
             return
         if request_id in self._prefilling or request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")

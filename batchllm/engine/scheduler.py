@@ -29,6 +29,7 @@ from typing import Callable
 
 from batchllm.config import SchedulerConfig
 from batchllm.engine.admission import Admission
+from batchllm.engine.image_chunks import encoder_work, whole_images
 from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, SchedulerOutput
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import connector_metadata
@@ -179,6 +180,11 @@ class Scheduler(Admission, StepResults):
                 del drafts[max(0, budget - num_new):]  # the drafts that fit the budget
                 num_new += len(drafts)
             num_new = min(num_new, budget)
+            if request.mm is not None and request.mm.bidirectional:
+                num_new = whole_images(request.mm, request.num_computed_tokens, num_new, budget)
+                if not num_new:  # its next image does not fit what is left of this step
+                    i += 1
+                    continue
             allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
@@ -317,10 +323,3 @@ class Scheduler(Admission, StepResults):
         stats.max_step_tokens = max(stats.max_step_tokens, num_tokens)
         stats.max_running = max(stats.max_running, len(self.running))
         stats.peak_used_blocks = self.kv_cache.peak_used_blocks
-
-
-def encoder_work(request: Request, num_new: int) -> int:
-    """The encoder output rows of the images whose first placeholder token is among the `num_new` tokens from
-    `request.num_computed_tokens` on: their encoder runs in this step (unless the runner has them cached)."""
-    start = request.num_computed_tokens
-    return sum(image.length for image in request.mm.images if start <= image.offset < start + num_new)

@@ -26,6 +26,7 @@ from batchllm.entrypoints.pooling import PoolingCalls
 from batchllm.entrypoints.tokenize_ahead import can_tokenize_aside, tokenized_ahead
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.engine_limits import image_refusal
 from batchllm.outputs import PoolingRequestOutput, RequestOutput
 from batchllm.pooling_params import PoolingParams
 from batchllm.reasoning import reasoning_parser
@@ -87,6 +88,9 @@ class LLM(PoolingCalls):
         lora = self.config.lora
         self._adapters = AdapterRegistry(resolved.model_config, lora.max_lora_rank, lora.enable_lora)
         self._model_config = resolved.model_config
+        # Why images are refused though the model takes them (multimodal/engine_limits.py); None: they are not.
+        self.image_refusal = (None if resolved.model_config.vision is None
+                              else image_refusal(self.config, resolved.model_config))
         self._image_prompts: Any = None  # MultiModalPrompts, built on first use
         self._request_counter = itertools.count()
         self._last_call_seconds = 0.0
@@ -162,7 +166,7 @@ class LLM(PoolingCalls):
             from batchllm.entrypoints.multimodal_prompts import MultiModalPrompts  # Pillow, only for images
 
             self._image_prompts = MultiModalPrompts(self.model_path, self._model_config, self.tokenizer,
-                                                    self.config.allow_remote_media)
+                                                    self.config.allow_remote_media, self.image_refusal)
         return self._image_prompts
 
     def stream(self, requests: Iterable[tuple[K, Prompt, SamplingParams] | tuple[K, Prompt, SamplingParams,

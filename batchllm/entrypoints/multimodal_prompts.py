@@ -15,7 +15,7 @@ from typing import Any
 from batchllm.model.config import ModelConfig
 from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.multimodal.media import MediaError, load_images
-from batchllm.multimodal.processor import ImagePromptProcessor
+from batchllm.multimodal.processor import image_prompt_processor
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +30,13 @@ class PreparedRow:
 
 class MultiModalPrompts:
     def __init__(self, model_path: str | Path, model_config: ModelConfig, tokenizer: Any,
-                 allow_remote_media: bool) -> None:
+                 allow_remote_media: bool, refusal: str | None = None) -> None:
+        """`refusal`: why this engine takes no images though its model could (`image_refusal`)."""
         self.architecture = model_config.architecture
         self.processor = (None if model_config.vision is None
-                          else ImagePromptProcessor(model_path, model_config.vision, tokenizer))
+                          else image_prompt_processor(model_path, model_config.vision, tokenizer))
         self.allow_remote_media = allow_remote_media
+        self.refusal = refusal
 
     def check(self, prompts: dict[int, dict[str, Any]]) -> dict[int, tuple[str | None, list[int] | None]]:
         """Each row's `(text, token ids)` as given (one of them None); a malformed dict, or images for a text-only
@@ -42,6 +44,8 @@ class MultiModalPrompts:
         for index, prompt in prompts.items():
             if _images_of(prompt, index) and self.processor is None:
                 raise ValueError(f"prompt {index} has images, but {self.architecture} takes text only")
+            if _images_of(prompt, index) and self.refusal is not None:
+                raise ValueError(f"prompt {index} has images: {self.refusal}")
         return {index: _prompt_of(prompt, index) for index, prompt in prompts.items()}
 
     def prepare(self, prompts: dict[int, dict[str, Any]], add_special_tokens: bool = True) -> dict[int, PreparedRow]:

@@ -244,8 +244,12 @@ class ModelRunner(StepSampling):
         inputs_embeds = None
         if images:
             inputs_embeds = self.multimodal.inputs_embeds(input_ids, images)
+            host_positions = self.inputs.positions.np[:len(batch.token_ids)]
             if self.multimodal.uses_mrope:
-                positions = self.multimodal.positions_3d(images, self.inputs.positions.np[:len(batch.token_ids)])
+                positions = self.multimodal.positions_3d(images, host_positions)
+            key_limit = self.multimodal.key_limits(images, host_positions)
+            if key_limit is not None:
+                metadata.set_key_limit(key_limit)
         return DeviceInputs(input_ids, positions, metadata, logits_indices, lora_batch, shape, stride, inputs_embeds)
 
     def _forward(self, inputs: DeviceInputs) -> torch.Tensor | None:

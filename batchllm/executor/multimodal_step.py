@@ -94,6 +94,24 @@ class MultiModalStep:
                 table[:, row.flat_start:row.flat_start + count] = row.mm.mrope_positions[:, row.num_computed:end]
         return torch.from_numpy(table).to(self.device, non_blocking=True)
 
+    def key_limits(self, rows: list[MultiModalRow], positions: np.ndarray) -> torch.Tensor | None:
+        """Gemma 3: each token's last visible key position (`AttentionMetadata.key_limit`), its own but for the
+        image tokens, which see their whole image (the scheduler never ends a chunk inside one); None when no
+        row's images attend both ways."""
+        if not any(row.mm.bidirectional for row in rows):
+            return None
+        limits = positions.astype(np.int32)
+        for row in rows:
+            if not row.mm.bidirectional:
+                continue
+            start, end = row.num_computed, row.num_computed + row.num_tokens
+            for image in row.mm.images:
+                lo, hi = max(start, image.offset), min(end, image.end)
+                if lo < hi:
+                    first = row.flat_start + lo - start
+                    limits[first:first + hi - lo] = image.end - 1
+        return torch.from_numpy(limits).to(self.device, non_blocking=True)
+
     def inputs_embeds(self, input_ids: torch.Tensor, rows: list[MultiModalRow]) -> torch.Tensor:
         """The step's input embeddings: the tokens', with each image's encoder rows at its placeholder tokens
         (a chunk that splits an image takes the rows of its part)."""

@@ -13,6 +13,8 @@ multimodal checkpoint: the loader maps its language-model tensors onto this mode
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -118,14 +120,42 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The language model of a multimodal Gemma 3 checkpoint, served as text only. transformers 5 names its
-    tensors `model.language_model.*`, older versions (and transformers 5 on save) `language_model.model.*`;
-    the vision tower and the projector are not read."""
+    """A multimodal Gemma 3 checkpoint: the language model above, and the SigLIP tower with its projector
+    (gemma3_vision.py), whose rows the runner's multimodal step puts at the image tokens (after the embedding's
+    `sqrt(hidden)` scale, as transformers does). transformers 5 names the language model's tensors
+    `model.language_model.*`, older versions (and transformers 5 on save) `language_model.model.*`; the tower's
+    spellings are `vision_param_name`'s. Under pipeline parallelism the first stage holds the tower."""
 
     checkpoint_prefix_renames = {
         "model.language_model.": "model.",
         "language_model.model.": "model.",
         "language_model.lm_head.": "lm_head.",
     }
+    # The tower's tensors go through `checkpoint_parts` first; what is left of it (SigLIP's unused pooling head)
+    # is skipped.
     checkpoint_skipped_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                                    "model.multi_modal_projector.")
+    checkpoint_unpacked_prefixes = ("vision.",)  # SigLIP's q/k/v_proj are its own, not the decoder's fused qkv
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None) -> None:
+        from batchllm.model.gemma3_vision import Gemma3VisionEncoder, vision_param_name
+
+        super().__init__(config, quant_config)
+        self.checkpoint_parts = {"vision.": vision_param_name}
+        self.vision = (Gemma3VisionEncoder(config.vision.vision_config)
+                       if config.vision is not None and self.model.stage.has_embedding else None)
+
+    def held_elsewhere(self, checkpoint_name: str) -> bool:
+        if checkpoint_name.startswith("vision."):
+            return self.vision is None
+        return super().held_elsewhere(checkpoint_name)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def encode_images(self, images: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Each image's `mm_tokens_per_image` rows from its processor output (`pixel_values [3, H, W]`); all in
+        one tower call."""
+        weight = self.vision.vision_tower.embeddings.patch_embedding.weight
+        pixels = torch.stack([torch.as_tensor(image["pixel_values"]) for image in images]).to(weight.device)
+        return list(self.vision(pixels))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchllm.model.config import ModelConfig, RopeScaling, check_window, parse_rope, required
+from batchllm.multimodal.spec import VisionSpec
 
 _GEMMA2 = "Gemma2ForCausalLM"
 _GEMMA3 = "Gemma3ForCausalLM"
@@ -101,7 +102,21 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         final_logit_softcap=None if multimodal else _optional_positive(text, "final_logit_softcapping"),
         local_rope_theta=local_rope_theta if local_differs else None,
         local_rope_scaling=local_rope_scaling if local_differs else None,
+        vision=_vision_spec(hf) if multimodal and "vision_config" in hf else None,
     )
+
+
+def _vision_spec(hf: dict[str, Any]) -> VisionSpec:
+    """Gemma 3's image side: SigLIP + the projector read the whole config; each `<start_of_image>` in a prompt becomes
+    start, `mm_tokens_per_image` image tokens, end; image tokens attend to each other both ways (transformers'
+    `token_type_ids` mask)."""
+    def token(*names: str, default: int) -> int:
+        return int(next((hf[name] for name in names if hf.get(name) is not None), default))
+
+    return VisionSpec("gemma3", token("image_token_index", "image_token_id", default=262_144), hf,
+                      start_token_id=token("boi_token_index", "boi_token_id", default=255_999),
+                      end_token_id=token("eoi_token_index", "eoi_token_id", default=256_000),
+                      tokens_per_image=int(hf.get("mm_tokens_per_image", 256)), bidirectional=True)
 
 
 def _sliding_windows(text: dict[str, Any], is_gemma2: bool, num_layers: int) -> tuple[int | None, frozenset[int]]:

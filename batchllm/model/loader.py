@@ -194,12 +194,19 @@ def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str | None]:
     model does not serve. A model class whose checkpoints nest it in a bigger model (the language model of a
     multimodal checkpoint) lists `checkpoint_prefix_renames` (stored prefix → ours) and
     `checkpoint_skipped_prefixes` (the other parts), and one whose checkpoints name a module otherwise
-    `checkpoint_module_renames` (Mixtral's `.block_sparse_moe.` → `.mlp.`); any other class reads names as stored."""
+    `checkpoint_module_renames` (Mixtral's `.block_sparse_moe.` → `.mlp.`); any other class reads names as stored.
+    `checkpoint_parts` (our module prefix → a function naming a stored tensor within that module, or None when it
+    is not one of its) comes first: a part whose checkpoints spell it several ways (Gemma 3's vision tower)."""
+    parts: dict[str, Callable[[str], str | None]] = getattr(model, "checkpoint_parts", {})
     renames: dict[str, str] = getattr(model, "checkpoint_prefix_renames", {})
     module_renames: dict[str, str] = getattr(model, "checkpoint_module_renames", {})  # anywhere in the name
     skipped: tuple[str, ...] = getattr(model, "checkpoint_skipped_prefixes", ())
 
     def rename(stored: str) -> str | None:
+        for ours, name_in_part in parts.items():
+            name = name_in_part(stored)
+            if name is not None:
+                return ours + name
         if stored.startswith(skipped):
             return None
         for theirs, ours in module_renames.items():

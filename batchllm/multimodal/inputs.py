@@ -31,11 +31,13 @@ class ImageInput:
 class MultiModalPrompt:
     """The images of one prompt, in prompt order. Multimodal RoPE models (Qwen2-VL) add `mrope_positions`
     (`[3, num_prompt_tokens]` int64, numpy) and `mrope_delta`: a token at index i past the last image sits at
-    position i + delta in every component."""
+    position i + delta in every component. `bidirectional` (Gemma 3): see below."""
 
     images: tuple[ImageInput, ...]
     mrope_positions: Any = None
     mrope_delta: int = 0
+    # Gemma 3: each image's tokens attend to each other both ways, so a prefill chunk never ends inside an image.
+    bidirectional: bool = False
 
     @property
     def last_image_end(self) -> int:

@@ -19,14 +19,27 @@ from batchllm.multimodal.media import image_hash
 from batchllm.multimodal.spec import VisionSpec
 
 
+def image_prompt_processor(model_path: str | Path, spec: VisionSpec, tokenizer: Any) -> Any:
+    """The model family's processor: `process(prompt, images, index, add_special_tokens) -> (token ids,
+    MultiModalPrompt)`, and `placeholder_token_id`, the one token a prompt holds per image."""
+    if spec.family == "gemma3":
+        from batchllm.multimodal.gemma3_processor import Gemma3PromptProcessor
+
+        return Gemma3PromptProcessor(model_path, spec, tokenizer)
+    if spec.family != "qwen2_5_vl":
+        raise ValueError(f"image inputs are not supported for the {spec.family!r} family yet")
+    return ImagePromptProcessor(model_path, spec, tokenizer)
+
+
 class ImagePromptProcessor:
+    """Qwen2.5-VL's."""
+
     def __init__(self, model_path: str | Path, spec: VisionSpec, tokenizer: Any) -> None:
-        if spec.family != "qwen2_5_vl":
-            raise ValueError(f"image inputs are not supported for the {spec.family!r} family yet")
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.spec = spec
         self.tokenizer = tokenizer
+        self.placeholder_token_id = spec.image_token_id
         path = Path(model_path)
         self.image_processor = (Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
                                 if (path / "preprocessor_config.json").is_file() else Qwen2VLImageProcessorPil())

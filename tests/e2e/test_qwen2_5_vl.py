@@ -180,9 +180,12 @@ def raise_first_error(outputs) -> None:
 
 @pytest.mark.parametrize("option, named", [({"deterministic": True}, "deterministic=True"),
                                            ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-                                            "speculative_config"),
-                                           ({"task": "embed"}, "task='embed'")])
-def test_options_an_image_model_refuses_by_name(checkpoint, option, named):
+                                            "speculative_config")])
+def test_options_that_rule_out_images_refuse_them_by_name_and_text_still_runs(checkpoint, hf, option, named):
     directory, _ = checkpoint
-    with pytest.raises(ValueError, match=f"{named}.*image models"):
-        _llm(directory, **option)
+    llm = _llm(directory, **option)
+    with pytest.raises(ValueError, match=f"prompt 0 has images: LLM argument {named} does not work with images"):
+        llm.generate([{"prompt": chat(f"Describe {PAD} briefly."), "multi_modal_data": {"image": b"x"}}], GREEDY,
+                     use_tqdm=False)
+    text = chat("No picture here, just text.")
+    assert _tokens(llm.generate([text], GREEDY, use_tqdm=False)) == [hf(text, [])]

@@ -129,6 +129,7 @@ class EngineInfo:
     quantization: Any
     kv_cache_dtype: str
     allow_remote_media: bool = False  # image inputs may be http(s) URLs (the HTTP side fetches them)
+    image_refusal: str | None = None  # why the engine's options rule images out (`LLM.image_refusal`)
 
 
 @dataclass(slots=True)

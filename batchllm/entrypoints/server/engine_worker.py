@@ -47,7 +47,7 @@ def engine_main(spec: EngineSpec, tasks: Connection, results: Connection) -> Non
     outbox.send(Ready(os.getpid(), EngineInfo(llm.model_path, llm.task, llm.max_model_len,
                                               llm.engine.scheduler.config, pool.num_blocks, llm.pooling_params,
                                               llm.embedding_dim, llm.quantization, llm.kv_cache_dtype,
-                                              llm.config.allow_remote_media)))
+                                              llm.config.allow_remote_media, llm.image_refusal)))
     try:
         with objects_frozen():  # the model and everything loaded stay out of the collector's scans
             _serve(EngineDriver(llm, spec.batch_waiting_limit), inbox, outbox, spec.parent_pid)

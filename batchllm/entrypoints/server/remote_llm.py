@@ -30,6 +30,7 @@ class RemoteLLM:
         self.num_blocks = info.num_blocks
         self.max_num_seqs = info.scheduler_config.max_num_seqs
         self.allow_remote_media = info.allow_remote_media
+        self.image_refusal = info.image_refusal
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser(reasoning_parser_name)  # outputs are split here, as detokenized
         self._adapters = adapters
@@ -47,5 +48,5 @@ class RemoteLLM:
             from batchllm.model.config import ModelConfig
 
             self._image_prompts = MultiModalPrompts(self.model_path, ModelConfig.from_dir(self.model_path),
-                                                    self.tokenizer, self.allow_remote_media)
+                                                    self.tokenizer, self.allow_remote_media, self.image_refusal)
         return self._image_prompts
