@@ -12,3 +12,14 @@ from batchllm.connectors.engine_cache import clear_engine_cache, get_llm
 def llm():
     yield get_llm()
     clear_engine_cache()
+
+
+@pytest.fixture(scope="module")
+def keep_the_engine_cache():
+    """For a module whose tests name another model (`model=`), which replaces the engine cache's one entry: the
+    default model's engine (the `llm` fixture, which later tests patch and expect the doors to use) is put back."""
+    from batchllm.connectors import engine_cache
+
+    saved = engine_cache._cached
+    yield
+    engine_cache._cached = saved

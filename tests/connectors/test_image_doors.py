@@ -23,15 +23,8 @@ GREEDY = {"max_tokens": MAX_NEW, "temperature": 0.0}
 CAPTION = "Describe the image."
 
 
-@pytest.fixture(autouse=True, scope="module")
-def keep_the_engine_cache():
-    """These tests name the image model (`model=`), which replaces the engine cache's one entry; the default model's
-    engine (the package's `llm` fixture, which later tests patch and expect the doors to use) is put back after."""
-    from batchllm.connectors import engine_cache
-
-    saved = engine_cache._cached
-    yield
-    engine_cache._cached = saved
+# They name the image model (`model=`), which replaces the engine cache's entry: put the default model's back after.
+pytestmark = pytest.mark.usefixtures("keep_the_engine_cache")
 
 
 @pytest.fixture(scope="module")
