@@ -60,14 +60,14 @@ def images_first(conversation: list[dict[str, Any]], count: int) -> list[dict[st
     raise ValueError("the messages have no user message to put the images in")
 
 
-# Replicas and several-model jobs receive rows as token ids; the images would have to travel with them.
-NOT_CARRIED = ("image inputs need one in-process engine: data_parallel_size > 1 (--data-parallel) and several models "
-               "(models= / --model NAME=PATH) do not carry images yet; run with data_parallel_size=1 and one model")
+# Several-model jobs route rows as token ids through a model router; the images would have to travel with them.
+NOT_CARRIED = ("image inputs need one model: several models (models= / --model NAME=PATH) do not carry images yet; "
+               "run with one model")
 
 
-def refuse_uncarried(image_column: str | None, data_parallel_size: int, several_models: bool = False) -> None:
-    """Fail a call with an image column that would run on replicas (or several models) before any engine starts."""
-    if image_column is not None and (data_parallel_size > 1 or several_models):
+def refuse_uncarried(image_column: str | None, several_models: bool = False) -> None:
+    """Fail a call with an image column that would run on several models before any engine starts."""
+    if image_column is not None and several_models:
         raise ValueError(NOT_CARRIED)
 
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from batchllm.connectors.images import refuse_uncarried
 from batchllm.connectors.jobs.identity import require_chat_template
 from batchllm.connectors.jobs.job import JobResult
 from batchllm.connectors.options import DEFAULT_EMBEDDING_COLUMN, DEFAULT_OUTPUT_COLUMN, Template, resolve_options
@@ -86,7 +85,6 @@ def generate(data: Any, *, prompt_column: str | None = None, messages_column: st
     `batchllm.connectors.replicas.data_parallel`); it takes `model=` / `engine_kwargs=`, not `llm=`.
     """
     check_data_parallel_size(data_parallel_size, llm)
-    refuse_uncarried(image_column, data_parallel_size)
     connector = _connector_for(data)
     if prompt_column is messages_column is prompt_template is None and _is_string_list(data):
         prompt_column = "prompt"

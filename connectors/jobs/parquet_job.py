@@ -109,7 +109,7 @@ def run_parquet_job(input: str | Path, output: str | Path, *, model: str | Path 
     instead (see `batchllm.embed`): no sampling options, `truncate` "right" by default (else "error").
     """
     check_data_parallel_size(data_parallel_size, llm)
-    refuse_uncarried(image_column, data_parallel_size, models is not None)
+    refuse_uncarried(image_column, models is not None)
     task = llm.task if llm is not None else dict(engine_kwargs or {}).get("task", "generate")
     if truncate is None:
         truncate = "error" if task == "generate" else "right"

@@ -12,6 +12,7 @@ attached to a row stay in the parent, which is what lets it re-run a dead replic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from batchllm.lora.request import LoRARequest
 from batchllm.outputs import RequestOutput
@@ -25,6 +26,9 @@ class WorkItem:
     token_ids: list[int]
     params: SamplingParams
     lora: LoRARequest | None = None
+    # A row with images: its MultiModalPrompt (numpy arrays, pickled across), or the error its images gave.
+    mm: Any = None
+    error: str | None = None
 
 
 @dataclass(slots=True)

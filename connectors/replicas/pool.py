@@ -63,6 +63,7 @@ from batchllm.engine_config import EngineConfig
 from batchllm.entrypoints.admission_order import admission_order
 from batchllm.lora.registry import AdapterRegistry
 from batchllm.lora.request import LoRARequest
+from batchllm.multimodal.engine_limits import image_refusal
 from batchllm.outputs import RequestOutput
 from batchllm.reasoning import reasoning_parser
 from batchllm.request_source import RequestSource
@@ -80,6 +81,8 @@ class _Row(Generic[K]):
     token_ids: list[int]
     params: SamplingParams
     lora: LoRARequest | None
+    mm: Any = None  # a prepared row's images (and the error they gave), carried to the replica
+    error: str | None = None
 
 
 class ReplicaPool:
@@ -116,6 +119,9 @@ class ReplicaPool:
         self.pooling_params = resolve_pooling(self.model_path, model_config, self.task, config.pooling.pooling,
                                               config.pooling.normalize)
         self.embedding_dim = pooled_dim(model_config, self.pooling_params)
+        self._model_config, self._allow_remote_media = model_config, config.allow_remote_media
+        self.image_refusal = None if model_config.vision is None else image_refusal(config, model_config)
+        self._image_prompts: Any = None
         self.reasoning_parser = reasoning_parser(config.reasoning_parser)  # the replicas split; the doors add a column
         self.failures: list[ReplicaFailure] = []
         self.tokenizer: Any = None
@@ -269,12 +275,26 @@ class ReplicaPool:
             self._rows.clear()
             self._queue.clear()
 
-    def _add(self, key: Any, prompt: str | list[int], params: SamplingParams, lora: LoRARequest | None = None) -> None:
+    def image_prompts(self) -> Any:
+        """`LLM.image_prompts`: rows with images are prepared here (by the doors' worker) and their images travel to
+        the replica with the row."""
+        if self._image_prompts is None:
+            from batchllm.entrypoints.multimodal_prompts import MultiModalPrompts  # Pillow, only for images
+
+            self._image_prompts = MultiModalPrompts(self.model_path, self._model_config, self.tokenizer,
+                                                    self._allow_remote_media, self.image_refusal)
+        return self._image_prompts
+
+    def _add(self, key: Any, prompt: Any, params: SamplingParams, lora: LoRARequest | None = None) -> None:
         index = self._next_seq
         self._next_seq += 1
-        text, token_ids = (prompt, self._tokenize(prompt, index)) if isinstance(prompt, str) else (None, prompt)
         if lora is not None:
             self.check_lora(lora)
+        if hasattr(prompt, "mm"):  # a PreparedRow (multimodal_prompts.py): a door prepared its images
+            self._rows[index] = _Row(key, prompt.text, prompt.token_ids, params, lora, prompt.mm, prompt.error)
+            self._queue.append(index)
+            return
+        text, token_ids = (prompt, self._tokenize(prompt, index)) if isinstance(prompt, str) else (None, prompt)
         self._rows[index] = _Row(key, text, token_ids, params, lora)
         self._queue.append(index)
 
@@ -294,7 +314,8 @@ class ReplicaPool:
             seqs = [self._queue.popleft() for _ in range(count)]
             rows = [self._rows[s] for s in seqs]
             try:
-                replica.tasks.send(Chunk([WorkItem(s, r.token_ids, r.params, r.lora) for s, r in zip(seqs, rows)]))
+                replica.tasks.send(Chunk([WorkItem(s, r.token_ids, r.params, r.lora, r.mm, r.error)
+                                          for s, r in zip(seqs, rows)]))
             except OSError:  # it died: its sentinel reports that, and these rows go to the others
                 self._queue.extendleft(reversed(seqs))
                 replica.hungry = False

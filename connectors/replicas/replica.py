@@ -122,7 +122,7 @@ def _serve(llm: Any, spec: ReplicaSpec, inbox: Inbox, outbox: Outbox) -> None:
             if state.buffered:
                 item = state.buffered.popleft()
                 state.in_flight += 1
-                yield item.seq, item.token_ids, item.params, item.lora
+                yield item.seq, _prompt_of(item), item.params, item.lora
             elif state.in_flight:
                 yield None  # let the engine step; ask again before the next one
             else:
@@ -156,3 +156,11 @@ def _exit_after_rows(index: int) -> int | None:
     value = os.environ.get(EXIT_AFTER_ROWS_ENV)
     return int(value) if value and index == 0 else None
 
+
+def _prompt_of(item: WorkItem) -> Any:
+    """The row as this replica's `LLM.stream` takes it: its token ids, or the prepared row with its images."""
+    if item.mm is None and item.error is None:
+        return item.token_ids
+    from batchllm.entrypoints.multimodal_prompts import PreparedRow
+
+    return PreparedRow(None, item.token_ids, item.mm, item.error)

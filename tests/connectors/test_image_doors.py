@@ -123,11 +123,14 @@ def test_call_level_refusals(vl, tmp_path):
         batchllm.generate(frame, prompt_template=CAPTION, image_column="img", llm=text_only)
 
 
-def test_data_parallel_is_refused_naming_the_flag(checkpoint):  # noqa: F811
-    frame = pd.DataFrame({"img": [b"x"]})
-    with pytest.raises(ValueError, match=r"data_parallel_size > 1 \(--data-parallel\)"):
-        batchllm.generate(frame, prompt_template=CAPTION, image_column="img", model=checkpoint[0],
-                          data_parallel_size=2)
+def test_two_data_parallel_replicas_carry_the_images(checkpoint, vl, hf, pictures):  # noqa: F811
+    """The rows' images are prepared here and travel to the replica processes with their rows (a bad one too)."""
+    frame = pd.DataFrame({"img": [png_bytes(p) for p in pictures] + [b"not an image"]})
+    out = batchllm.generate(frame, prompt_template=CAPTION, image_column="img", model=checkpoint[0],
+                            data_parallel_size=2, engine_kwargs={"device": "cpu", "dtype": "float32",
+                                                                 "num_kv_blocks": 64}, use_tqdm=False, **GREEDY)
+    _check(out, hf, {i: [p] for i, p in enumerate(pictures)}, vl)
+    assert "not a PNG/JPEG" in out["error"].iloc[3]
 
 
 def test_ray_predictor_numpy_batch(checkpoint, hf, pictures):  # noqa: F811
