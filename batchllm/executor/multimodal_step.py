@@ -2,8 +2,9 @@
 
 Rows whose scheduled tokens reach into a prompt's images run eagerly: their input embeddings are the token
 embeddings with the encoder's rows put at the image placeholders, (multimodal RoPE) their positions are `[3, T]`,
-and (Gemma 3) their image tokens' key limits reach their image's end. Every other row of a multimodal model, decode included, has one position per token (`index + delta` past
-its last image) and replays CUDA graphs as a text model does.
+and (Gemma 3) their image tokens' key limits reach their image's end. Every other row of a multimodal model, decode
+included, has one position per token (`index + delta` past its last image) and replays CUDA graphs as a text model
+does.
 """
 
 from __future__ import annotations
