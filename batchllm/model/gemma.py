@@ -150,9 +150,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             return self.vision is None
         return super().held_elsewhere(checkpoint_name)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
     def encode_images(self, images: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Each image's `mm_tokens_per_image` rows from its processor output (`pixel_values [3, H, W]`); all in
         one tower call."""

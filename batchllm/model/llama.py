@@ -206,6 +206,10 @@ class LlamaForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
         return self.model(input_ids, positions, previous_stage, inputs_embeds)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings a step with images starts from, before its image rows go in (runner side)."""
+        return self.model.embed(input_ids)
+
     def held_elsewhere(self, checkpoint_name: str) -> bool:
         """A checkpoint tensor of a part another pipeline stage holds."""
         return self.model.stage.held_elsewhere(checkpoint_name)

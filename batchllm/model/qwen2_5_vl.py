@@ -36,9 +36,6 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             return self.visual is None
         return super().held_elsewhere(checkpoint_name)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
     def encode_images(self, images: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Each image's merged embeddings `[t*h*w / merge^2, hidden]`, from its processor outputs
         (`pixel_values [patches, features]`, `image_grid_thw [3]`); all images in one tower call."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from batchllm.multimodal.inputs import ImageInput, MultiModalPrompt
 from batchllm.multimodal.media import image_hash
+from batchllm.multimodal.processor import load_image_processor
 from batchllm.multimodal.spec import VisionSpec
 
 
@@ -25,12 +26,9 @@ class Gemma3PromptProcessor:
         self.spec = spec
         self.tokenizer = tokenizer
         self.placeholder_token_id = spec.start_token_id
-        path = Path(model_path)
-        if (path / "preprocessor_config.json").is_file():
-            self.image_processor = Gemma3ImageProcessorPil.from_pretrained(str(path), local_files_only=True)
-        else:
-            side = int(spec.vision_config.get("vision_config", {}).get("image_size", 896))
-            self.image_processor = Gemma3ImageProcessorPil(size={"height": side, "width": side})
+        side = int(spec.vision_config.get("vision_config", {}).get("image_size", 896))
+        self.image_processor = load_image_processor(Gemma3ImageProcessorPil, model_path,
+                                                    size={"height": side, "width": side})
 
     def process(self, prompt: str | list[int], images: list[Any], index: int,
                 add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt]:

@@ -31,6 +31,14 @@ def image_prompt_processor(model_path: str | Path, spec: VisionSpec, tokenizer: 
     return ImagePromptProcessor(model_path, spec, tokenizer)
 
 
+def load_image_processor(processor_class: type, model_path: str | Path, **defaults: Any) -> Any:
+    """The checkpoint's own image processor (its preprocessor_config.json), or `processor_class(**defaults)`."""
+    path = Path(model_path)
+    if (path / "preprocessor_config.json").is_file():
+        return processor_class.from_pretrained(str(path), local_files_only=True)
+    return processor_class(**defaults)
+
+
 class ImagePromptProcessor:
     """Qwen2.5-VL's."""
 
@@ -40,9 +48,7 @@ class ImagePromptProcessor:
         self.spec = spec
         self.tokenizer = tokenizer
         self.placeholder_token_id = spec.image_token_id
-        path = Path(model_path)
-        self.image_processor = (Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
-                                if (path / "preprocessor_config.json").is_file() else Qwen2VLImageProcessorPil())
+        self.image_processor = load_image_processor(Qwen2VLImageProcessorPil, model_path)
 
     def process(self, prompt: str | list[int], images: list[Any], index: int,
                 add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt]:
