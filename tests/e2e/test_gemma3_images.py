@@ -140,3 +140,17 @@ def test_a_step_budget_smaller_than_an_image_refuses_images(checkpoint):
     llm = _llm(checkpoint[0], max_num_batched_tokens=10)
     with pytest.raises(ValueError, match="max_num_batched_tokens=10 is smaller than an image"):
         llm.generate(_prompts([("A photo: <start_of_image>", [random_image(1, 64, 64)])]), GREEDY, use_tqdm=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_images_match_hf_on_the_gpu(checkpoint, hf, rows):
+    """The key limit (image tokens see their whole image) in the Triton prefill kernel, under a small step budget
+    too, against HF on the CPU; float32, the pool NaN-filled so a read of a slot no step wrote shows."""
+    directory, _ = checkpoint
+    expected = [hf(text, images) for text, images in rows]
+    for budget in (None, 32):
+        llm = LLM(model=str(directory), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16,
+                  **({"max_num_batched_tokens": budget} if budget else {}))
+        llm.runner.kv_cache.tensor.fill_(float("nan"))
+        assert _tokens(llm.generate(_prompts(rows), GREEDY, use_tqdm=False)) == expected

@@ -189,3 +189,16 @@ def test_options_that_rule_out_images_refuse_them_by_name_and_text_still_runs(ch
                      use_tqdm=False)
     text = chat("No picture here, just text.")
     assert _tokens(llm.generate([text], GREEDY, use_tqdm=False)) == [hf(text, [])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_images_match_hf_on_the_gpu(checkpoint, hf, images):
+    """The tower's Triton norm and rotary, the 3-D rotary and CUDA graphs on a GPU, in float32, against HF on the
+    CPU; the KV pool NaN-filled so a read of a slot no step wrote shows."""
+    directory, _ = checkpoint
+    prompts, rows = _rows(images)
+    expected = [hf(text, imgs) for text, imgs in rows]
+    llm = LLM(model=str(directory), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
+    llm.runner.kv_cache.tensor.fill_(float("nan"))
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
