@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchllm import kernels
+from batchllm.model.checkpoint_tensor import copy_checked
 
 _RMS_EPS = 1e-6
 _ROPE_THETA = 10000.0
+_PAD = 64  # the MLP's intermediate size is padded to a multiple of this (see _MLP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +103,43 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
+    """The gated MLP, its intermediate size zero-padded to a multiple of `_PAD`: the released towers' 3420 is not
+    a multiple of 8, so 16-bit GEMMs over it miss the aligned (TMA / 16-byte) kernels and run at a fraction of the
+    rate. Padded gate/up rows give silu(0) * 0 = 0 and padded down columns are zero: the output is unchanged."""
+
     def __init__(self, config: VisionTowerConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype)
+        hidden, size = config.hidden_size, config.intermediate_size
+        padded = -(-size // _PAD) * _PAD
+        self.gate_proj = nn.Linear(hidden, padded, bias=True, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, padded, bias=True, dtype=dtype)
+        self.down_proj = nn.Linear(padded, hidden, bias=True, dtype=dtype)
+        for linear in (self.gate_proj, self.up_proj):
+            linear.weight.checkpoint_shapes = {None: (size, hidden)}
+            linear.bias.checkpoint_shapes = {None: (size,)}
+        self.down_proj.weight.checkpoint_shapes = {None: (hidden, size)}
+        for param in (*self.gate_proj.parameters(), *self.up_proj.parameters(), self.down_proj.weight):
+            param.weight_loader = _load_padded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        """`load_state_dict` with the checkpoint's unpadded tensors (as the loader's `_load_padded` does)."""
+        for name, param in self.named_parameters():
+            key, shapes = prefix + name, getattr(param, "checkpoint_shapes", None)
+            if shapes is not None and key in state_dict and state_dict[key].shape != param.shape:
+                padded = torch.zeros_like(param)
+                copy_checked(padded[tuple(slice(0, n) for n in shapes[None])], state_dict[key])
+                state_dict[key] = padded
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _load_padded(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    """A checkpoint tensor into the leading corner of its zero-padded parameter."""
+    shape = param.checkpoint_shapes[None]
+    param.data.zero_()
+    copy_checked(param.data[tuple(slice(0, n) for n in shape)], loaded)
 
 
 class _Block(nn.Module):

@@ -39,7 +39,7 @@ def save_tiny_qwen2_5_vl(directory: Path, tokenizer_path: Path) -> dict:
                          num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=1024,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id),
-        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=76, num_heads=2, out_hidden_size=64,
                            fullatt_block_indexes=[1, 3], window_size=56, patch_size=14, spatial_merge_size=2,
                            temporal_patch_size=2),
         image_token_id=image, video_token_id=image + 100_000, vision_start_token_id=start, vision_end_token_id=end,

@@ -28,7 +28,7 @@ def hf_model():
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=76, num_heads=2, out_hidden_size=64,
                            fullatt_block_indexes=[1, 3], window_size=56, patch_size=14, spatial_merge_size=MERGE,
                            temporal_patch_size=2),
         image_token_id=IMAGE_TOKEN, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
@@ -53,6 +53,8 @@ def _our_tower(hf_model) -> Qwen2_5_VisionTower:
     tower = Qwen2_5_VisionTower(hf_model.config.vision_config.to_dict(), torch.float32)
     prefix = "model.visual."
     tower.load_state_dict({k[len(prefix):]: v for k, v in hf_model.state_dict().items() if k.startswith(prefix)})
+    # The MLP's 76 is zero-padded to 128 (aligned GEMMs); the comparisons with HF below show the padding is inert.
+    assert tower.blocks[0].mlp.down_proj.in_features == 128
     return tower.eval()
 
 
