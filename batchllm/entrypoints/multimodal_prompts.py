@@ -2,8 +2,9 @@
 
 A prompt with images is a dict, vLLM's shape: `{"prompt": text or token ids (or "prompt_token_ids"),
 "multi_modal_data": {"image": one image or a list}}`; an image is bytes, a PIL image, a path, a `data:` URL, or
-(with `allow_remote_media`) an http(s) URL (multimodal/media.py). All the images of a call are decoded on worker
-threads, then each row goes through the model's processor.
+(with `allow_remote_media`) an http(s) URL (multimodal/media.py). The images of a call are decoded and processed on
+worker threads, those given as bytes once however often they repeat (multimodal/image_cache.py); then each row's
+placeholders are expanded by the model's processor.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from batchllm.model.config import ModelConfig
 from batchllm.multimodal.inputs import MultiModalPrompt
-from batchllm.multimodal.media import MediaError, load_images
+from batchllm.multimodal.image_cache import ProcessedImages
+from batchllm.multimodal.media import MediaError
 from batchllm.multimodal.processor import image_prompt_processor
 
 
@@ -37,6 +39,8 @@ class MultiModalPrompts:
                           else image_prompt_processor(model_path, model_config.vision, tokenizer))
         self.allow_remote_media = allow_remote_media
         self.refusal = refusal
+        self.images = None if self.processor is None else ProcessedImages(self.processor.preprocess,
+                                                                           allow_remote_media)
 
     def check(self, prompts: dict[int, dict[str, Any]]) -> dict[int, tuple[str | None, list[int] | None]]:
         """Each row's `(text, token ids)` as given (one of them None); a malformed dict, or images for a text-only
@@ -52,8 +56,7 @@ class MultiModalPrompts:
         """Rows `index → prompt dict` (checked by `check`) → engine rows; an image that does not load or fit, or a
         prompt whose placeholders do not match its images, fails that row alone."""
         sources: dict[int, list[Any]] = {index: _images_of(prompt, index) for index, prompt in prompts.items()}
-        flat = [source for images in sources.values() for source in images]
-        loaded = iter(load_images(flat, allow_remote_media=self.allow_remote_media))
+        loaded = iter(self.images.get([source for images in sources.values() for source in images]))
         rows: dict[int, PreparedRow] = {}
         for index, prompt in prompts.items():
             text, token_ids = _prompt_of(prompt, index)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from batchllm.multimodal.inputs import ImageInput, MultiModalPrompt
+from batchllm.multimodal.inputs import ImageInput, MultiModalPrompt, ProcessedImage
 from batchllm.multimodal.media import image_hash
 from batchllm.multimodal.processor import load_image_processor
 from batchllm.multimodal.spec import VisionSpec
@@ -30,7 +30,12 @@ class Gemma3PromptProcessor:
         self.image_processor = load_image_processor(Gemma3ImageProcessorPil, model_path,
                                                     size={"height": side, "width": side})
 
-    def process(self, prompt: str | list[int], images: list[Any], index: int,
+    def preprocess(self, image: Any) -> ProcessedImage:
+        """A decoded RGB PIL image → the tower's square input (`pixel_values [3, side, side]`)."""
+        pixels = np.asarray(self.image_processor(images=[image], return_tensors="np")["pixel_values"])[0]
+        return ProcessedImage(image_hash(image), self.spec.tokens_per_image, {"pixel_values": pixels})
+
+    def process(self, prompt: str | list[int], images: list[ProcessedImage], index: int,
                 add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt]:
         spec, count = self.spec, self.spec.tokens_per_image
         start, end, image_token = spec.start_token_id, spec.end_token_id, spec.image_token_id
@@ -55,10 +60,9 @@ class Gemma3PromptProcessor:
                              f"{len(images)} image(s): put one per image in the prompt (the chat template does)")
         if not images:
             return token_ids, MultiModalPrompt(())
-        pixels = np.asarray(self.image_processor(images=images, return_tensors="np")["pixel_values"])
         offsets = [i for i, token in enumerate(token_ids) if token == image_token and token_ids[i - 1] == start]
         if len(offsets) != len(images):
             raise ValueError(f"prompt {index}: {len(offsets)} image token runs for {len(images)} image(s)")
-        items = tuple(ImageInput(image_hash(image), offset, count, {"pixel_values": pixel})
-                      for image, offset, pixel in zip(images, offsets, pixels, strict=True))
+        items = tuple(ImageInput(image.hash, offset, count, image.data)
+                      for image, offset in zip(images, offsets, strict=True))
         return token_ids, MultiModalPrompt(items, bidirectional=True)

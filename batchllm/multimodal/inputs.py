@@ -11,6 +11,16 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessedImage:
+    """One image through the model's image processor, before it has a place in a prompt: its content hash, how
+    many placeholder tokens (encoder output rows) it becomes, and the processor's outputs for it alone."""
+
+    hash: str
+    length: int
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class ImageInput:
     """One image of a prompt: its placeholder tokens are `[offset, offset + length)`, one per encoder output row.
     `hash`: the decoded image's content hash (same picture, same hash, however it was given); it keys the runner's

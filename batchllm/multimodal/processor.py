@@ -3,7 +3,7 @@
 The images go through the model's own HF image processor (transformers' PIL backend: no torchvision), which sizes
 and normalises them and says how many embeddings each becomes; each image's one placeholder token in the prompt
 (what the chat template writes, e.g. Qwen2.5-VL's `<|vision_start|><|image_pad|><|vision_end|>`) is expanded to
-that many. Decoding the images happens before, in `media.load_images`'s worker threads.
+that many. Decoding and `preprocess` run per image on worker threads (`image_cache.ProcessedImages`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from batchllm.model.mrope import mrope_positions
-from batchllm.multimodal.inputs import ImageInput, MultiModalPrompt
+from batchllm.multimodal.inputs import ImageInput, MultiModalPrompt, ProcessedImage
 from batchllm.multimodal.media import image_hash
 from batchllm.multimodal.spec import VisionSpec
 
 
 def image_prompt_processor(model_path: str | Path, spec: VisionSpec, tokenizer: Any) -> Any:
-    """The model family's processor: `process(prompt, images, index, add_special_tokens) -> (token ids,
+    """The model family's processor: `preprocess(image) -> ProcessedImage` (one decoded image, through the model's
+    HF image processor), `process(prompt, processed images, index, add_special_tokens) -> (token ids,
     MultiModalPrompt)`, and `placeholder_token_id`, the one token a prompt holds per image."""
     if spec.family == "gemma3":
         from batchllm.multimodal.gemma3_processor import Gemma3PromptProcessor
@@ -50,10 +51,17 @@ class ImagePromptProcessor:
         self.placeholder_token_id = spec.image_token_id
         self.image_processor = load_image_processor(Qwen2VLImageProcessorPil, model_path)
 
-    def process(self, prompt: str | list[int], images: list[Any], index: int,
+    def preprocess(self, image: Any) -> ProcessedImage:
+        """A decoded RGB PIL image → its patches (`pixel_values [patches, features]`), patch grid and token count."""
+        processed = self.image_processor(images=[image], return_tensors="np")
+        grid = np.asarray(processed["image_grid_thw"], dtype=np.int64).reshape(3)
+        data = {"pixel_values": np.asarray(processed["pixel_values"]), "image_grid_thw": grid}
+        return ProcessedImage(image_hash(image), int(grid.prod()) // self.spec.spatial_merge_size**2, data)
+
+    def process(self, prompt: str | list[int], images: list[ProcessedImage], index: int,
                 add_special_tokens: bool = True) -> tuple[list[int], MultiModalPrompt]:
-        """`prompt` (text, or token ids) with one image placeholder token per image of `images` (decoded PIL
-        images, in prompt order). ValueError naming row `index` when the counts differ."""
+        """`prompt` (text, or token ids) with one image placeholder token per image of `images` (in prompt order).
+        ValueError naming row `index` when the counts differ."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text, but the LLM was built with skip_tokenizer_init=True")
@@ -67,21 +75,15 @@ class ImagePromptProcessor:
                              f"{len(images)} image(s): put one per image in the prompt (the chat template does)")
         if not images:
             return token_ids, MultiModalPrompt(())
-        processed = self.image_processor(images=images, return_tensors="np")
-        grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
-        pixels = np.asarray(processed["pixel_values"])
-        merge = self.spec.spatial_merge_size
         expanded: list[int] = []
         items: list[ImageInput] = []
-        previous, first_patch = 0, 0
-        for place, grid, image in zip(places, grids, images, strict=True):
+        previous = 0
+        for place, image in zip(places, images, strict=True):
             expanded += token_ids[previous:place]
-            length = int(grid.prod()) // merge**2
-            patches = int(grid.prod())
-            data = {"pixel_values": pixels[first_patch:first_patch + patches], "image_grid_thw": grid}
-            items.append(ImageInput(image_hash(image), len(expanded), length, data))
-            expanded += [image_token] * length
-            previous, first_patch = place + 1, first_patch + patches
+            items.append(ImageInput(image.hash, len(expanded), image.length, image.data))
+            expanded += [image_token] * image.length
+            previous = place + 1
         expanded += token_ids[previous:]
-        positions, delta = mrope_positions(expanded, [tuple(int(v) for v in g) for g in grids], image_token, merge)
+        grids = [tuple(int(v) for v in image.data["image_grid_thw"]) for image in images]
+        positions, delta = mrope_positions(expanded, grids, image_token, self.spec.spatial_merge_size)
         return expanded, MultiModalPrompt(tuple(items), positions, int(delta))
