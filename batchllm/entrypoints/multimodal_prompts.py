@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.model.config import ModelConfig
-from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.multimodal.image_cache import ProcessedImages
+from batchllm.multimodal.inputs import MultiModalPrompt
 from batchllm.multimodal.media import MediaError
 from batchllm.multimodal.processor import image_prompt_processor
 
