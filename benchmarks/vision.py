@@ -150,7 +150,8 @@ def main() -> None:
     hf = run_hf(images, args) if args.hf_rows else None
     ours = run_ours(directory, images, args)
     record = dict(date=datetime.date.today().isoformat(), git_sha=git_sha(), shape=args.shape,
-                  workload=dict(rows=args.rows, image=f"{SIDE}x{SIDE} JPEG", max_tokens=args.max_tokens),
+                  workload=dict(rows=args.rows, image=f"{SIDE}x{SIDE} JPEG", max_tokens=args.max_tokens,
+                                max_num_seqs=args.max_num_seqs),
                   batchllm=ours, hf=hf, hardware=hardware("cuda")[1])
     if hf:
         record["vs_hf"] = ours["distinct"]["rows_per_s"] / hf["rows_per_s"]
@@ -158,7 +159,8 @@ def main() -> None:
     record["repeated_speedup"] = ours["repeated_10"]["rows_per_s"] / ours["distinct"]["rows_per_s"]
     print(f"10 repeated images / distinct: {record['repeated_speedup']:.2f}x", flush=True)
     device = hardware("cuda")[0]
-    save_record(f"{datetime.date.today().isoformat()}-vision-{args.shape}-{device}.json", record, args.out)
+    save_record(f"{datetime.date.today().isoformat()}-vision-{args.shape}-seqs{args.max_num_seqs}-{device}.json", record,
+                args.out)
 
 
 if __name__ == "__main__":
