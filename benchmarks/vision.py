@@ -158,9 +158,8 @@ def main() -> None:
         print(f"batchllm / HF rows/s: {record['vs_hf']:.1f}x", flush=True)
     record["repeated_speedup"] = ours["repeated_10"]["rows_per_s"] / ours["distinct"]["rows_per_s"]
     print(f"10 repeated images / distinct: {record['repeated_speedup']:.2f}x", flush=True)
-    device = hardware("cuda")[0]
-    save_record(f"{datetime.date.today().isoformat()}-vision-{args.shape}-seqs{args.max_num_seqs}-{device}.json", record,
-                args.out)
+    name = f"{datetime.date.today().isoformat()}-vision-{args.shape}-seqs{args.max_num_seqs}-{hardware('cuda')[0]}"
+    save_record(f"{name}.json", record, args.out)
 
 
 if __name__ == "__main__":
