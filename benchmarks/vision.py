@@ -18,6 +18,7 @@ import argparse
 import datetime
 import gc
 import io
+import subprocess
 import time
 
 import numpy as np
@@ -47,6 +48,29 @@ def synthetic_jpeg(seed: int) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
+
+
+class GpuBusySampler:
+    """The GPU's idle share over a `with` block: NVML's utilisation (the share of each ~1/6 s sample period in which
+    a kernel ran) read every 100 ms by `nvidia-smi`, averaged; None where nvidia-smi is missing."""
+
+    def __enter__(self) -> GpuBusySampler:
+        self.idle_share = None
+        query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100", "-i",
+                 str(torch.cuda.current_device())]
+        try:
+            self.process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.process = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        samples = [int(line) for line in self.process.communicate()[0].split() if line.strip().isdigit()]
+        if samples:
+            self.idle_share = 1 - sum(samples) / (100 * len(samples))
 
 
 def run_ours(directory, images: list[bytes], args) -> dict:
@@ -79,20 +103,21 @@ def run_ours(directory, images: list[bytes], args) -> dict:
         rows = prompts(chosen)
         prepared = llm.image_prompts().prepare(dict(enumerate(rows)))  # timed alone: what generate does first
         prepare_s = time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = llm.generate(rows, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        torch.cuda.synchronize()
+        with GpuBusySampler() as busy:
+            start = time.perf_counter()
+            outputs = llm.generate(rows, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            torch.cuda.synchronize()
         encoder_s = sum(a.elapsed_time(b) for a, b in events) / 1e3
         assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
         image_tokens = prepared[0].mm.images[0].length
         figures[name] = dict(rows=len(rows), generate_s=seconds, rows_per_s=len(rows) / seconds,
                              output_tok_s=len(rows) * args.max_tokens / seconds, encoder_s=encoder_s,
                              encoder_share=encoder_s / seconds, prepare_s=prepare_s, image_tokens=image_tokens,
-                             prefix_cache_hit_rate=llm.stats.prefix_cache_hit_rate)
+                             prefix_cache_hit_rate=llm.stats.prefix_cache_hit_rate, gpu_idle_share=busy.idle_share)
         print(f"batchllm {name:12}: {figures[name]['rows_per_s']:7.2f} rows/s ({seconds:.1f} s; encoder "
               f"{encoder_s:.1f} s = {100 * encoder_s / seconds:.0f} %; host image prep {prepare_s:.1f} s; "
-              f"{image_tokens} image tokens per row)", flush=True)
+              f"{image_tokens} image tokens per row; GPU idle {100 * busy.idle_share:.1f} %)", flush=True)
     llm.shutdown()
     return figures
 
