@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchllm.connectors.prompts import RowError, is_missing
+from batchllm.connectors.cells import RowError, is_missing
 from batchllm.lora.request import LoRARequest
 
 

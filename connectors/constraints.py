@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from batchllm.connectors.prompts import RowError, is_missing, to_plain
+from batchllm.connectors.cells import RowError, is_missing, to_plain
 from batchllm.sampling_params import SamplingParams
 from batchllm.structured_outputs import StructuredOutputsParams
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchllm.connectors.cells import is_missing, to_plain
 from batchllm.connectors.images import has_image_parts
 from batchllm.connectors.options import PromptSpec
-from batchllm.connectors.prompts import is_missing, to_plain
 from batchllm.multimodal.messages import split_chat_images
 
 _BATCH_ROWS = 256

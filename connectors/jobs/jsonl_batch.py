@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from batchllm.connectors.adapters import adapter_requests, adapters_identity
+from batchllm.connectors.cells import RowError
 from batchllm.connectors.constraints import require_compiles
 from batchllm.connectors.jobs.identity import (
     model_identity,
@@ -59,7 +60,7 @@ from batchllm.connectors.jobs.openai_batch import (
 )
 from batchllm.connectors.jobs.output_directory import created_for_the_job
 from batchllm.connectors.options import TRUNCATE_MODES, lora_pairs, params_dict, resolve_sampling_params
-from batchllm.connectors.prompts import PromptEncoder, Rendered, RowError
+from batchllm.connectors.prompts import PromptEncoder, Rendered
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.entrypoints.llm import LLM

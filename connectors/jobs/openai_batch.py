@@ -20,7 +20,7 @@ with finish_reason "length".
 `model`, `user`, `metadata`, `store`, `service_tier` and a false `stream` are ignored; any other field is
 refused for that line rather than silently ignored.
 
-Chat messages follow `batchllm.connectors.prompts.check_messages`: the roles are system, user, assistant
+Chat messages follow `batchllm.connectors.messages.check_messages`: the roles are system, user, assistant
 and tool (any other fails the line); content is a string or a list of text parts (joined), or, for a
 vision-language model, of text and image parts (`image_url` with a data: URL or a path; `batchllm/connectors/images.py`;
 an image that does not load fails its line); an assistant's
@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.connectors.cells import RowError, check_text
 from batchllm.connectors.constraints import response_format_constraint
-from batchllm.connectors.prompts import RowError, check_text
 from batchllm.connectors.results import RowOutcome, token_logprobs
 from batchllm.outputs import CompletionOutput, PoolingRequestOutput
 from batchllm.sampling_params import SamplingParams

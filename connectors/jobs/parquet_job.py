@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from batchllm.connectors.adapters import adapter_requests, adapters_identity, row_adapters
+from batchllm.connectors.cells import RowError
 from batchllm.connectors.constraints import SchemaColumn, require_compiles
 from batchllm.connectors.images import refuse_uncarried
 from batchllm.connectors.jobs.atomic import is_temporary, remove_stale_temporaries
@@ -66,7 +67,7 @@ from batchllm.connectors.jobs.output_directory import created_for_the_job
 from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource, open_table_source
 from batchllm.connectors.options import DEFAULT_OUTPUT_COLUMN, MapOptions, Template, resolve_options
-from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, encode_rows
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, encode_rows
 from batchllm.connectors.replicas.data_parallel import check_data_parallel_size, engine_for
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.entrypoints.llm import LLM

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from batchllm.connectors.cells import is_missing
 from batchllm.connectors.constraints import require_compiles
 from batchllm.connectors.jobs.identity import require_chat_template
 from batchllm.connectors.jobs.job import JobResult, JobSettings, Planner, RowRequest, cap_max_tokens, run_sharded_job
@@ -29,7 +30,7 @@ from batchllm.connectors.jobs.parquet_job import table_planner
 from batchllm.connectors.jobs.parquet_output import ParquetSink
 from batchllm.connectors.jobs.sources import ParquetSource, TextTableSource
 from batchllm.connectors.options import MapOptions
-from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, is_missing
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder
 from batchllm.connectors.results import RowOutcome
 from batchllm.entrypoints.llm import LLM
 from batchllm.sampling_params import SamplingParams

@@ -8,10 +8,11 @@ from typing import Any
 import pyarrow as pa
 
 from batchllm.connectors.adapters import adapter_requests, row_adapters
+from batchllm.connectors.cells import RowError
 from batchllm.connectors.constraints import require_compiles, row_params
 from batchllm.connectors.options import MapOptions
 from batchllm.connectors.progress import RowProgress, preemption_figures
-from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, RowError, render_rows
+from batchllm.connectors.prompts import EncodedPrompt, PromptEncoder, render_rows
 from batchllm.connectors.replicas.pool import ReplicaPool
 from batchllm.connectors.results import RowOutcome, output_arrays
 from batchllm.entrypoints.llm import LLM

@@ -12,7 +12,8 @@ import pytest
 
 import batchllm
 from batchllm import SamplingParams
-from batchllm.connectors.prompts import PromptEncoder, RowError
+from batchllm.connectors.cells import RowError
+from batchllm.connectors.prompts import PromptEncoder
 from batchllm.model.loader import resolve_model_path
 from batchllm.tokenizer import load_tokenizer
 from tests.connectors.helpers import GREEDY

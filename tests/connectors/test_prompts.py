@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from batchllm.connectors.messages import check_messages
 from batchllm.connectors.options import resolve_options
-from batchllm.connectors.prompts import PromptEncoder, check_messages, encode_rows
+from batchllm.connectors.prompts import PromptEncoder, encode_rows
 from batchllm.model.loader import resolve_model_path
 from batchllm.tokenizer import load_tokenizer
 

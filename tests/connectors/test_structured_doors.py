@@ -23,11 +23,11 @@ import pytest
 
 import batchllm
 from batchllm import SamplingParams, StructuredOutputsParams
+from batchllm.connectors.cells import RowError
 from batchllm.connectors.constraints import SchemaColumn, parsed_json_text, response_format_constraint
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.connectors.jobs.openai_batch import sampling_params as body_params
 from batchllm.connectors.options import params_dict, resolve_options
-from batchllm.connectors.prompts import RowError
 from batchllm.engine.structured.llguidance_backend import GrammarCompiler, GrammarError
 from batchllm.engine.structured.manager import INCOMPLETE
 from batchllm.entrypoints.cli.main import main

@@ -17,13 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from batchllm.connectors.cells import RowError
 from batchllm.connectors.jobs.openai_batch import (
     ENCODING_FORMATS,
     check_embedding_options,
     embedding_inputs,
     embeddings_body,
 )
-from batchllm.connectors.prompts import RowError
 from batchllm.entrypoints.server.admitted import ABORTED
 from batchllm.entrypoints.server.errors import bad_request, unavailable
 from batchllm.entrypoints.server.protocol import EmbeddingRequest

@@ -72,7 +72,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]  # roles and content are checked by connectors.prompts.check_messages
+    messages: list[dict[str, Any]]  # roles and content are checked by connectors.messages.check_messages
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.connectors.cells import RowError
 from batchllm.connectors.jobs.openai_batch import sampling_params
-from batchllm.connectors.prompts import PromptEncoder, RowError
+from batchllm.connectors.prompts import PromptEncoder
 from batchllm.entrypoints.chat_prompts import has_image_parts
 from batchllm.entrypoints.server.errors import APIError, bad_request
 from batchllm.entrypoints.server.image_chat import ImageChat
