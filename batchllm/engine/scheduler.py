@@ -180,15 +180,18 @@ class Scheduler(Admission, StepResults):
                 del drafts[max(0, budget - num_new):]  # the drafts that fit the budget
                 num_new += len(drafts)
             num_new = min(num_new, budget)
-            if request.mm is not None and request.mm.bidirectional:
-                num_new = whole_images(request.mm, request.num_computed_tokens, num_new, budget)
+            # Rows with images past their last image (decode) skip the image bookkeeping: it runs every step.
+            mm = request.mm if request.mm is not None and request.num_computed_tokens < request.mm.last_image_end \
+                else None
+            if mm is not None and mm.bidirectional:
+                num_new = whole_images(mm, request.num_computed_tokens, num_new, budget)
                 if not num_new:  # its next image does not fit what is left of this step
                     i += 1
                     continue
             allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
-            if request.mm is not None:
+            if mm is not None:
                 work = encoder_work(request, num_new)
                 encoder_tokens, budget = encoder_tokens + work, budget - work
             scheduled.append(self._schedule_request(request, num_new, allocation))

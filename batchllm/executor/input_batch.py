@@ -59,8 +59,10 @@ class InputBatch:
         num_tokens = len(token_ids)
         seq_of_token = self.attention.stage(num_scheduled, num_computed, block_tables, block_rows,
                                             self.positions.np[:num_tokens])
-        for first, count, delta in position_shifts or ():
-            self.positions.np[first:first + count] += delta
+        if position_shifts:  # one vectorised add: a row per running request with images, every step
+            firsts, counts, deltas = np.array(position_shifts, dtype=np.int64).T
+            starts = np.repeat(firsts - (np.cumsum(counts) - counts), counts)
+            self.positions.np[starts + self._arange[:len(starts)]] += np.repeat(deltas, counts)
         cu = self.query_start_loc.np
         self.input_ids.np[:num_tokens] = token_ids
         num_samples = len(sample_rows)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from batchllm.engine.interfaces import BlockTransfers
-from batchllm.executor.uploads import to_device
+from batchllm.model.uploads import to_device
 
 STAGING_BYTES = 64 << 20  # device staging per cache: copies move this much at a time
 

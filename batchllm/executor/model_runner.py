@@ -228,8 +228,7 @@ class ModelRunner(StepSampling):
     def _prepare(self, batch: StepBatch) -> DeviceInputs:
         """Uploads the step into the persistent input buffers, laid out as the CUDA graph it replays, if any."""
         lora_batch = self.lora.batch(batch.lora_rows) if self.lora is not None else None
-        mm_rows = batch.mm_rows
-        images = [row for row in mm_rows if row.reaches_images]  # rows whose tokens reach a prompt's images
+        images = batch.mm_rows  # rows whose tokens reach a prompt's images
         shape = None if self.graphs is None or images else self.graphs.step_shape(
             len(batch.token_ids), batch.num_scheduled, batch.num_computed, batch.drafts is not None,
             bool(batch.lora_rows or batch.placeholder_slots), self.max_blocks_per_seq * self.block_size)
@@ -238,7 +237,7 @@ class ModelRunner(StepSampling):
             batch.token_ids, batch.num_scheduled, batch.num_computed, self.requests.block_tables.table,
             batch.table_rows, batch.sample_index, pad_to=None if shape is None else shape[0],
             sample_counts=batch.sample_counts, query_stride=stride,
-            position_shifts=self.multimodal.position_shifts(mm_rows) if mm_rows else None)
+            position_shifts=batch.position_shifts)
         if batch.placeholder_slots:
             self.inputs.fill_placeholders(batch.placeholder_slots, batch.placeholder_rows, self._last_sampled)
         inputs_embeds = None

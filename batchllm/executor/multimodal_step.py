@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchllm.model.uploads import to_device
 from batchllm.multimodal.inputs import ImageInput, MultiModalPrompt
 
 # Encoder outputs kept for reuse, in embedding rows (Qwen2.5-VL-7B: 3,584 bf16 values each, 114 MB for 16,384 rows).
@@ -31,10 +32,6 @@ class MultiModalRow:
     flat_start: int
     num_computed: int
     num_tokens: int
-
-    @property
-    def reaches_images(self) -> bool:
-        return self.num_computed < self.mm.last_image_end
 
 
 class EncoderCache:
@@ -77,13 +74,6 @@ class MultiModalStep:
         self.device = device
         self.cache = EncoderCache(model)
 
-    def position_shifts(self, rows: list[MultiModalRow]) -> list[tuple[int, int, int]] | None:
-        """`(flat start, tokens, delta)` per row: multimodal RoPE puts the tokens past a prompt's last image at
-        `index + delta` (the rows that reach into images get their `[3, T]` positions from `positions_3d`)."""
-        if not self.uses_mrope:
-            return None
-        return [(row.flat_start, row.num_tokens, row.mm.mrope_delta) for row in rows if row.mm.mrope_delta]
-
     def positions_3d(self, rows: list[MultiModalRow], positions: np.ndarray) -> torch.Tensor:
         """The step's `[3, T]` positions: every token's 1-D position in all three components, but the prompt
         tokens before a row's last image, which take their (temporal, height, width) positions."""
@@ -93,7 +83,7 @@ class MultiModalStep:
             if row.num_computed < end:
                 count = end - row.num_computed
                 table[:, row.flat_start:row.flat_start + count] = row.mm.mrope_positions[:, row.num_computed:end]
-        return torch.from_numpy(table).to(self.device, non_blocking=True)
+        return to_device(table, self.device)
 
     def key_limits(self, rows: list[MultiModalRow], positions: np.ndarray) -> torch.Tensor | None:
         """Gemma 3: each token's last visible key position (`AttentionMetadata.key_limit`), its own but for the
@@ -111,7 +101,7 @@ class MultiModalStep:
                 if lo < hi:
                     first = row.flat_start + lo - start
                     limits[first:first + hi - lo] = image.end - 1
-        return torch.from_numpy(limits).to(self.device, non_blocking=True)
+        return to_device(limits, self.device, torch.int32)
 
     def inputs_embeds(self, input_ids: torch.Tensor, rows: list[MultiModalRow]) -> torch.Tensor:
         """The step's input embeddings: the tokens', with each image's encoder rows at its placeholder tokens
@@ -127,7 +117,8 @@ class MultiModalStep:
         if not pieces:
             return hidden
         encoded = self.cache.get([image for image, *_ in pieces])
-        index = torch.from_numpy(np.concatenate([np.arange(flat, flat + count) for _, _, count, flat in pieces]))
+        flat_rows = np.concatenate([np.arange(flat, flat + count) for _, _, count, flat in pieces])
+        index = to_device(flat_rows, hidden.device)  # queued behind the running step, never waiting for it
         rows_of = torch.cat([encoded[image.hash][first:first + count] for image, first, count, _ in pieces])
-        hidden[index.to(hidden.device)] = rows_of.to(hidden.dtype)
+        hidden[index] = rows_of.to(hidden.dtype)
         return hidden

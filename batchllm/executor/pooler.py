@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchllm.executor.uploads import to_device
+from batchllm.model.uploads import to_device
 from batchllm.pooling_params import PoolingParams
 
 

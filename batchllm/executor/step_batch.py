@@ -45,7 +45,9 @@ class StepBatch:
     placeholder_rows: list[int]
     lora_rows: list[tuple[LoRARequest, int, int]]  # (adapter, first flat token, tokens)
     pool_rows: list[PoolRow]
-    mm_rows: list[MultiModalRow]  # the rows of requests with images
+    mm_rows: list[MultiModalRow]  # the rows whose tokens reach into their prompt's images
+    # Multimodal RoPE: (first flat token, tokens, delta) of the rows of prompts with images (`InputBatch.prepare`).
+    position_shifts: list[tuple[int, int, int]]
 
     @property
     def sample_counts(self) -> np.ndarray | None:
@@ -122,6 +124,7 @@ class RequestStates:
         lora_rows: list[tuple[LoRARequest, int, int]] = []
         pool_rows: list[PoolRow] = []
         mm_rows: list[MultiModalRow] = []
+        position_shifts: list[tuple[int, int, int]] = []
         states, block_tables = self.states, self.block_tables
         for i, scheduled in enumerate(so.requests):
             request_id = scheduled.request_id
@@ -134,9 +137,13 @@ class RequestStates:
                                          scheduled.num_computed_tokens, state.num_prompt_tokens, scheduled.sample))
             if state.lora is not None:
                 lora_rows.append((state.lora, len(token_ids), len(new_tokens) + scheduled.placeholder))
-            if state.mm is not None:
-                mm_rows.append(MultiModalRow(state.mm, len(token_ids), scheduled.num_computed_tokens,
-                                             len(new_tokens) + scheduled.placeholder))
+            mm = state.mm
+            if mm is not None:  # only rows that reach into their images are built (decode runs every step)
+                if mm.mrope_delta:
+                    position_shifts.append((len(token_ids), len(new_tokens) + scheduled.placeholder, mm.mrope_delta))
+                if scheduled.num_computed_tokens < mm.last_image_end:
+                    mm_rows.append(MultiModalRow(mm, len(token_ids), scheduled.num_computed_tokens,
+                                                 len(new_tokens) + scheduled.placeholder))
             token_ids += new_tokens
             if scheduled.placeholder:
                 placeholder_slots.append(len(token_ids))
@@ -165,4 +172,4 @@ class RequestStates:
             np.array(block_rows, dtype=np.int64), new_rows, num_drafts, np.array(sample_rows, dtype=np.int64),
             sampled_states, sample_positions, drafts if so.speculative else None,
             lookahead if lookahead.num_drafts else None, placeholder_slots, placeholder_rows, lora_rows, pool_rows,
-            mm_rows)
+            mm_rows, position_shifts)

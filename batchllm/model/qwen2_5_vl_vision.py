@@ -19,6 +19,7 @@ from torch import nn
 
 from batchllm import kernels
 from batchllm.model.checkpoint_tensor import copy_checked
+from batchllm.model.uploads import to_device
 
 _RMS_EPS = 1e-6
 _ROPE_THETA = 10000.0
@@ -214,7 +215,7 @@ class Qwen2_5_VisionTower(nn.Module):
                              f"{sum(t * h * w for t, h, w in grids)}")
         device = pixel_values.device
         order, window_lengths = self._window_order(grids)
-        order = order.to(device)
+        order = to_device(order, device)
         unit = merge * merge
         # Cell order -> patch order: each merged cell's `unit` patches stay adjacent.
         patch_order = (order[:, None] * unit + torch.arange(unit, device=device)).flatten()
@@ -273,5 +274,5 @@ def _group_segments(lengths: list[int], device: torch.device) -> list[torch.Tens
     for length in sorted(set(lengths)):
         first = starts[sizes == length]
         index = first[:, None] + torch.arange(length)
-        groups.append(index.to(device))
+        groups.append(to_device(index, device))
     return groups

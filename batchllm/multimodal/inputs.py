@@ -51,8 +51,9 @@ class MultiModalPrompt:
 
     @property
     def last_image_end(self) -> int:
-        """Tokens from here on have one position each (`index + mrope_delta`); before it, positions are 3-D."""
-        return max((image.end for image in self.images), default=0)
+        """Tokens from here on have one position each (`index + mrope_delta`); before it, positions are 3-D. Read
+        for every running row of every step: the images are in prompt order, so the last one ends last."""
+        return self.images[-1].end if self.images else 0
 
     def image_hashes_in(self, start: int, end: int) -> tuple[str, ...]:
         """The hashes of the images with a placeholder token in `[start, end)`: what a KV block there depends on."""

@@ -1,4 +1,4 @@
-"""Small host values (indices, masks) uploaded to the device without waiting for it.
+"""Host values (indices, masks, an image step's pixels) uploaded to the device without waiting for it.
 
 A plain `torch.tensor(..., device="cuda")` copies from pageable memory and synchronizes with the stream, so the
 host would wait for every step queued on it; from pinned memory the copy is queued behind them instead (the
