@@ -26,7 +26,7 @@ PREFIX = "You are a careful assistant. Answer in one short sentence, with no pre
 ROWS = [PREFIX + f"Question {i}: what is {i} plus {3 * i + 1}, and why?" for i in range(16)]
 OTHERS = [f"Write a line about the number {i} and the colour {c}." for i, c in
           zip(range(64), ["red", "green", "blue", "amber"] * 16)]
-MAX_TOKENS = 6
+MAX_TOKENS = 4  # enough for logprobs to move without the flag (asserted below), few steps for the lone rows
 
 
 def _params(i: int) -> SamplingParams:
