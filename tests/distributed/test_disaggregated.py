@@ -29,10 +29,11 @@ from tests.connectors.helpers import openai_batch_texts
 from tests.distributed.test_tensor_parallel import SHAPES, gone, prompts, tokens, write_checkpoint
 
 PD = {"prefill": 1, "decode": 1}
-MAX_NEW = 16
+MAX_NEW = 8  # a handoff happens once per row, at its prefill: a few decoded tokens show the decode engine's part
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 TEXTS = [f"Describe, in one sentence, the {thing} of a small town." for thing in
          ("market", "school", "station", "harbour", "library")]
+SEEDED = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=i) for i in range(len(TEXTS))]
 
 
 def assert_nothing_held(llm: LLM) -> None:
@@ -71,28 +72,27 @@ def test_greedy_equals_one_engine_with_shared_prefixes_and_decode_preemption(che
         llm.shutdown()
 
 
-def test_the_default_model_greedy_and_seeded(tmp_path):
-    seeded = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=i) for i in range(len(TEXTS))]
+@pytest.fixture(scope="module")
+def one_engine_texts() -> tuple[list[str], list[str]]:
+    """The single-process engine's (greedy, seeded) texts of TEXTS: the reference for every door below."""
     one = LLM(device="cpu")
-    expected = [[o.outputs[0].text for o in one.generate(TEXTS, params, use_tqdm=False)] for params in (GREEDY, seeded)]
-    del one
-    llm = LLM(device="cpu", disaggregated=PD)
-    try:
-        got = [[o.outputs[0].text for o in llm.generate(TEXTS, params, use_tqdm=False)] for params in (GREEDY, seeded)]
-        assert got == expected
-        assert llm.stats.kv_handoffs == len(TEXTS)
-    finally:
-        llm.shutdown()
+    greedy, seeded = ([o.outputs[0].text for o in one.generate(TEXTS, params, use_tqdm=False)]
+                      for params in (GREEDY, SEEDED))
+    return greedy, seeded
 
 
-def test_the_doors_cli_pandas_jsonl_and_stream(tmp_path, capsys):
-    expected = [o.outputs[0].text for o in LLM(device="cpu").generate(TEXTS, GREEDY, use_tqdm=False)]
+def test_the_default_model_through_every_door_greedy_and_seeded(one_engine_texts, tmp_path, capsys):
+    """One disaggregated engine, built by the CLI and then cached, serves every door and the seeded rows."""
+    expected, expected_seeded = one_engine_texts
     pq.write_table(pa.table({"q": TEXTS}), tmp_path / "in.parquet")
     flags = ["--prompt-column", "q", "--max-tokens", str(MAX_NEW), "--ignore-eos", "--no-progress", "--device", "cpu"]
     assert main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), *flags,
                  "--disaggregated", json.dumps(PD)]) == 0, capsys.readouterr().err
     assert pq.read_table(tmp_path / "out").to_pydict()["generated_text"] == expected
     llm = engine_cache._cached[1]
+    assert llm.stats.kv_handoffs == len(TEXTS)
+    got = [[o.outputs[0].text for o in llm.generate(TEXTS, params, use_tqdm=False)] for params in (GREEDY, SEEDED)]
+    assert got == [expected, expected_seeded]
     assert llm.stats.kv_handoffs == len(TEXTS)
 
     engine_kwargs = {"device": "cpu", "disaggregated": PD}
