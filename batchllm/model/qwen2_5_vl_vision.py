@@ -23,6 +23,7 @@ from batchllm.model.uploads import to_device
 
 _RMS_EPS = 1e-6
 _ROPE_THETA = 10000.0
+_MAX_TABLE_PATCHES = 1 << 18  # patches whose window order and rotary tables are kept (~84 MB float32)
 _PAD = 64  # the MLP's intermediate size is padded to a multiple of this (see _MLP)
 
 
@@ -201,6 +202,8 @@ class Qwen2_5_VisionTower(nn.Module):
         quarter = head_dim // 4
         inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(quarter, dtype=torch.float32) * 2 / (head_dim // 2)))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._tables: dict[tuple[int, int, int], tuple] = {}  # per image size: `_grid_tables`
+        self._table_patches = 0
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """`pixel_values [patches, C*T*ps*ps]`, `grid_thw [images, 3]` -> `[patches / merge**2, out_hidden]`,
@@ -214,7 +217,7 @@ class Qwen2_5_VisionTower(nn.Module):
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw describes "
                              f"{sum(t * h * w for t, h, w in grids)}")
         device = pixel_values.device
-        order, window_lengths = self._window_order(grids)
+        order, window_lengths = self._window_order(grids, device)
         order = to_device(order, device)
         unit = merge * merge
         # Cell order -> patch order: each merged cell's `unit` patches stay adjacent.
@@ -235,33 +238,57 @@ class Qwen2_5_VisionTower(nn.Module):
     def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[patches, head_dim / 2]` in the processor's patch order: (h, w) of each patch, the merge cells'
         patches adjacent; the angles are [h-angles, w-angles], one per rotate-half pair (neox style)."""
+        tables = [self._grid_tables(grid, device) for grid in grids]
+        return torch.cat([table[2] for table in tables]), torch.cat([table[3] for table in tables])
+
+    def _window_order(self, grids: list[tuple[int, int, int]],
+                      device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """The merged cells of all images, re-ordered window by window (windows in raster order, cells inside a
+        window in raster order), and each window's cell count; edge windows are smaller and never cross images."""
+        order, lengths, offset = [], [], 0
+        for grid in grids:
+            local, local_lengths, _, _ = self._grid_tables(grid, device)
+            order.append(local + offset)
+            lengths += local_lengths
+            offset += local.numel()
+        return torch.cat(order), lengths
+
+    def _grid_tables(self, grid: tuple[int, int, int], device: torch.device) -> tuple:
+        """One image size's window order (host), window lengths and rotary cos/sin (on `device`), computed once
+        per size: a step's images mostly share a few sizes, and this Python runs on the host while the device
+        waits for the step's image rows. Dropped all at once past `_MAX_TABLE_PATCHES` patches."""
+        if grid not in self._tables:
+            patches = grid[0] * grid[1] * grid[2]
+            if self._table_patches + patches > _MAX_TABLE_PATCHES:
+                self._tables.clear()
+                self._table_patches = 0
+            self._tables[grid] = (*self._local_window_order(grid), *self._local_rotary(grid, device))
+            self._table_patches += patches
+        return self._tables[grid]
+
+    def _local_rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         merge = self.config.spatial_merge_size
-        coords = []
-        for t, h, w in grids:
-            hs = torch.arange(h, device=device)[:, None].expand(h, w)
-            ws = torch.arange(w, device=device)[None, :].expand(h, w)
-            hw = torch.stack((hs, ws), dim=-1).reshape(h // merge, merge, w // merge, merge, 2)
-            coords.append(hw.transpose(1, 2).reshape(-1, 2).repeat(t, 1))
-        angles = torch.cat(coords).float()[:, :, None] * self.inv_freq.to(device)  # [patches, 2, quarter]
+        t, h, w = grid
+        hs = torch.arange(h, device=device)[:, None].expand(h, w)
+        ws = torch.arange(w, device=device)[None, :].expand(h, w)
+        hw = torch.stack((hs, ws), dim=-1).reshape(h // merge, merge, w // merge, merge, 2)
+        coords = hw.transpose(1, 2).reshape(-1, 2).repeat(t, 1)
+        angles = coords.float()[:, :, None] * self.inv_freq.to(device)  # [patches, 2, quarter]
         angles = angles.flatten(1)  # [patches, head_dim / 2]: the rotate-half pairs' angles
         return angles.cos(), angles.sin()
 
-    def _window_order(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
-        """The merged cells of all images, re-ordered window by window (windows in raster order, cells inside a
-        window in raster order), and each window's cell count; edge windows are smaller and never cross images."""
+    def _local_window_order(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, list[int]]:
         merge = self.config.spatial_merge_size
         side = self.config.window_size // self.config.patch_size // merge  # window side in merged cells
-        order, lengths, offset = [], [], 0
-        for t, h, w in grids:
-            gh, gw = h // merge, w // merge
-            cells = torch.arange(t * gh * gw).reshape(t, gh, gw) + offset
-            for frame in cells:
-                for top in range(0, gh, side):
-                    for left in range(0, gw, side):
-                        window = frame[top:top + side, left:left + side].flatten()
-                        order.append(window)
-                        lengths.append(window.numel())
-            offset += t * gh * gw
+        t, h, w = grid
+        gh, gw = h // merge, w // merge
+        order, lengths = [], []
+        for frame in torch.arange(t * gh * gw).reshape(t, gh, gw):
+            for top in range(0, gh, side):
+                for left in range(0, gw, side):
+                    window = frame[top:top + side, left:left + side].flatten()
+                    order.append(window)
+                    lengths.append(window.numel())
         return torch.cat(order), lengths
 
 
