@@ -19,7 +19,7 @@ from batchllm.connectors.replicas.devices import gpu_groups
 from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import openai_batch_texts
 
-MAX_NEW = 16
+MAX_NEW = 8  # enough steps for both stages to hold one in flight
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 TEXTS = [f"Describe, in one sentence, the {thing} of a small town." for thing in
          ("market", "school", "station", "harbour", "library")]
@@ -48,21 +48,20 @@ def test_the_cli_flag(plain_texts, tmp_path, capsys):
     assert "--pipeline-parallel-size must be an int >= 1, got 0" in capsys.readouterr().err
 
 
-def test_an_openai_batch_file_and_a_pandas_frame(plain_texts, tmp_path):
+def test_an_openai_batch_file_a_pandas_frame_and_the_streaming_loop(plain_texts, tmp_path):
+    """One pipelined engine (the engine cache's) serves the three doors; the streaming loop admits rows while the
+    pipeline runs."""
     out = batchllm.generate(pd.DataFrame({"q": TEXTS}), prompt_column="q", engine_kwargs=dict(PP, device="cpu"),
                             max_tokens=MAX_NEW, temperature=0, ignore_eos=True, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
     assert _cached_engine_is_pipelined()
     assert openai_batch_texts(tmp_path, TEXTS, MAX_NEW, dict(PP, device="cpu")) == plain_texts
-    engine_cache.clear_engine_cache()
-
-
-def test_the_streaming_loop_admits_rows_while_the_pipeline_runs(plain_texts):
-    llm = LLM(device="cpu", **PP)
+    llm = engine_cache._cached[1]
     try:
         results = dict(llm.stream(((i, text, GREEDY) for i, text in enumerate(TEXTS)), max_in_flight=3))
         assert [results[i].outputs[0].text for i in range(len(TEXTS))] == plain_texts
     finally:
+        engine_cache.clear_engine_cache()
         llm.shutdown()
 
 
