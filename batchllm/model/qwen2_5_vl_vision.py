@@ -92,15 +92,18 @@ class _Attention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: list[torch.Tensor]) -> torch.Tensor:
+                segments: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # each [tokens, heads, head_dim]
         # The decoder's rotary kernel, in place, each token its own cos/sin row (positions = row numbers).
         q, k = kernels.apply_rotary(torch.arange(q.shape[0], device=q.device), q, k, cos, sin)
         out = torch.empty_like(q)
-        for index in segments:
-            # index [segments, length]: equal-length segments go through one batched call.
-            qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [segments, heads, length, head_dim]
-            out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+        for length, where in segments:  # equal-length segments go through one batched call
+            if isinstance(where, slice):  # consecutive: views, no gather and no scatter
+                qs, ks, vs = (t[where].unflatten(0, (-1, length)).transpose(1, 2) for t in (q, k, v))
+                out[where] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).flatten(0, 1)
+            else:  # index [segments, length]
+                qs, ks, vs = (t[where].transpose(1, 2) for t in (q, k, v))  # [segments, heads, length, head_dim]
+                out[where] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
         return self.proj(out.flatten(1))
 
 
@@ -153,7 +156,7 @@ class _Block(nn.Module):
         self.mlp = _MLP(config, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: list[torch.Tensor]) -> torch.Tensor:
+                segments: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -292,14 +295,17 @@ class Qwen2_5_VisionTower(nn.Module):
         return torch.cat(order), lengths
 
 
-def _group_segments(lengths: list[int], device: torch.device) -> list[torch.Tensor]:
-    """Contiguous segments of these lengths, grouped by length: one `index [segments, length]` per length, so
-    attention runs one batched call per distinct length instead of one per window."""
+def _group_segments(lengths: list[int], device: torch.device) -> list[tuple[int, slice | torch.Tensor]]:
+    """Contiguous segments of these lengths, grouped by length, so attention runs one batched call per distinct
+    length instead of one per window: `(length, where)`, `where` a slice when the group's segments follow each other
+    (images of one size: every window full), else an `index [segments, length]`."""
     starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
     sizes = torch.tensor(lengths, dtype=torch.long)
-    groups = []
+    groups: list[tuple[int, slice | torch.Tensor]] = []
     for length in sorted(set(lengths)):
         first = starts[sizes == length]
-        index = first[:, None] + torch.arange(length)
-        groups.append(to_device(index, device))
+        if torch.equal(first, first[0] + length * torch.arange(len(first))):
+            groups.append((length, slice(int(first[0]), int(first[0]) + length * len(first))))
+        else:
+            groups.append((length, to_device(first[:, None] + torch.arange(length), device)))
     return groups

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from batchllm.model.mrope import mrope_positions
-from batchllm.model.qwen2_5_vl_vision import Qwen2_5_VisionTower, VisionTowerConfig, image_token_count
+from batchllm.model.qwen2_5_vl_vision import (
+    Qwen2_5_VisionTower,
+    VisionTowerConfig,
+    _group_segments,
+    image_token_count,
+)
 
 transformers = pytest.importorskip("transformers")
 PIL_Image = pytest.importorskip("PIL.Image")
@@ -63,7 +68,8 @@ def _hf_features(hf_model, inputs) -> torch.Tensor:
     return torch.cat(out.pooler_output)  # transformers 5: an output object, one tensor per image
 
 
-@pytest.mark.parametrize("sizes", [[(100, 80)], [(100, 80), (140, 196)]], ids=["one_image", "two_sizes"])
+@pytest.mark.parametrize("sizes", [[(100, 80)], [(100, 80), (140, 196)], [(112, 112), (112, 112)]],
+                         ids=["one_image", "two_sizes", "same_size_full_windows"])
 def test_tower_matches_transformers(hf_model, sizes):
     inputs = _processed(sizes)
     grids = inputs["image_grid_thw"]
@@ -74,6 +80,16 @@ def test_tower_matches_transformers(hf_model, sizes):
         expected = _hf_features(hf_model, inputs)
     assert ours.shape == expected.shape == (sum(image_token_count(g, MERGE) for g in grids), 64)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_segments_of_one_length_that_follow_each_other_are_one_slice():
+    """Windows of images of one size are consecutive runs: attention reads them as views (no gather / scatter)."""
+    assert _group_segments([64, 64, 32, 32, 16], torch.device("cpu")) == [
+        (16, slice(192, 208)), (32, slice(128, 192)), (64, slice(0, 128))]
+    (short, index_32), (long, index_64) = _group_segments([64, 32, 64, 32], torch.device("cpu"))
+    assert (short, long) == (32, 64)
+    assert index_32.tolist() == [list(range(64, 96)), list(range(160, 192))]
+    assert index_64.tolist() == [list(range(0, 64)), list(range(96, 160))]
 
 
 def test_images_do_not_attend_across(hf_model):
