@@ -10,7 +10,6 @@ Parameter names equal the checkpoint's under `model.visual.` (transformers 5) or
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -19,53 +18,13 @@ from torch import nn
 
 from batchllm import kernels
 from batchllm.model.checkpoint_tensor import copy_checked
+from batchllm.model.qwen2_5_vl_config import VisionTowerConfig
 from batchllm.model.uploads import to_device
 
 _RMS_EPS = 1e-6
 _ROPE_THETA = 10000.0
 _MAX_TABLE_PATCHES = 1 << 18  # patches whose window order and rotary tables are kept (~84 MB float32)
 _PAD = 64  # the MLP's intermediate size is padded to a multiple of this (see _MLP)
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionTowerConfig:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    window_size: int = 112
-    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
-    in_channels: int = 3
-    hidden_act: str = "silu"
-
-    @classmethod
-    def from_hf(cls, vision_config: dict[str, Any]) -> VisionTowerConfig:
-        """Defaults are transformers' `Qwen2_5_VLVisionConfig`'s; the released checkpoints spell the channel
-        count `in_chans`."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in vision_config.items() if k in fields}
-        if "in_channels" not in values and "in_chans" in vision_config:
-            values["in_channels"] = vision_config["in_chans"]
-        missing = [name for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
-                   if name not in values]
-        if missing:
-            raise ValueError(f"config.json vision_config lacks {', '.join(missing)}")
-        if "fullatt_block_indexes" in values:
-            values["fullatt_block_indexes"] = tuple(int(i) for i in values["fullatt_block_indexes"])
-        config = cls(**values)
-        if config.hidden_act != "silu":
-            raise ValueError(f"config.json vision_config hidden_act must be 'silu', got {config.hidden_act!r}")
-        if config.hidden_size % config.num_heads or (config.hidden_size // config.num_heads) % 4:
-            raise ValueError(f"config.json vision_config hidden_size {config.hidden_size} must split into "
-                             f"num_heads {config.num_heads} heads of a size divisible by 4 (2-D rotary)")
-        if config.window_size % (config.patch_size * config.spatial_merge_size):
-            raise ValueError(f"config.json vision_config window_size {config.window_size} must be a multiple of "
-                             f"patch_size * spatial_merge_size")
-        return config
 
 
 def image_token_count(grid_thw_row: Any, spatial_merge_size: int) -> int:

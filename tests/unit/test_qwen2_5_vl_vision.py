@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from batchllm.model.mrope import mrope_positions
-from batchllm.model.qwen2_5_vl_vision import (
-    Qwen2_5_VisionTower,
-    VisionTowerConfig,
-    _group_segments,
-    image_token_count,
-)
+from batchllm.model.qwen2_5_vl_config import VisionTowerConfig
+from batchllm.model.qwen2_5_vl_vision import Qwen2_5_VisionTower, _group_segments, image_token_count
 
 transformers = pytest.importorskip("transformers")
 PIL_Image = pytest.importorskip("PIL.Image")
