@@ -47,13 +47,19 @@ def _greedy(llm, prompts, max_tokens=8):
 
 
 @pytest.fixture(scope="module")
-def eviction_rows():
+def uncached():
+    """The engine with caching off that computes every reference of this module (one load, not one per test)."""
+    return LLM(num_kv_blocks=40, max_num_batched_tokens=256, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def eviction_rows(uncached):
     """Two system prompts alternating, and their greedy outputs with caching off: the reference, which does not
     depend on the scheduling mode, so it is computed once for both."""
-    uncached = LLM(num_kv_blocks=40, max_num_batched_tokens=256, enable_prefix_caching=False)
-    rows = _rows(uncached, 12, 150)
+    # 6 of each (12 rows of 11 blocks): three times the pool, so it evicts; more rows would only repeat the cycle.
+    rows = _rows(uncached, 6, 150)
     other = [uncached.tokenizer(f"A different preamble number {i} " * 20)["input_ids"][:170] + [300 + i]
-             for i in range(12)]
+             for i in range(6)]
     prompts = [p for pair in zip(rows, other) for p in pair]
     outputs = _greedy(uncached, prompts)
     assert uncached.stats.prefix_cache_hits == 0
@@ -85,7 +91,7 @@ def test_shared_system_prompt_hit_rate(llm):
     assert stats.num_preemptions == 0
 
 
-def test_n4_shares_prompt_blocks_and_matches_separate_seeds(llm):
+def test_n4_shares_prompt_blocks_and_matches_separate_seeds(llm, uncached):
     # 4 full blocks + 11 tokens in a partial block, shared with no earlier prompt of this module.
     prompt = llm.tokenizer("Write a short poem about rivers and stones. " * 10)["input_ids"][:75]
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
@@ -99,9 +105,8 @@ def test_n4_shares_prompt_blocks_and_matches_separate_seeds(llm):
     assert stats.num_prefill_tokens == len(prompt) + 3
     # Peak: 5 prompt blocks + 3 copies, and no sample grew past its block (75 + 6 < 96).
     assert stats.peak_used_blocks == prompt_blocks + 3
-    separate = LLM(max_model_len=1024, enable_prefix_caching=False)
-    for j, completion in enumerate(together.outputs):
-        alone = separate.generate([prompt], SamplingParams(temperature=1.0, seed=11 + j, max_tokens=6,
+    for j, completion in enumerate(together.outputs):  # each sample alone, on an engine that shares nothing
+        alone = uncached.generate([prompt], SamplingParams(temperature=1.0, seed=11 + j, max_tokens=6,
                                                            ignore_eos=True), use_tqdm=False)[0].outputs[0]
         assert completion.token_ids == alone.token_ids
 
