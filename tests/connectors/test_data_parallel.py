@@ -20,7 +20,7 @@ from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
 
-JOB = {"prompt_column": "q", "rows_per_shard": 8, "use_tqdm": False, **GREEDY}
+JOB = {"prompt_column": "q", "rows_per_shard": 4, "use_tqdm": False, **GREEDY}
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def no_replica_outlives_its_call(monkeypatch):
 @pytest.fixture(scope="module")
 def job_input(tmp_path_factory):
     directory = tmp_path_factory.mktemp("dp") / "in"
-    return directory, write_parquet_input(directory, [14, 10], row_group_size=4)  # 24 rows: 3 shards, 2 files
+    return directory, write_parquet_input(directory, [7, 5], row_group_size=4)  # 12 rows: 3 shards, 2 files
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ def _shard_files(directory):
 
 
 def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(llm, no_replica_outlives_its_call):
-    prompts = [f"Item {i}: a word about {w}:" for i, w in enumerate(["tea", "rain", "maps"] * 6)]
+    prompts = [f"Item {i}: a word about {w}:" for i, w in enumerate(["tea", "rain", "maps"] * 4)]
     prompts[5], prompts[11] = None, "   "  # bad rows are answered in the parent, never sent to a replica
-    frame = pd.DataFrame({"q": prompts}, index=pd.Index(range(100, 118), name="key")).iloc[::-1]
+    frame = pd.DataFrame({"q": prompts}, index=pd.Index(range(100, 112), name="key")).iloc[::-1]
     # Seeded sampling: every row draws from its own generator, so replicas must agree with one engine.
     options = {"prompt_column": "q", "max_tokens": 6, "temperature": 0.9, "seed": 11, "use_tqdm": False}
     expected = batchllm.generate(frame, **options)
@@ -73,7 +73,7 @@ def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(llm, no_re
         warnings.simplefilter("error", RuntimeWarning)  # a replica failure would warn
         got = batchllm.generate(frame, data_parallel_size=2, **options)
     pd.testing.assert_frame_equal(got, expected)
-    assert got.error.notna().sum() == 2 and got.generated_text.notna().sum() == 16
+    assert got.error.notna().sum() == 2 and got.generated_text.notna().sum() == 10
     assert len(no_replica_outlives_its_call) == 2
 
 
@@ -95,7 +95,7 @@ def test_replicas_may_each_be_tensor_parallel(llm, no_replica_outlives_its_call)
 def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, single, tmp_path, capsys):
     output = tmp_path / "out"
     result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
-    assert (result.written_rows, result.resumed_rows, result.num_shards, result.replica_failures) == (24, 0, 3, [])
+    assert (result.written_rows, result.resumed_rows, result.num_shards, result.replica_failures) == (12, 0, 3, [])
     assert read_shards(output).equals(read_shards(single))  # shards in input order, rows in input order
     files, reference = _shard_files(output), _shard_files(single)
     assert sorted(files) == sorted(reference)
@@ -104,11 +104,11 @@ def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, si
     assert _manifest(output) == _manifest(single)  # same fingerprint, same shard records
 
     manifest = (output / "_manifest.jsonl").read_bytes()
-    code = main(["run", str(job_input[0]), str(output), "--prompt-column", "q", "--rows-per-shard", "8",
+    code = main(["run", str(job_input[0]), str(output), "--prompt-column", "q", "--rows-per-shard", "4",
                  "--max-tokens", str(GREEDY["max_tokens"]), "--temperature", "0", "--no-progress",
                  "--data-parallel", "2"])
     assert code == 0
-    assert f"nothing to do: the job is complete (24 rows in {output})" in capsys.readouterr().err
+    assert f"nothing to do: the job is complete (12 rows in {output})" in capsys.readouterr().err
     assert (output / "_manifest.jsonl").read_bytes() == manifest
 
 
@@ -117,11 +117,11 @@ def test_a_replica_dying_mid_job_has_its_rows_rerun_by_the_other(job_input, sing
     output = tmp_path / "out"
     with pytest.warns(RuntimeWarning, match=r"replica 0 \(pid \d+\) exited with status 1; its \d+ unfinished"):
         result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
-    assert result.complete and result.written_rows == 24
+    assert result.complete and result.written_rows == 12
     [failure] = result.replica_failures
     assert (failure.replica, failure.exitcode) == (0, 1) and failure.requeued_rows > 0
     shards = read_shards(output)
-    assert sorted(shards.column("id").to_pylist()) == list(range(24))  # every row exactly once
+    assert sorted(shards.column("id").to_pylist()) == list(range(12))  # every row exactly once
     assert shards.equals(read_shards(single))
     assert _manifest(output) == _manifest(single)
 
