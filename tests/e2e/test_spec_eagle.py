@@ -16,8 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from batchllm import LLM, SamplingParams
 from batchllm.executor.model_runner import ModelRunner
 from tests.e2e.graph_replay import EagerReplay
-from tests.e2e.test_generate_vs_hf import _prompts
-from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _greedy, _tight
+from tests.e2e.test_spec_decode import MAX_NEW, _greedy, _tight, spec_prompts
 
 NUM_DRAFTS = 3
 CHECKED_PROPOSALS = 40
@@ -27,7 +26,7 @@ DRAFT_VOCAB = 4096
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return _prompts(tokenizer) + [tokenizer(COPY_PROMPT)["input_ids"]]
+    return spec_prompts(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +195,8 @@ def test_eagle_drafts_equal_the_reference(method, layout, eagle_heads, prompts, 
               enable_prefix_caching=False)
     if layout == "graph":
         llm.runner.graphs = EagerReplay(llm.runner)
-    # The short prompts only (309 of 1,292 tokens): the long ones' prefill steps and O(n^2) reference drafts would
-    # cost most of the time; the greedy test above runs them all.
+    # The short prompts only (309 of 642 tokens): the 333-token one's prefill steps and O(n^2) reference drafts would
+    # cost most of the time; the greedy test above runs it.
     short = [i for i, p in enumerate(prompts) if len(p) < SHORT_PROMPT]
     prompts, hf_greedy = [prompts[i] for i in short], [hf_greedy[i] for i in short]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
