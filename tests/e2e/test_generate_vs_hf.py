@@ -64,21 +64,17 @@ def test_greedy_equals_hf(llm_default, prompts, hf_greedy):
     assert llm_default.stats.max_running == len(prompts), "the prompts were meant to run as one batch"
 
 
-def test_greedy_equals_hf_under_preemption(llm_default, prompts, hf_greedy, async_scheduling):
-    # Room for the longest request plus two blocks; a 256-token budget admits the medium prompts in chunks
-    # beside it, so their growth keeps preempting (22 times on the real model, greedy).
-    # Prefix caching is off so that the chat prompts' shared system prompt does not relieve the pool, and rows are
-    # admitted optimistically (KV-aware admission avoids most of these preemptions: test_admission_policies.py).
+def test_greedy_equals_hf_under_preemption_with_every_prompt_chunked(prompts, hf_greedy, async_scheduling):
+    # One engine for both properties: room for the longest request plus two blocks, and a 16-token budget that
+    # chunks every prompt longer than 16 tokens; the medium prompts' chunks are admitted beside the longest one, so
+    # their growth keeps preempting (11 times on the real model, greedy, sync). Rows are admitted optimistically
+    # (KV-aware admission avoids most of these preemptions: test_admission_policies.py); prefix caching stays on,
+    # as by default: the chat prompts' shared system prompt is hit while chunked and recomputed after preemption.
     num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW) // 16) + 2
-    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=256, enable_prefix_caching=False,
-              async_scheduling=async_scheduling, admission_policy="optimistic")
+    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=16, async_scheduling=async_scheduling,
+              admission_policy="optimistic")
     assert _greedy_ids(llm, prompts) == hf_greedy
     assert llm.stats.num_preemptions >= 5, llm.stats
-
-
-def test_greedy_equals_hf_with_every_prompt_chunked(llm_default, prompts, hf_greedy, async_scheduling):
-    llm = LLM(max_num_batched_tokens=16, async_scheduling=async_scheduling)
-    assert _greedy_ids(llm, prompts) == hf_greedy
     chunkable = sum(len(p) > 16 for p in prompts)
     assert llm.stats.num_chunked_prefills >= chunkable, llm.stats
     assert llm.stats.max_step_tokens <= 16
