@@ -20,7 +20,6 @@ import torch
 
 import batchllm
 from batchllm import LLM, SamplingParams
-from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.distributed import parallel_state
 from batchllm.entrypoints.cli.main import main
@@ -38,28 +37,10 @@ TEXTS = [*QUESTIONS, SHARED + "What is 2 + 2?", SHARED + "Name a color."]
 
 @pytest.fixture(scope="module")
 def fp8_texts() -> list[str]:
-    # Built through the engine cache: the pandas and OpenAI doors below, given the same options, reuse this engine.
-    texts = [out.outputs[0].text for out in get_llm(engine_kwargs=FP8).generate(TEXTS, GREEDY, use_tqdm=False)]
+    texts = [out.outputs[0].text for out in LLM(**FP8).generate(TEXTS, GREEDY, use_tqdm=False)]
     float32 = [out.outputs[0].text for out in LLM().generate(TEXTS, GREEDY, use_tqdm=False)]
     assert texts != float32  # else equal outputs could not tell whether a door applied the options
     return texts
-
-
-def test_an_openai_batch_file_and_a_pandas_frame_take_engine_kwargs(fp8_texts, tmp_path):
-    frame = pd.DataFrame({"q": TEXTS})
-    out = batchllm.generate(frame, prompt_column="q", engine_kwargs=FP8, max_tokens=MAX_NEW, temperature=0,
-                            use_tqdm=False)
-    assert out["generated_text"].tolist() == fp8_texts
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_kwargs=FP8, use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == fp8_texts
-    # The manifest pins the numerics here too.
-    with pytest.raises(ManifestMismatch, match="quantization"):
-        batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", use_tqdm=False)
 
 
 def test_the_cli_flags_reach_both_replicas_and_the_manifest_pins_them(fp8_texts, tmp_path, capsys):
@@ -86,6 +67,23 @@ def test_bad_flag_values_name_the_flag_and_what_is_supported(tmp_path, capsys):
         LLM(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="quantization='bitsandbytes' is not supported; supported: quantization='fp8'"):
         LLM(quantization="bitsandbytes")
+
+
+def test_an_openai_batch_file_and_a_pandas_frame_take_engine_kwargs(fp8_texts, tmp_path):
+    frame = pd.DataFrame({"q": TEXTS})
+    out = batchllm.generate(frame, prompt_column="q", engine_kwargs=FP8, max_tokens=MAX_NEW, temperature=0,
+                            use_tqdm=False)
+    assert out["generated_text"].tolist() == fp8_texts
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0}})
+             for i, text in enumerate(TEXTS)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_kwargs=FP8, use_tqdm=False)
+    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == fp8_texts
+    # The manifest pins the numerics here too.
+    with pytest.raises(ManifestMismatch, match="quantization"):
+        batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", use_tqdm=False)
 
 
 def assert_same_path(expected, got, tolerance: float = 0.2) -> None:
