@@ -93,17 +93,20 @@ class _MLP(nn.Module):
         for name, param in self.named_parameters():
             key, shapes = prefix + name, getattr(param, "checkpoint_shapes", None)
             if shapes is not None and key in state_dict and state_dict[key].shape != param.shape:
-                padded = torch.zeros_like(param)
-                copy_checked(padded[tuple(slice(0, n) for n in shapes[None])], state_dict[key])
-                state_dict[key] = padded
+                state_dict[key] = _padded_copy(torch.empty_like(param), state_dict[key], shapes[None])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def _load_padded(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
-    """A checkpoint tensor into the leading corner of its zero-padded parameter."""
-    shape = param.checkpoint_shapes[None]
-    param.data.zero_()
-    copy_checked(param.data[tuple(slice(0, n) for n in shape)], loaded)
+    """The loader's hook: a checkpoint tensor into the leading corner of its zero-padded parameter."""
+    _padded_copy(param.data, loaded, param.checkpoint_shapes[None])
+
+
+def _padded_copy(target: torch.Tensor, loaded: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """`target` zeroed, with `loaded` (checked to be `shape`) in its leading corner."""
+    target.zero_()
+    copy_checked(target[tuple(slice(0, n) for n in shape)], loaded)
+    return target
 
 
 class _Block(nn.Module):

@@ -14,11 +14,10 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from batchllm.multimodal.inputs import ProcessedImage
-from batchllm.multimodal.media import MediaError, load_image
+from batchllm.multimodal.media import MediaError, load_image, map_on_threads
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
@@ -52,11 +51,7 @@ class ProcessedImages:
                 else:
                     todo.setdefault(key if key is not None else ("unkeyed", i), []).append(i)
         jobs = list(todo.values())
-        if len(jobs) <= 1 or self.max_workers <= 1:
-            done = [self._load(sources[slots[0]]) for slots in jobs]
-        else:
-            with ThreadPoolExecutor(min(self.max_workers, len(jobs)), thread_name_prefix="batchllm-media") as pool:
-                done = list(pool.map(lambda slots: self._load(sources[slots[0]]), jobs))
+        done = map_on_threads(lambda slots: self._load(sources[slots[0]]), jobs, self.max_workers)
         for slots, result in zip(jobs, done, strict=True):
             for i in slots:
                 results[i] = result

@@ -17,12 +17,15 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from PIL import Image, UnidentifiedImageError
 
+T = TypeVar("T")
+R = TypeVar("R")
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_REMOTE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
@@ -73,10 +76,16 @@ def load_images(sources: list[Any], *, allow_remote_media: bool = False,
         except MediaError as exc:
             return exc
 
-    if len(sources) <= 1 or max_workers <= 1:
-        return [load(source) for source in sources]
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(sources)), thread_name_prefix="batchllm-media") as pool:
-        return list(pool.map(load, sources))
+    return map_on_threads(load, sources, max_workers)
+
+
+def map_on_threads(fn: Callable[[T], R], items: list[T], max_workers: int) -> list[R]:
+    """`[fn(item) for item in items]` on up to `max_workers` threads (decoding and resizing release the GIL), in
+    order; on the caller's thread for one item or one worker."""
+    if len(items) <= 1 or max_workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(items)), thread_name_prefix="batchllm-media") as pool:
+        return list(pool.map(fn, items))
 
 
 def image_hash(image: Image.Image) -> str:
