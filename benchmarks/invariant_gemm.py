@@ -2,11 +2,16 @@
 
     python benchmarks/invariant_gemm.py                      # the default config, llama3-8b's shapes, M = 1 ... 8192
     python benchmarks/invariant_gemm.py --sweep --out $OUT   # also every candidate config
+    python benchmarks/invariant_gemm.py --small-m --out $OUT # decode-sized tiles that round as the default does
 
 For each weight shape of the model (qkv, o, gate_up, down, the LM head) and each M, `kernels/invariant_gemm.py`'s
 `invariant_linear` is timed with `triton.testing.do_bench` (median) against `F.linear` (cuBLAS) on the same
 bfloat16 operands. A candidate config is only timed after its invariance is checked: the first rows of the
-M-row product must equal, bit for bit, the same rows multiplied alone (M = 1) and inside M = 7. The W1 cost of the
+M-row product must equal, bit for bit, the same rows multiplied alone (M = 1) and inside M = 7.
+`--small-m` times, at decode sizes, configs that keep the default's K tiles but change the row and column tiles,
+warps and stages: a row's sum runs over the same K tiles in the same order, so such a config may serve small M
+beside the default at large M only if its products equal the default's bit for bit, which is checked here on
+every row of the M-row product (the tensor cores' instruction shape may change with the tile). The W1 cost of the
 mode follows from where the time goes: prefill steps are GEMMs at M in the thousands, decode steps at M = rows.
 """
 
@@ -43,6 +48,41 @@ def candidates():
         yield GemmConfig(block_n, block_k, warps, stages, block_m)
 
 
+def small_m_candidates(default: GemmConfig):
+    for block_m, block_n, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (3, 4)):
+        yield GemmConfig(block_n, default.block_k, warps, stages, block_m)
+
+
+def small_m(args) -> list[dict]:
+    """For each weight and decode-sized M: the fastest config whose product equals the default's bit for bit."""
+    results = []
+    for name, (n, k) in weight_shapes(args.shape).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        default = gemm_config(n, k, torch.bfloat16)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = invariant_linear(x, w, config=default)
+            cublas_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
+            default_ms = triton.testing.do_bench(lambda: invariant_linear(x, w, config=default), warmup=10, rep=50)
+            timed = []
+            for config in small_m_candidates(default):
+                try:
+                    equal = torch.equal(invariant_linear(x, w, config=config), want)
+                    ms = triton.testing.do_bench(lambda: invariant_linear(x, w, config=config), warmup=5, rep=25)
+                except Exception as exc:  # a shape that does not compile (shared memory, registers)
+                    results.append(dict(layer=name, m=m, config=str(config), error=type(exc).__name__))
+                    continue
+                timed.append(dict(layer=name, n=n, k=k, m=m, config=str(config), ms=ms, equal=equal,
+                                  default_ms=default_ms, cublas_ms=cublas_ms, vs_cublas=cublas_ms / ms))
+            results += timed
+            unequal = sum(not r["equal"] for r in timed)
+            best = min((r for r in timed if r["equal"]), key=lambda r: r["ms"], default=None)
+            print(f"{name:8} M={m:4}: cuBLAS {cublas_ms * 1e3:7.1f} us; default {default_ms * 1e3:7.1f} us; best equal "
+                  f"{best and best['config']} {best and best['ms'] * 1e3:.1f} us ({best and best['vs_cublas']:.2f}x "
+                  f"of cuBLAS); {unequal} of {len(timed)} configs round differently", flush=True)
+    return results
+
+
 def invariant(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> bool:
     """Rows 0..6 of the M-row product equal those rows alone and inside M = 7."""
     full = invariant_linear(x, w, config=config)[:7]
@@ -56,9 +96,18 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    parser.add_argument("--small-m", action="store_true", help="decode-sized tiles equal to the default's bits")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
+    if args.small_m:
+        rows = args.rows if args.rows != list(ROWS) else [8, 64, 256]
+        results = small_m(argparse.Namespace(shape=args.shape, rows=rows))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = f"{time.strftime('%Y-%m-%d')}-invariant-gemm-small-m-{args.shape}-{device.split()[1].lower()}.json"
+            (args.out / name).write_text(json.dumps(dict(device=device, shape=args.shape, results=results), indent=1))
+        return
     results = []
     for name, (n, k) in weight_shapes(args.shape).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
