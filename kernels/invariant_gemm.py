@@ -7,6 +7,13 @@ each output tile accumulates its K tiles in float32 in increasing order. Rows ar
 row's products and their sum never mix with another row's), so row r of `x` gives the same bits alone (M = 1)
 or inside any M: only the number of row tiles in the grid changes. M is not specialised on (`do_not_specialize`):
 one compiled kernel per (N, K, dtype) serves every step, and a CUDA graph captured at one M replays another's.
+
+Decode steps (M <= `SMALL_M`) fill few of the GPU's SMs with 128-row tiles. They may take smaller row and column
+tiles (`small_m_config`) with the same K tiles: each output element still sums the same K tiles in the same order,
+so its bits are the default's wherever the tensor cores' instructions reduce a K tile the same way at both tile
+shapes. That is the hardware's business, so it is checked, not assumed: the first call for a weight shape outside
+CUDA-graph capture multiplies `SMALL_M` random rows at both configs (`_small_tiles_equal`) and uses the small tiles
+only if every element is equal; until then, and forever if not, the default serves every M.
 """
 
 from __future__ import annotations
@@ -43,11 +50,40 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(block_n, block_k, num_warps=8, num_stages=3, block_m=128)
 
 
+SMALL_M = 256  # steps of at most this many rows may take the decode-sized tiles
+
+
+def small_m_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The decode-sized launch shape for a weight of `[n, k]`: the default's K tiles, smaller row and column tiles."""
+    default = gemm_config(n, k, dtype)
+    return GemmConfig(min(default.block_n, 64), default.block_k, num_warps=4, num_stages=4, block_m=64)
+
+
+_small_tiles_ok: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
+
+
+def _small_tiles_equal(n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `small_m_config` rounds as `gemm_config` does for `[n, k]` weights on this device (cached). Checked on
+    random operands: a different reduction inside the tensor cores' instructions shows in some of SMALL_M x n
+    elements. False while a CUDA graph is being captured (nothing can be compared then) without caching it."""
+    key = (n, k, dtype, device)
+    if key not in _small_tiles_ok:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(SMALL_M, k, generator=gen, device=device).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+        default, small = gemm_config(n, k, dtype), small_m_config(n, k, dtype)
+        _small_tiles_ok[key] = small == default or torch.equal(_launch(x, w, None, default), _launch(x, w, None, small))
+    return _small_tiles_ok[key]
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      config: GemmConfig | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x [..., K]`, `weight [N, K]`, `bias [N]` of one dtype (bfloat16, float16 or
     float32), with each row of the result independent of the others' number (see the module docstring). `config`
-    overrides `gemm_config(N, K, dtype)` (the benchmark's sweep); a caller must keep it fixed per weight."""
+    overrides the choice of `gemm_config` / `small_m_config` (the benchmark's sweep); a caller must keep it fixed per
+    weight."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"invariant_linear takes bfloat16, float16 or float32 operands of one dtype, got x "
                          f"{x.dtype} and weight {weight.dtype}")
@@ -60,19 +96,27 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m = rows.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if config is None:  # the check runs at the first call of any M, before CUDA graphs capture the decode sizes
+        small = _small_tiles_equal(n, k, x.dtype, x.device) and 0 < m <= SMALL_M
+        config = small_m_config(n, k, x.dtype) if small else gemm_config(n, k, x.dtype)
+    return _launch(rows, weight, bias, config).view(*x.shape[:-1], n)
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig) -> torch.Tensor:
+    m, k = rows.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m > 0:
-        config = config or gemm_config(n, k, x.dtype)
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
         invariant_gemm_kernel[grid](
             rows, weight, bias if bias is not None else weight, out, m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             # float32 models get float32 products; on the GPU the default would round operands to tf32.
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    return out.view(*x.shape[:-1], n)
+    return out
 
 
 @triton.jit(do_not_specialize=["M"])

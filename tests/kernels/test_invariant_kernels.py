@@ -63,6 +63,21 @@ def test_invariant_gemm_keeps_leading_dims_and_rejects_mixed_dtypes() -> None:
         invariant_linear(x, weight.float())
 
 
+def test_decode_sized_tiles_serve_small_m_only_where_they_round_as_the_default(monkeypatch) -> None:
+    """Small M takes `small_m_config` once a check found it bit-equal to the default; a config that rounds
+    differently (other K tiles) is refused, and rows stay invariant either way."""
+    from batchllm.kernels import invariant_gemm
+
+    assert invariant_gemm._small_tiles_equal(80, 96, torch.float32, DEVICE)  # same K tiles: equal
+    check_gemm_rows_invariant(80, 96, torch.float32, True, [0, 63, 299])
+    monkeypatch.setattr(invariant_gemm, "_small_tiles_ok", {})
+    default = invariant_gemm.gemm_config(80, 96, torch.float32)
+    other_k_tiles = invariant_gemm.GemmConfig(64, default.block_k // 2, 4, 3, 64)
+    monkeypatch.setattr(invariant_gemm, "small_m_config", lambda n, k, dtype: other_k_tiles)
+    assert not invariant_gemm._small_tiles_equal(80, 96, torch.float32, DEVICE)
+    check_gemm_rows_invariant(80, 96, torch.float32, True, [0, 63, 299])
+
+
 @gpu_test
 @pytest.mark.parametrize("n,k", LLAMA3_8B_LINEARS)
 def test_invariant_gemm_llama3_8b_sizes_gpu(n: int, k: int) -> None:
