@@ -56,7 +56,9 @@ SMALL_M = 256  # steps of at most this many rows may take the decode-sized tiles
 def small_m_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     """The decode-sized launch shape for a weight of `[n, k]`: the default's K tiles, smaller row and column tiles."""
     default = gemm_config(n, k, dtype)
-    return GemmConfig(min(default.block_n, 64), default.block_k, num_warps=4, num_stages=4, block_m=64)
+    if n >= 16384:  # gate_up, the LM head: their 256-column tiles already fill the SMs
+        return default
+    return GemmConfig(64, default.block_k, num_warps=4, num_stages=4, block_m=64)
 
 
 _small_tiles_ok: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
