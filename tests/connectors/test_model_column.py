@@ -7,8 +7,6 @@ every row exactly once; a resume under another model map is refused; an OpenAI b
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 
 import pyarrow as pa
@@ -33,20 +31,8 @@ JOB = {"prompt_column": "q", "model_column": "which", "rows_per_shard": 3, "max_
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("models") / "tiny"
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         initializer_range=0.5, tie_word_embeddings=True)  # large weights: clear greedy choices
-    LlamaForCausalLM(config).save_pretrained(directory)
-    for name in os.listdir(default_model_path()):
-        if name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(default_model_path() / name, directory / name)
-    return directory
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
