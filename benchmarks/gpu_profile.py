@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False (the default is on for CUDA)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: the profiler then sees every kernel of a decode step")
+    parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): the invariant kernels")
     parser.add_argument("--timeline", action="store_true", help="per-step host phases and GPU time (CPU too)")
     parser.add_argument("--kernel-steps", type=int, default=64, help="--timeline: profiled decode steps per bucket")
     parser.add_argument("--out", type=Path, help="--timeline: also write the per-step records as JSON here")
@@ -68,7 +69,7 @@ def main() -> None:
         return run_timeline(args, prompts)
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, deterministic=args.deterministic)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:32], params, use_tqdm=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -237,7 +238,7 @@ def _by_bucket(title: str, steps: list[dict], columns: dict) -> None:
 def run_timeline(args, prompts) -> None:
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, deterministic=args.deterministic)
     # Warm-up on other rows of the workload (up to 64): the timed prompts must not be in the prefix cache.
     n = min(64, args.rows)
     warmup = make_prompts(WORKLOADS[args.workload], args.rows + n, SHAPES[args.shape]["vocab_size"])[-n:]

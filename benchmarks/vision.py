@@ -19,6 +19,7 @@ import datetime
 import gc
 import io
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -167,23 +168,29 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf-rows", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for our runs (a probe of GIL waits; Python's default is 0.005 s)")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     args = parser.parse_args()
     directory = make_shape_dir(args.shape)
     images = [synthetic_jpeg(i) for i in range(args.rows)]
     # HF first: its plain model gives its memory back when dropped, before the engine sizes its KV pool.
     hf = run_hf(images, args) if args.hf_rows else None
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     ours = run_ours(directory, images, args)
     record = dict(date=datetime.date.today().isoformat(), git_sha=git_sha(), shape=args.shape,
                   workload=dict(rows=args.rows, image=f"{SIDE}x{SIDE} JPEG", max_tokens=args.max_tokens,
-                                max_num_seqs=args.max_num_seqs),
+                                max_num_seqs=args.max_num_seqs, switch_interval_s=sys.getswitchinterval()),
                   batchllm=ours, hf=hf, hardware=hardware("cuda")[1])
     if hf:
         record["vs_hf"] = ours["distinct"]["rows_per_s"] / hf["rows_per_s"]
         print(f"batchllm / HF rows/s: {record['vs_hf']:.1f}x", flush=True)
     record["repeated_speedup"] = ours["repeated_10"]["rows_per_s"] / ours["distinct"]["rows_per_s"]
     print(f"10 repeated images / distinct: {record['repeated_speedup']:.2f}x", flush=True)
-    name = f"{datetime.date.today().isoformat()}-vision-{args.shape}-seqs{args.max_num_seqs}-{hardware('cuda')[0]}"
+    switch = "" if args.switch_interval is None else f"-switch{args.switch_interval * 1e6:g}us"
+    name = (f"{datetime.date.today().isoformat()}-vision-{args.shape}-seqs{args.max_num_seqs}{switch}-"
+            f"{hardware('cuda')[0]}")
     save_record(f"{name}.json", record, args.out)
 
 
