@@ -1,6 +1,7 @@
-"""Data parallelism with two CPU replicas of the default model: results equal the in-process single-engine
-path (which shares no code with the replica pool), a replica that dies mid-job has its rows re-run by the
-other, and no replica process outlives its call."""
+"""Data parallelism with two CPU replicas: results equal the in-process single-engine path (which shares no code
+with the replica pool), a replica that dies mid-job has its rows re-run by the other, and no replica process
+outlives its call. The point is the pool's bookkeeping, not the weights: the engines run a tiny random Llama
+with the default model's tokenizer (tests/tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,15 @@ from batchllm.connectors.replicas.replica import EXIT_AFTER_ROWS_ENV
 from batchllm.entrypoints.cli.main import main
 from tests.connectors.helpers import GREEDY
 from tests.connectors.jobs import read_shards, write_parquet_input
+from tests.tiny_models import TINY_LLAMA_TP3, write_tiny_llama
 
 JOB = {"prompt_column": "q", "rows_per_shard": 4, "use_tqdm": False, **GREEDY}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, keep_the_engine_cache) -> str:
+    """The session's tiny Llama, as `model=`: it replaces the engine cache's entry, put back after the module."""
+    return str(tiny_llama_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +54,10 @@ def job_input(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(job_input, tmp_path_factory, llm):
+def single(job_input, tmp_path_factory, tiny):
     """The single-engine job's output directory: the reference."""
     output = tmp_path_factory.mktemp("single") / "out"
-    batchllm.run_job(job_input[0], output, **JOB)
+    batchllm.run_job(job_input[0], output, model=tiny, **JOB)
     return output
 
 
@@ -62,12 +70,12 @@ def _shard_files(directory):
     return {p.name: p for p in directory.glob("part-*.parquet")}
 
 
-def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(llm, no_replica_outlives_its_call):
+def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(tiny, no_replica_outlives_its_call):
     prompts = [f"Item {i}: a word about {w}:" for i, w in enumerate(["tea", "rain", "maps"] * 4)]
     prompts[5], prompts[11] = None, "   "  # bad rows are answered in the parent, never sent to a replica
     frame = pd.DataFrame({"q": prompts}, index=pd.Index(range(100, 112), name="key")).iloc[::-1]
     # Seeded sampling: every row draws from its own generator, so replicas must agree with one engine.
-    options = {"prompt_column": "q", "max_tokens": 6, "temperature": 0.9, "seed": 11, "use_tqdm": False}
+    options = {"prompt_column": "q", "model": tiny, "max_tokens": 6, "temperature": 0.9, "seed": 11, "use_tqdm": False}
     expected = batchllm.generate(frame, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a replica failure would warn
@@ -77,10 +85,11 @@ def test_generate_equals_one_engine_with_bad_rows_and_seeded_sampling(llm, no_re
     assert len(no_replica_outlives_its_call) == 2
 
 
-def test_replicas_may_each_be_tensor_parallel(llm, no_replica_outlives_its_call):
-    """tp × dp on the CPU: two replicas, each running the default model over three gloo ranks."""
+def test_replicas_may_each_be_tensor_parallel(keep_the_engine_cache, no_replica_outlives_its_call, tmp_path):
+    """tp × dp on the CPU: two replicas, each running a tiny Llama (6 heads, 3 KV heads) over three gloo ranks."""
+    model = str(write_tiny_llama(tmp_path / "tiny-tp3", **TINY_LLAMA_TP3))
     frame = pd.DataFrame({"q": ["Name a colour.", "Name a fruit.", "Name a city.", "Name a tree."]})
-    options = {"prompt_column": "q", "max_tokens": 4, "temperature": 0, "use_tqdm": False}
+    options = {"prompt_column": "q", "model": model, "max_tokens": 4, "temperature": 0, "use_tqdm": False}
     expected = batchllm.generate(frame, **options)
     got = batchllm.generate(frame, data_parallel_size=2, engine_kwargs={"tensor_parallel_size": 3, "device": "cpu"},
                             **options)
@@ -92,9 +101,9 @@ def test_replicas_may_each_be_tensor_parallel(llm, no_replica_outlives_its_call)
     assert [p for p in children if p.status() != "zombie" and "resource_tracker" not in " ".join(p.cmdline())] == []
 
 
-def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, single, tmp_path, capsys):
+def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, single, tiny, tmp_path, capsys):
     output = tmp_path / "out"
-    result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
+    result = batchllm.run_job(job_input[0], output, model=tiny, data_parallel_size=2, **JOB)
     assert (result.written_rows, result.resumed_rows, result.num_shards, result.replica_failures) == (12, 0, 3, [])
     assert read_shards(output).equals(read_shards(single))  # shards in input order, rows in input order
     files, reference = _shard_files(output), _shard_files(single)
@@ -104,19 +113,19 @@ def test_parquet_job_equals_one_engine_and_resumes_through_the_cli(job_input, si
     assert _manifest(output) == _manifest(single)  # same fingerprint, same shard records
 
     manifest = (output / "_manifest.jsonl").read_bytes()
-    code = main(["run", str(job_input[0]), str(output), "--prompt-column", "q", "--rows-per-shard", "4",
-                 "--max-tokens", str(GREEDY["max_tokens"]), "--temperature", "0", "--no-progress",
-                 "--data-parallel", "2"])
+    code = main(["run", str(job_input[0]), str(output), "--model", tiny, "--prompt-column", "q",
+                 "--rows-per-shard", "4", "--max-tokens", str(GREEDY["max_tokens"]), "--temperature", "0",
+                 "--no-progress", "--data-parallel", "2"])
     assert code == 0
     assert f"nothing to do: the job is complete (12 rows in {output})" in capsys.readouterr().err
     assert (output / "_manifest.jsonl").read_bytes() == manifest
 
 
-def test_a_replica_dying_mid_job_has_its_rows_rerun_by_the_other(job_input, single, tmp_path, monkeypatch):
+def test_a_replica_dying_mid_job_has_its_rows_rerun_by_the_other(job_input, single, tiny, tmp_path, monkeypatch):
     monkeypatch.setenv(EXIT_AFTER_ROWS_ENV, "3")  # replica 0 sends 3 results, then exits with status 1
     output = tmp_path / "out"
     with pytest.warns(RuntimeWarning, match=r"replica 0 \(pid \d+\) exited with status 1; its \d+ unfinished"):
-        result = batchllm.run_job(job_input[0], output, data_parallel_size=2, **JOB)
+        result = batchllm.run_job(job_input[0], output, model=tiny, data_parallel_size=2, **JOB)
     assert result.complete and result.written_rows == 12
     [failure] = result.replica_failures
     assert (failure.replica, failure.exitcode) == (0, 1) and failure.requeued_rows > 0
