@@ -1,12 +1,16 @@
-"""Speculative decoding on the real default model: greedy outputs with every proposer equal HF transformers'
-greedy outputs token for token, under preemption and a tiny token budget; the accounting of drafted and
-accepted tokens is checked where the acceptance is known (the target as its own draft: ~100 %; random
-weights: ~0 %)."""
+"""Speculative decoding: greedy outputs with every proposer equal HF transformers' greedy outputs token for token,
+under preemption and a tiny token budget; the accounting of drafted and accepted tokens is checked where the
+acceptance is known (the target as its own draft: ~100 %; random weights: ~0 %).
+
+The target is a tiny random Llama (tests/tiny_models.py) and the drafts and heads are made for it: the point is
+the proposers' bookkeeping (drafts, rollbacks, preemption, chunking), which the 135M default model's weights only
+make slower; HF loads the same tiny checkpoint, so the reference stays independent."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from safetensors.torch import save_file
 
 from batchllm import LLM, SamplingParams
 from tests.e2e.test_generate_vs_hf import _prompts
+from tests.tiny_models import TINY_LLAMA, write_tiny_llama
 
 MAX_NEW = 24
 COPY_PROMPT = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank. "
@@ -33,9 +38,36 @@ def prompts(tokenizer):
     return spec_prompts(tokenizer)
 
 
+def write_repeating_target(directory: Path) -> Path:
+    """A tiny Llama whose greedy runs repeat tokens (small initial weights: ~60 % of its new tokens repeat the
+    last one), so that n-gram drafts are sometimes accepted and sometimes not, as the real model's are; with this
+    seed no greedy choice on these prompts is closer than 3e-3 in logits (of ~5), far above float32 rounding."""
+    return write_tiny_llama(directory, seed=3, **{**TINY_LLAMA, "initializer_range": 0.1})
+
+
 @pytest.fixture(scope="module")
-def hf_greedy(hf_default_greedy, prompts):
-    return hf_default_greedy(prompts, MAX_NEW)  # e2e/conftest.py: computed once, shared with test_generate_vs_hf.py
+def model_path(tmp_path_factory):
+    """The target of every engine and HF reference here (overrides e2e/conftest.py's default model)."""
+    return write_repeating_target(tmp_path_factory.mktemp("target"))
+
+
+def hf_greedy_tokens(model_path, prompts, max_new: int) -> list[list[int]]:
+    """HF `generate` on `model_path`: greedy, float32, one prompt at a time, no padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokens = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+            tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_path, prompts):
+    return hf_greedy_tokens(model_path, prompts, MAX_NEW)
 
 
 SHORT_NEW = 12
@@ -49,12 +81,12 @@ def _short(prompts, hf_greedy) -> tuple[list[list[int]], list[list[int]]]:
     return [prompts[i] for i in rows], [hf_greedy[i][:SHORT_NEW] for i in rows]
 
 
-def _tight(prompts) -> dict:
-    """A pool that holds the longest request and a little more, and a 32-token budget: preemption (rows admitted
-    optimistically) and chunking."""
+def _tight(prompts, model) -> dict:
+    """An engine of `model` with a pool that holds the longest request and a little more, and a 32-token budget:
+    preemption (rows admitted optimistically) and chunking."""
     num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW + 8) // 16) + 2
-    return dict(num_kv_blocks=num_blocks, max_num_batched_tokens=32, enable_prefix_caching=False,
-                admission_policy="optimistic")
+    return dict(model=str(model), device="cpu", num_kv_blocks=num_blocks, max_num_batched_tokens=32,
+                enable_prefix_caching=False, admission_policy="optimistic")
 
 
 def _greedy(llm: LLM, prompts, max_new: int = MAX_NEW) -> list[list[int]]:
@@ -64,7 +96,8 @@ def _greedy(llm: LLM, prompts, max_new: int = MAX_NEW) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def random_draft(tmp_path_factory, model_path):
-    """A 2-layer Llama with random weights and the default model's vocabulary and tokenizer."""
+    """A 2-layer Llama with random weights (not the target's: another initialisation) and its vocabulary and
+    tokenizer."""
     path = tmp_path_factory.mktemp("random-draft")
     config = json.loads((model_path / "config.json").read_text())
     config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -75,7 +108,7 @@ def random_draft(tmp_path_factory, model_path):
             shutil.copy(model_path / name, path / name)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # the tiny target's config with seed 0 would be the target itself
     model = LlamaForCausalLM(LlamaConfig(**config))
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
               str(path / "model.safetensors"))
@@ -102,10 +135,10 @@ def medusa_heads(tmp_path_factory, model_path):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_ngram_greedy_equals_hf_under_preemption(prompts, hf_greedy, async_scheduling):
+def test_ngram_greedy_equals_hf_under_preemption(model_path, prompts, hf_greedy, async_scheduling):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
             "adaptive": False}
-    llm = LLM(speculative_config=spec, async_scheduling=async_scheduling, **_tight(prompts))
+    llm = LLM(speculative_config=spec, async_scheduling=async_scheduling, **_tight(prompts, model_path))
     assert _greedy(llm, prompts) == hf_greedy
     stats = llm.stats
     assert stats.num_preemptions >= 1 and stats.num_chunked_prefills >= 1, stats
@@ -116,7 +149,7 @@ def test_ngram_greedy_equals_hf_under_preemption(prompts, hf_greedy, async_sched
 def test_draft_model_itself_accepts_everything(model_path, prompts, hf_greedy):
     prompts, hf_greedy = _short(prompts, hf_greedy)
     spec = {"method": "draft_model", "model": str(model_path), "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(speculative_config=spec, **_tight(prompts))
+    llm = LLM(speculative_config=spec, **_tight(prompts, model_path))
     assert _greedy(llm, prompts, SHORT_NEW) == hf_greedy
     stats = llm.stats
     assert stats.num_draft_tokens > 0 and stats.draft_acceptance_rate > 0.95, stats
@@ -124,19 +157,19 @@ def test_draft_model_itself_accepts_everything(model_path, prompts, hf_greedy):
     assert stats.num_generated_tokens == sum(map(len, hf_greedy))
 
 
-def test_random_draft_model_is_rolled_back(random_draft, prompts, hf_greedy):
+def test_random_draft_model_is_rolled_back(model_path, random_draft, prompts, hf_greedy):
     prompts, hf_greedy = _short(prompts, hf_greedy)
     spec = {"method": "draft_model", "model": str(random_draft), "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(speculative_config=spec, **_tight(prompts))
+    llm = LLM(speculative_config=spec, **_tight(prompts, model_path))
     assert _greedy(llm, prompts, SHORT_NEW) == hf_greedy
     stats = llm.stats
     assert stats.num_draft_tokens > 100 and stats.draft_acceptance_rate < 0.1, stats
     assert stats.num_preemptions >= 1, stats
 
 
-def test_medusa_heads(medusa_heads, prompts, hf_greedy):
+def test_medusa_heads(model_path, medusa_heads, prompts, hf_greedy):
     prompts, hf_greedy = _short(prompts, hf_greedy)
     spec = {"method": "medusa", "model": str(medusa_heads), "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(speculative_config=spec, **_tight(prompts))
+    llm = LLM(speculative_config=spec, **_tight(prompts, model_path))
     assert _greedy(llm, prompts, SHORT_NEW) == hf_greedy
     assert llm.stats.num_draft_tokens > 100, llm.stats

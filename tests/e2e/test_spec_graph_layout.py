@@ -7,6 +7,9 @@ exactly what a captured graph reads (`graph_replay.py`). Greedy outputs with the
 proposers must equal those without speculation (which test_spec_decode.py checks against HF transformers),
 under preemption and a small budget, and the stand-in must have replayed verification steps. EAGLE-3's
 drafts in this layout are checked against an independent reference in test_spec_eagle.py.
+
+The target is test_spec_decode.py's tiny Llama whose greedy runs repeat (n-gram drafts accepted and rejected):
+the layout, not the real weights, is the point.
 """
 
 from __future__ import annotations
@@ -15,12 +18,18 @@ import pytest
 
 from batchllm import LLM, SamplingParams
 from tests.e2e.graph_replay import EagerReplay
-from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _tight
+from tests.e2e.test_spec_decode import COPY_PROMPT, MAX_NEW, _tight, write_repeating_target
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """The target of every engine here (overrides e2e/conftest.py's default model)."""
+    return write_repeating_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +40,8 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference(prompts):
-    return _greedy(LLM(**_tight(prompts)), prompts)
+def reference(prompts, model_path):
+    return _greedy(LLM(**_tight(prompts, model_path)), prompts)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -40,7 +49,7 @@ def test_padded_verification_layout_keeps_greedy_outputs(method, prompts, refere
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     if method == "draft_model":
         spec["model"] = str(model_path)  # the target itself: drafts of every depth are accepted
-    llm = LLM(**_tight(prompts), speculative_config=spec)
+    llm = LLM(**_tight(prompts, model_path), speculative_config=spec)
     graphs = llm.runner.graphs = EagerReplay(llm.runner)
     assert _greedy(llm, prompts) == reference
     strides = {query_len for _, query_len in graphs.replayed}
