@@ -4,9 +4,13 @@ asynchronous loop, and tensor parallelism (each rank swaps its share of the KV h
 
 Swapping changes no output: the expected text is the same engine's without a host tier (whose agreement with HF
 transformers is tests/e2e/test_kv_tiers.py's subject), and each door checks from the engine's stats that it swapped.
+The doors' point is the options reaching the engines, not the weights: they run the session's tiny random Llama
+(tests/conftest.py), whose tokenizer is the default model's, so the rows preempt as they would on it.
 """
 
 from __future__ import annotations
+
+import json
 
 import pandas as pd
 import pyarrow as pa
@@ -17,7 +21,6 @@ import batchllm
 from batchllm import LLM, SamplingParams
 from batchllm.connectors import engine_cache
 from batchllm.entrypoints.cli.main import main
-from tests.connectors.helpers import openai_batch_texts
 from tests.distributed.test_tensor_parallel import SHAPES, engine, prompts, write_checkpoint
 
 MAX_NEW = 24
@@ -31,8 +34,13 @@ SWAP_FLAGS = ["--num-kv-blocks", "8", "--swap-space", "0.05", "--preemption-mode
 
 
 @pytest.fixture(scope="module")
-def plain_texts() -> list[str]:
-    return [out.outputs[0].text for out in LLM().generate(TEXTS, GREEDY, use_tqdm=False)]
+def tiny(tiny_llama_dir) -> str:
+    return str(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def plain_texts(tiny) -> list[str]:
+    return [out.outputs[0].text for out in LLM(tiny).generate(TEXTS, GREEDY, use_tqdm=False)]
 
 
 def cached_engine_swapped() -> bool:
@@ -40,9 +48,9 @@ def cached_engine_swapped() -> bool:
     return llm.engine.scheduler.config.preemption_mode == "swap" and llm.stats.swap_preemptions > 0
 
 
-def test_the_cli_flags_in_process_and_on_two_replicas(plain_texts, tmp_path, capsys):
+def test_the_cli_flags_in_process_and_on_two_replicas(tiny, plain_texts, tmp_path, capsys):
     pq.write_table(pa.table({"q": TEXTS}), tmp_path / "in.parquet")
-    run = ["run", str(tmp_path / "in.parquet"), "--prompt-column", "q", "--max-tokens", str(MAX_NEW),
+    run = ["run", str(tmp_path / "in.parquet"), "--prompt-column", "q", "--model", tiny, "--max-tokens", str(MAX_NEW),
            "--ignore-eos", "--no-progress", *SWAP_FLAGS]
     assert main([run[0], run[1], str(tmp_path / "one"), *run[2:]]) == 0, capsys.readouterr().err
     assert pq.read_table(tmp_path / "one").to_pydict()["generated_text"] == plain_texts
@@ -57,19 +65,25 @@ def test_the_cli_flags_in_process_and_on_two_replicas(plain_texts, tmp_path, cap
     assert "--preemption-mode 'swap' needs --swap-space > 0" in capsys.readouterr().err
 
 
-def test_an_openai_batch_file_and_a_pandas_frame(plain_texts, tmp_path):
-    out = batchllm.generate(pd.DataFrame({"q": TEXTS}), prompt_column="q", engine_kwargs=SWAP, max_tokens=MAX_NEW,
-                            temperature=0, ignore_eos=True, use_tqdm=False)
+def test_an_openai_batch_file_and_a_pandas_frame(tiny, plain_texts, tmp_path):
+    out = batchllm.generate(pd.DataFrame({"q": TEXTS}), prompt_column="q", model=tiny, engine_kwargs=SWAP,
+                            max_tokens=MAX_NEW, temperature=0, ignore_eos=True, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
     assert cached_engine_swapped()
-    assert openai_batch_texts(tmp_path, TEXTS, MAX_NEW, SWAP) == plain_texts
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
+             for i, text in enumerate(TEXTS)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=tiny, engine_kwargs=SWAP, use_tqdm=False)
+    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
     assert cached_engine_swapped()
 
 
-def test_the_asynchronous_loop_swaps_a_request_whose_token_is_in_flight(plain_texts):
+def test_the_asynchronous_loop_swaps_a_request_whose_token_is_in_flight(tiny, plain_texts):
     """With a step always in flight, a victim's last K/V is still being written when it is swapped out: the copy
     waits for that step (on the CPU: runs after it), and the token it sampled arrives after the swap."""
-    llm = LLM(async_scheduling=True, **SWAP)
+    llm = LLM(tiny, async_scheduling=True, **SWAP)
     assert [out.outputs[0].text for out in llm.generate(TEXTS, GREEDY, use_tqdm=False)] == plain_texts
     assert llm.stats.swap_preemptions > 0 and llm.stats.swapped_in_blocks > 0, llm.stats
 
