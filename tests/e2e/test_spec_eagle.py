@@ -1,7 +1,9 @@
-"""EAGLE and EAGLE-3 heads with random weights in the authors' layouts (SafeAILab/EAGLE), on the real default
-model: greedy outputs equal HF transformers' under preemption and a tiny token budget, and every draft the
-engine proposes equals the draft of an independent reference: the head's equations written out in torch over
-the whole sequence, on HF transformers' hidden states, without paging, chunking or the one-behind KV scheme."""
+"""EAGLE and EAGLE-3 heads with random weights in the authors' layouts (SafeAILab/EAGLE), on a tiny random
+8-layer Llama (EAGLE-3 fuses three distinct layers of it; the heads' bookkeeping, not the real weights, is the
+point, and HF loads the same checkpoint): greedy outputs equal HF transformers' under preemption and a tiny
+token budget, and every draft the engine proposes equals the draft of an independent reference: the head's
+equations written out in torch over the whole sequence, on HF transformers' hidden states, without paging,
+chunking or the one-behind KV scheme."""
 
 from __future__ import annotations
 
@@ -16,13 +18,20 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from batchllm import LLM, SamplingParams
 from batchllm.executor.model_runner import ModelRunner
 from tests.e2e.graph_replay import EagerReplay
-from tests.e2e.test_spec_decode import MAX_NEW, _greedy, _tight, spec_prompts
+from tests.e2e.test_spec_decode import MAX_NEW, _greedy, _tight, hf_greedy_tokens, spec_prompts
+from tests.tiny_models import TINY_LLAMA, write_tiny_llama
 
 NUM_DRAFTS = 3
 CHECKED_PROPOSALS = 40
 DRAFTED_NEW = 16  # tokens per row in the draft comparison: ~150 proposals to sample 40 from (the greedy test runs 24)
 SHORT_PROMPT = 200  # tokens
 DRAFT_VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """The target of every engine and reference here (overrides e2e/conftest.py's default model)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("target"), **{**TINY_LLAMA, "num_hidden_layers": 8})
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +47,8 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_default_greedy, prompts):
-    return hf_default_greedy(prompts, MAX_NEW)  # e2e/conftest.py: computed once, shared with test_spec_decode.py
+def hf_greedy(model_path, prompts):
+    return hf_greedy_tokens(model_path, prompts, MAX_NEW)
 
 
 def _layer_tensors(prefix: str, c: dict, attn_in: int, generator: torch.Generator) -> dict:
@@ -94,8 +103,8 @@ def _spec(method: str, path) -> dict:
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_eagle_greedy_equals_hf_under_preemption(method, eagle_heads, prompts, hf_greedy):
-    llm = LLM(speculative_config=_spec(method, eagle_heads[method]), **_tight(prompts))
+def test_eagle_greedy_equals_hf_under_preemption(method, model_path, eagle_heads, prompts, hf_greedy):
+    llm = LLM(speculative_config=_spec(method, eagle_heads[method]), **_tight(prompts, model_path))
     assert _greedy(llm, prompts) == hf_greedy
     stats = llm.stats
     assert stats.num_preemptions >= 1 and stats.num_chunked_prefills >= 1, stats
@@ -177,7 +186,8 @@ def _target_features(hf_model, method: str, sequence: list[int]) -> torch.Tensor
 
 
 @pytest.mark.parametrize("method,layout", [("eagle", "packed"), ("eagle3", "packed"), ("eagle3", "graph")])
-def test_eagle_drafts_equal_the_reference(method, layout, eagle_heads, prompts, hf_model, hf_greedy, monkeypatch):
+def test_eagle_drafts_equal_the_reference(method, layout, model_path, eagle_heads, prompts, hf_model, hf_greedy,
+                                          monkeypatch):
     """`layout="graph"`: verification steps laid out as the CUDA graphs replay them (`graph_replay.py`)."""
     records = []
     original = ModelRunner._propose
@@ -192,8 +202,8 @@ def test_eagle_drafts_equal_the_reference(method, layout, eagle_heads, prompts, 
 
     monkeypatch.setattr(ModelRunner, "_propose", spy)
     # Chunked prefill of several rows at once, no preemption: every entry the head reads was written.
-    llm = LLM(speculative_config=_spec(method, eagle_heads[method]), max_num_batched_tokens=32,
-              enable_prefix_caching=False)
+    llm = LLM(str(model_path), device="cpu", speculative_config=_spec(method, eagle_heads[method]),
+              max_num_batched_tokens=32, enable_prefix_caching=False)
     if layout == "graph":
         llm.runner.graphs = EagerReplay(llm.runner)
     # The short prompts only (309 of 642 tokens): the 333-token one's prefill steps and O(n^2) reference drafts would
