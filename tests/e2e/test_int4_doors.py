@@ -7,6 +7,10 @@ The reference for every door is a plain float32 checkpoint holding the test's ow
 weights (tests/unit/int4_writers.py), loaded by the unquantized path: on the CPU, where the 4-bit weights are
 dequantized once on load, each door must give its greedy text exactly. The GPU test runs the Triton W4A16 GEMM
 against the same dense weights in bf16.
+
+The doors quantize the session's tiny random Llama (tests/conftest.py; the default tokenizer): their point is the
+checkpoint reaching the engines, and the reference is exact either way. The LoRA test quantizes the default model,
+whose adapters (tests/e2e/conftest.py) it applies.
 """
 
 from __future__ import annotations
@@ -54,14 +58,14 @@ def write_pair(root: Path, original: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    return write_pair(tmp_path_factory.mktemp("int4"), default_model_path())
+def pair(tmp_path_factory, tiny_llama_dir) -> tuple[Path, Path]:
+    return write_pair(tmp_path_factory.mktemp("int4"), tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
-def dense_texts(pair) -> list[str]:
+def dense_texts(pair, tiny_llama_dir) -> list[str]:
     texts = [out.outputs[0].text for out in LLM(pair[1]).generate(TEXTS, GREEDY, use_tqdm=False)]
-    original = [out.outputs[0].text for out in LLM().generate(TEXTS, GREEDY, use_tqdm=False)]
+    original = [out.outputs[0].text for out in LLM(tiny_llama_dir).generate(TEXTS, GREEDY, use_tqdm=False)]
     assert texts != original  # else a door that loaded the original weights could not be told apart
     return texts
 
@@ -103,8 +107,9 @@ def test_preemption_chunking_and_the_prefix_cache_on_the_async_loop(pair):
     assert tight.stats.num_preemptions > 0 and tight.stats.prefix_cache_hits > 0, tight.stats
 
 
-def test_lora_adapters_apply_on_the_quantized_layers(pair, loras, prompts):
+def test_lora_adapters_apply_on_the_quantized_layers(loras, prompts, tmp_path):
     """Each adapter's delta on the 4-bit model equals its delta on the dense copy of the same weights."""
+    pair = write_pair(tmp_path, default_model_path())
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     requests = [loras["all"], loras["qv"], None]
     got, expected = ([out.outputs[0].token_ids for out in
