@@ -7,8 +7,11 @@ which producer code), loaded with our loader and compared with the test's own de
   packed (GPTQ, AWQ) or from this file's own unpacking of what compressed-tensors wrote; embeddings and norms
   stay the checkpoint's. Exact: the codes and zeros are small integers and the scales fp16 / float32, so both
   sides compute one exact subtraction and one correctly rounded float32 product.
-- Greedy: for four representative cases, `LLM(dir)` greedy tokens equal HF transformers' `generate` on the
-  original model with the same dequantized weights substituted.
+- Greedy: for four representative formats, `LLM(dir)` greedy tokens equal HF transformers' `generate` on the
+  original model with the same dequantized weights substituted. The original there is a small random Llama of
+  the default model's vocabulary and head layout, whose hidden size (192) is, like the real 576, not a multiple of
+  128: the engine's int4 path and HF meet on the same weights, which need not be the real ones to be compared;
+  the real model's checkpoints of these formats are checked weight by weight above.
 - Independent references, so that this file's writers are not the only witness of each layout: compressed-tensors'
   own decompression equals this file's reading of its checkpoints; a hand-made 8 x 32 k_proj per format, its
   packed words written out as hex literals (nibble by nibble from the format description), is loaded and
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +64,10 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
 HAND = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
             head_dim=8, vocab_size=64, max_position_embeddings=64, tie_word_embeddings=True)
 HAND_GROUP = 16
+# The greedy cases' model: the default model's vocabulary (its tokenizer reads the prompts) and GQA layout (3 query
+# heads per KV head of 64), a hidden size that leaves GPTQ g128 a partial last group, as 576 does.
+SMALL = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+             head_dim=64, vocab_size=49152, max_position_embeddings=256, tie_word_embeddings=True)
 
 
 def fused_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -126,7 +134,7 @@ def ct_case(preset: str, strategy: str, group_size: int | None, dtype: torch.dty
     return write
 
 
-# name: (model, writer); "default" is SmolLM2-135M, "tiny" a random Llama of TINY's sizes.
+# name: (model, writer); "default" is SmolLM2-135M, "tiny" and "small" random Llamas of TINY's and SMALL's sizes.
 CASES = {
     "gptq-4bit-sym-g128": ("default", gptq_case(4, 128, sym=True)),
     "gptq-4bit-asym-g32-desc-act": ("default", gptq_case(4, 32, sym=False, act_order=True)),
@@ -141,8 +149,13 @@ CASES = {
     "ct-w4a16-sym-g128-tiny-bf16": ("tiny", ct_case("W4A16", "group", 128, torch.bfloat16)),
     "ct-w4a16-asym-channel-tiny": ("tiny", ct_case("W4A16_ASYM", "channel", None)),
     "ct-w8a16-sym-g128-tiny": ("tiny", ct_case("W8A16", "group", 128)),
+    # The greedy comparisons' formats again, on the small model.
+    "gptq-4bit-sym-g128-small": ("small", gptq_case(4, 128, sym=True)),
+    "gptq-4bit-asym-g32-desc-act-small": ("small", gptq_case(4, 32, sym=False, act_order=True)),
+    "awq-g64-small": ("small", awq_case(64)),
+    "ct-w4a16-asym-g32-small": ("small", ct_case("W4A16_ASYM", "group", 32)),
 }
-GREEDY = ["gptq-4bit-sym-g128", "gptq-4bit-asym-g32-desc-act", "awq-g64", "ct-w4a16-asym-g32"]
+GREEDY = [name for name in CASES if name.endswith("-small")]
 CT_CASES = [name for name in CASES if name.startswith("ct-")]
 CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
@@ -160,10 +173,20 @@ def tiny_original(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory, original: Path, tiny_original: Path):
+def small_original(tmp_path_factory: pytest.TempPathFactory, original: Path) -> Path:
+    directory = tmp_path_factory.mktemp("small-float")
+    save_tiny_checkpoint(LlamaConfig(**SMALL), directory)
+    for path in original.iterdir():  # the tokenizer, for `LLM(dir)`
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, original: Path, tiny_original: Path, small_original: Path):
     """name → (Case, original directory, original weights), writing each checkpoint on first use."""
     written: dict[str, tuple[iw.Case, Path, dict[str, torch.Tensor]]] = {}
-    sources = {"default": original, "tiny": tiny_original}
+    sources = {"default": original, "tiny": tiny_original, "small": small_original}
     originals: dict[str, dict[str, torch.Tensor]] = {}
 
     def get(name: str):
@@ -201,9 +224,10 @@ def test_dequantized_weights_equal_the_tests_own(name: str, checkpoints) -> None
 
 
 @pytest.fixture(scope="module")
-def hf_model(original: Path):
-    """HF's float32 model of the original; each greedy case overwrites every decoder linear's weight."""
-    return AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
+def hf_model(small_original: Path):
+    """HF's float32 model of the greedy cases' original; each greedy case overwrites every decoder linear's
+    weight."""
+    return AutoModelForCausalLM.from_pretrained(small_original, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, expected: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor],
