@@ -40,7 +40,7 @@ after the block's largest limit instead of its last row's position. The window s
 
 Batch invariance (`invariant=True`, for `deterministic=True`): a row's result then depends only on its sequence's
 K/V and its position, never on the rest of the batch. What it would otherwise depend on is fixed: one launch shape
-(`invariant_tile`, the prefill tile, for decode rows too: the reductions over a key tile (`tl.sum`, `tl.dot`) follow
+(`invariant_tile`, the decode tile, for prefill rows too: the reductions over a key tile (`tl.sum`, `tl.dot`) follow
 the tile's layout, which the rows, warps and key-tile width set) and no split-KV (the merge's order would follow the
 number of slices). The key tiles are already aligned to absolute positions from 0: `[t * TILE_N, (t + 1) * TILE_N)`,
 whatever is cached or chunked. The loop's ends do move with the batch (a block's last row sets the end, a block's
@@ -178,7 +178,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     if invariant:
-        tile = invariant_tile(group_p2)
+        tile = invariant_tile(group_p2, head_dim, query.dtype)
     tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
     block_q = tile.block_m // group_p2
     constants = dict(
@@ -253,11 +253,13 @@ def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: t
     return TileConfig(rows, 64, 2) if head_dim <= 64 else TileConfig(rows, 32, 2)
 
 
-def invariant_tile(group_p2: int) -> TileConfig:
-    """The one launch shape of `invariant=True`, for every batch: `tile_config`'s prefill tile, which compiles for
-    every head_dim and dtype the kernel takes. Decode rows fill only `group_p2` of its rows per program; the
-    K/V reads, which decode time goes to, are the same."""
-    return TileConfig(max(64, group_p2), 32, 8)
+def invariant_tile(group_p2: int, head_dim: int, query_dtype: torch.dtype) -> TileConfig:
+    """The one launch shape of `invariant=True`, for every batch: `tile_config`'s decode tile (16 rows, or the group),
+    for prefill rows too. Decode steps, where a deterministic run spends its attention time, then run as fast as
+    the default's single pass; a prefill block covers 16 / group query tokens, so each K/V tile serves fewer of them
+    than the 64-row prefill tile would (mostly from L2: one sequence's keys per head are a few hundred KB), a cost
+    that grows with the prompt's length squared but stays small beside the prompt's GEMMs at a few thousand tokens."""
+    return tile_config(1, group_p2, head_dim, query_dtype)
 
 
 @functools.cache
