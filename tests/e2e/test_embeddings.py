@@ -62,7 +62,7 @@ def test_embeddings_equal_hf(hf_model, tokenizer, pooling, normalize, options):
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
 
 
-def test_last_token_pooling_reuses_cached_prefixes(hf_model, tokenizer):
+def test_last_token_pooling_reuses_cached_prefixes(hf_model, tokenizer, tiny_llama_dir):
     shared = "You are an assistant that answers questions about geography, briefly and exactly. " * 3
     texts = [shared + q for q in ("Where is Lyon?", "What is the longest river?", "Name a desert.")]
     llm = LLM(device="cpu", task="embed", pooling="last")
@@ -70,8 +70,9 @@ def test_last_token_pooling_reuses_cached_prefixes(hf_model, tokenizer):
     assert llm.stats.prefix_cache_hits > 0
     expected = _hf_pooled(hf_model, [tokenizer(t)["input_ids"] for t in texts], "last", True)
     np.testing.assert_allclose(np.array([o.outputs.embedding for o in outs]), expected, atol=1e-5, rtol=1e-5)
-    # Mean pooling reads every token's state: it takes no cache hits, and still agrees.
-    mean = LLM(device="cpu", task="embed", pooling="mean", normalize=False)
+    # Mean pooling reads every token's state: it takes no cache hits (bookkeeping only: the session's tiny Llama,
+    # which has the default model's tokenizer, so the same prompts and blocks).
+    mean = LLM(tiny_llama_dir, device="cpu", task="embed", pooling="mean", normalize=False)
     mean.embed(texts, use_tqdm=False)
     assert mean.stats.prefix_cache_hits == 0
 

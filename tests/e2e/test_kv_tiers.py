@@ -1,7 +1,8 @@
 """The host KV tier (`swap_space`, `preemption_mode="swap"`) on the real default model, against HF transformers.
 
-The reference is HF's own greedy `generate`, one prompt at a time on the same float32 weights (it shares no code
-with batchllm's model, runner, scheduler or KV tiers), with EOS not stopping it, like `ignore_eos=True` here.
+The reference is HF's own greedy `generate` on the same float32 weights, prompts of one length batched without
+padding (it shares no code with batchllm's model, runner, scheduler or KV tiers), with EOS not stopping it, like
+`ignore_eos=True` here.
 A KV block of the default model is 2 * 30 layers * 16 tokens * 3 heads * 64 * 4 bytes = 737,280 bytes: 0.1 GiB of
 swap space holds 145 of them, 0.001 GiB one.
 
@@ -58,7 +59,8 @@ def prefixed(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(model_path, stories, prefixed):
-    """Prompt (as a tuple) → HF's greedy new tokens (MAX_NEW of them for the stories, PREFIX_NEW for the others)."""
+    """Prompt (as a tuple) → HF's greedy new tokens (MAX_NEW of them for the stories, PREFIX_NEW for the others).
+    Prompts of one length run as one batch, which needs no padding: the six stories cost one run's steps."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -66,12 +68,15 @@ def hf_greedy(model_path, stories, prefixed):
     reference = {}
     with torch.inference_mode():
         for prompts, max_new in ((stories, MAX_NEW), (prefixed, PREFIX_NEW)):
+            by_length = {}
             for prompt in prompts:
-                ids = torch.tensor([prompt])
+                by_length.setdefault(len(prompt), []).append(prompt)
+            for length, batch in by_length.items():
+                ids = torch.tensor(batch)
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                      do_sample=False, eos_token_id=None)
-                assert out.shape[1] == len(prompt) + max_new
-                reference[tuple(prompt)] = out[0, len(prompt):].tolist()
+                assert out.shape[1] == length + max_new
+                reference.update({tuple(prompt): row[length:].tolist() for prompt, row in zip(batch, out)})
     return reference
 
 
