@@ -3,7 +3,9 @@ replicas, an OpenAI batch file, a pandas frame, tensor parallelism; sampling wit
 n > 1; and the refusals, made before anything loads.
 
 References: HF transformers (greedy with a repetition penalty), and where the point is that speculation
-changes nothing, the same engine without it."""
+changes nothing, the same engine without it. The CLI, batch-file and pandas doors run the session's tiny random
+Llama (tests/conftest.py): their point is the option reaching the engines. The sampling tests keep the default
+model, which copies the repeated prompts, so its drafts are accepted (the tiny model's are not)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ TEXTS = [*QUESTIONS, "Copy this list: apple, banana, cherry, apple, banana, cher
 
 
 @pytest.fixture(scope="module")
+def tiny(tiny_llama_dir) -> str:
+    return str(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
 def plain():
     return LLM()
 
@@ -40,14 +47,16 @@ def spec():
 
 
 @pytest.fixture(scope="module")
-def plain_texts(plain) -> list[str]:
-    return [out.outputs[0].text for out in plain.generate(TEXTS, GREEDY, use_tqdm=False)]
+def plain_texts(tiny) -> list[str]:
+    """The tiny model's greedy text without speculation: the doors' reference."""
+    return [out.outputs[0].text for out in LLM(tiny).generate(TEXTS, GREEDY, use_tqdm=False)]
 
 
-def test_the_cli_flag_on_two_replicas(plain_texts, tmp_path, capsys):
+def test_the_cli_flag_on_two_replicas(tiny, plain_texts, tmp_path, capsys):
     pq.write_table(pa.table({"q": TEXTS}), tmp_path / "in.parquet")
-    run = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q", "--max-tokens",
-           str(MAX_NEW), "--rows-per-shard", "2", "--no-progress", "--speculative-config", json.dumps(NGRAM)]
+    run = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q", "--model", tiny,
+           "--max-tokens", str(MAX_NEW), "--rows-per-shard", "2", "--no-progress", "--speculative-config",
+           json.dumps(NGRAM)]
     assert main([*run, "--data-parallel", "2"]) == 0, capsys.readouterr().err
     assert pq.read_table(tmp_path / "out").to_pydict()["generated_text"] == plain_texts
     bad = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out2"), "--prompt-column", "q"]
@@ -57,17 +66,17 @@ def test_the_cli_flag_on_two_replicas(plain_texts, tmp_path, capsys):
     assert "--speculative-config: method must be one of" in capsys.readouterr().err
 
 
-def test_an_openai_batch_file_and_a_pandas_frame(plain_texts, tmp_path):
+def test_an_openai_batch_file_and_a_pandas_frame(tiny, plain_texts, tmp_path):
     frame = pd.DataFrame({"q": TEXTS})
-    out = batchllm.generate(frame, prompt_column="q", engine_kwargs={"speculative_config": NGRAM},
+    out = batchllm.generate(frame, prompt_column="q", model=tiny, engine_kwargs={"speculative_config": NGRAM},
                             max_tokens=MAX_NEW, temperature=0, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0}})
              for i, text in enumerate(TEXTS)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", engine_kwargs={"speculative_config": NGRAM},
-                     use_tqdm=False)
+    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=tiny,
+                     engine_kwargs={"speculative_config": NGRAM}, use_tqdm=False)
     answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
 
