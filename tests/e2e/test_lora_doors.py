@@ -1,21 +1,76 @@
 """Multi-LoRA through the other doors: the CLI on a Parquet table (two data-parallel replicas), an OpenAI batch
 file whose requests' `model` names the adapter, and a job's manifest pinning the adapters. The expected text is
-PEFT's greedy tokens (conftest.py), decoded."""
+PEFT's greedy tokens (conftest.py), decoded. The CLI's two replicas run the session's tiny random Llama with
+adapters made the same way (below): its point is routing each row to its adapter, not the weights."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import batchllm
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.entrypoints.cli.main import main
-from tests.e2e.conftest import MAX_NEW
+from tests.e2e.conftest import ADAPTERS, MAX_NEW
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter_dirs(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """The adapters of `ADAPTERS` on the tiny model, both LoRA halves random (B is zero at PEFT's init)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    dirs = {}
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+        model = peft.get_peft_model(base, config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+        model.save_pretrained(root / name)
+        dirs[name] = root / name
+        base = model.unload()
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def tiny_peft_greedy(tiny_llama_dir, tiny_adapter_dirs, prompts) -> dict:
+    """(prompt index, adapter name or None) → PEFT's greedy new tokens on the tiny model."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    names = list(tiny_adapter_dirs)
+    model = peft.PeftModel.from_pretrained(base, tiny_adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(tiny_adapter_dirs[name], adapter_name=name)
+    model.eval()
+    reference = {}
+    with torch.inference_mode():
+        for name in [None, *names]:
+            for i, prompt in enumerate(prompts):
+                ids = torch.tensor([prompt])
+                kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+                if name is None:
+                    with model.disable_adapter():
+                        out = model.generate(input_ids=ids, **kwargs)
+                else:
+                    model.set_adapter(name)
+                    out = model.generate(input_ids=ids, **kwargs)
+                reference[(i, name)] = out[0, len(prompt):].tolist()
+    return reference
 
 
 def _texts(tokenizer, prompts):
@@ -26,14 +81,16 @@ def _expected(tokenizer, peft_greedy, i, name):
     return tokenizer.decode(peft_greedy[(i, name)], skip_special_tokens=True)
 
 
-def test_the_cli_runs_each_row_under_its_column_adapter_on_two_replicas(adapter_dirs, prompts, peft_greedy,
-                                                                        tokenizer, tmp_path, capsys):
+def test_the_cli_runs_each_row_under_its_column_adapter_on_two_replicas(tiny_llama_dir, tiny_adapter_dirs, prompts,
+                                                                        tiny_peft_greedy, tokenizer, tmp_path,
+                                                                        capsys):
     texts = _texts(tokenizer, prompts)
     names = [None, "qv", "all", "mlp", "", "nope", "mlp", "qv"]
     rows = [i % len(texts) for i in range(len(names))]
     pq.write_table(pa.table({"q": [texts[i] for i in rows], "adapter": names}), tmp_path / "in.parquet")
-    flags = [arg for name, path in adapter_dirs.items() for arg in ("--lora", f"{name}={path}")]
+    flags = [arg for name, path in tiny_adapter_dirs.items() for arg in ("--lora", f"{name}={path}")]
     code = main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q",
+                 "--model", str(tiny_llama_dir),
                  "--lora-column", "adapter", *flags, "--max-loras", "2", "--max-tokens", str(MAX_NEW),
                  "--data-parallel", "2", "--rows-per-shard", "3", "--no-progress"])
     assert code == 0, capsys.readouterr().err
@@ -42,7 +99,7 @@ def test_the_cli_runs_each_row_under_its_column_adapter_on_two_replicas(adapter_
         if name == "nope":
             assert "names 'nope', which is not one of loras= (all, mlp, qv)" in out["error"][j]
         else:
-            assert out["generated_text"][j] == _expected(tokenizer, peft_greedy, i, name or None), j
+            assert out["generated_text"][j] == _expected(tokenizer, tiny_peft_greedy, i, name or None), j
 
 
 def test_cli_lora_flags_are_checked_before_anything_runs(adapter_dirs, tmp_path, capsys):
