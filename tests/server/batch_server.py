@@ -1,7 +1,7 @@
 """A server process for the Batch API's kill-and-restart test: the real app and engine loop, with small batch shards
 and frequent checkpoints so that a batch is visibly half done for a while.
 
-    python tests/server/batch_server.py DATA_DIR
+    python tests/server/batch_server.py DATA_DIR MODEL_DIR
 
 It listens on 127.0.0.1 on a port the OS picks and writes that port to DATA_DIR/port once it serves.
 """
@@ -23,8 +23,8 @@ from batchllm.entrypoints.server.engine_loop import EngineLoop
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2)
 
 
-def main(data_dir: Path) -> None:
-    loop = EngineLoop(LLM(max_num_seqs=4, num_kv_blocks=128))
+def main(data_dir: Path, model: Path) -> None:
+    loop = EngineLoop(LLM(model, max_num_seqs=4, num_kv_blocks=128))
     app = build_app(loop, data_dir=data_dir, batch_settings=SETTINGS)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -38,4 +38,4 @@ def main(data_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]))

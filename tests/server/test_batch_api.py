@@ -1,5 +1,9 @@
 """The Files and Batch APIs with the official `openai` client, against `LLM.generate` / `LLM.chat` run on the same
-engine before the server started (greedy: the same text), and a server SIGKILLed mid-batch and restarted."""
+engine before the server started (greedy: the same text), and a server SIGKILLed mid-batch and restarted.
+
+The point is the APIs' bookkeeping, so every engine here runs the session's tiny random Llama (the default model's
+tokenizer and chat template). Its decode steps cost ~1-3 ms: the rows that must still be running while a test cancels,
+kills or signals ask for many tokens (MANY_TOKENS, LONG_TOKENS)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
 CHATS = [[{"role": "user", "content": "Name a prime number."}], [{"role": "user", "content": "Say hi to Bob."}]]
 MANY = [f"Write the number {i} in words:" for i in range(12)]  # 2 at a time (SETTINGS): seconds to cancel or kill in
-LONG_TOKENS = 64  # seconds of work per row on a CPU, even in the CLI's main-thread engine: time to signal meanwhile
+MANY_TOKENS = 128
+LONG_TOKENS = 768  # seconds of work per row on a CPU, even in the CLI's main-thread engine: time to signal meanwhile
+KV_BLOCKS = 256  # sized from free memory, the tiny model's KV cache would be millions of blocks: seconds to set up
 MAX_UPLOAD = 256 * 1024
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
 BATCH_SERVER = Path(__file__).with_name("batch_server.py")
@@ -40,10 +46,12 @@ SLOW = 300.0  # seconds: a bound for waits that take seconds on an idle CPU, muc
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    llm = LLM(max_num_seqs=64, num_kv_blocks=256)  # room for every reference prompt in one batch: fewer steps
-    texts = _texts(llm.generate(PROMPTS + MANY, GREEDY, use_tqdm=False))
-    ref = {"text": texts[:len(PROMPTS)], "many": texts[len(PROMPTS):],
+def served(tmp_path_factory, tiny_llama_dir):
+    # Room for every reference prompt in one batch: fewer steps.
+    llm = LLM(tiny_llama_dir, device="cpu", max_num_seqs=64, num_kv_blocks=KV_BLOCKS)
+    ref = {"text": _texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
+           "many": _texts(llm.generate(MANY, SamplingParams(max_tokens=MANY_TOKENS, temperature=0, ignore_eos=True),
+                                       use_tqdm=False)),
            "chat": _texts(llm.chat(CHATS, GREEDY, use_tqdm=False)),
            "long": _texts(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=LONG_TOKENS, temperature=0,
                                                                    ignore_eos=True), use_tqdm=False))}
@@ -62,8 +70,8 @@ def _line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def _completion(custom_id: str, prompt: str) -> str:
-    return _line(custom_id, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+def _completion(custom_id: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    return _line(custom_id, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                                 "ignore_eos": True})
 
 
@@ -150,7 +158,7 @@ def test_bad_lines_go_to_the_error_file_and_the_good_ones_are_answered(served):
 
 def test_cancel_stops_mid_way_with_a_consistent_partial_output(served):
     client = served["client"]
-    file_id = _upload(client, [_completion(f"m{i}", p) for i, p in enumerate(MANY)])
+    file_id = _upload(client, [_completion(f"m{i}", p, MANY_TOKENS) for i, p in enumerate(MANY)])
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.ConflictError):
         client.files.delete(file_id)
@@ -253,22 +261,22 @@ def test_a_restart_finishes_a_cancel_that_a_kill_interrupted(served, tmp_path):
         service.close()
 
 
-def _start_server(data_dir: Path) -> tuple[subprocess.Popen, openai.OpenAI]:
+def _start_server(model: Path, data_dir: Path) -> tuple[subprocess.Popen, openai.OpenAI]:
     (data_dir / "port").unlink(missing_ok=True)
     # Run as a script, in the test's directory: `python -m` from the repo root would put the root on sys.path,
     # where its kernels/ folder shadows HF's `kernels` package (transformers imports it).
-    process = subprocess.Popen([sys.executable, str(BATCH_SERVER), str(data_dir)], cwd=data_dir)
+    process = subprocess.Popen([sys.executable, str(BATCH_SERVER), str(data_dir), str(model)], cwd=data_dir)
     wait_until(lambda: (data_dir / "port").exists() or process.poll() is not None, SLOW, "the server to start")
     assert process.poll() is None, "the server process died at start"
     return process, openai_client(f"http://127.0.0.1:{(data_dir / 'port').read_text()}")
 
 
-def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(served, tmp_path):
+def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(served, tiny_llama_dir, tmp_path):
     processes = []
     try:
-        process, client = _start_server(tmp_path)
+        process, client = _start_server(tiny_llama_dir, tmp_path)
         processes.append(process)
-        file_id = _upload(client, [_completion(f"k{i}", p) for i, p in enumerate(MANY)])
+        file_id = _upload(client, [_completion(f"k{i}", p, MANY_TOKENS) for i, p in enumerate(MANY)])
         batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
         seen = _poll_batch(client, batch.id, lambda b: b.request_counts.completed > 0, SLOW, "the first answers")
         process.send_signal(signal.SIGKILL)
@@ -278,7 +286,7 @@ def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(s
         manifest = job_output.with_name("output.jsonl.manifest.jsonl").read_text()
         records = [json.loads(line) for line in manifest[:manifest.rfind("\n")].splitlines()[1:]]  # not a torn one
         saved = job_output.read_bytes()[:records[-1]["end_offset"]]  # what the killed server had made durable
-        process, client = _start_server(tmp_path)
+        process, client = _start_server(tiny_llama_dir, tmp_path)
         processes.append(process)
         done = _wait_status(client, batch.id, ("completed", "failed"), SLOW)
         assert done.status == "completed", done
@@ -295,11 +303,12 @@ def test_a_batch_survives_sigkill_and_resumes_with_every_request_answered_once(s
                 process.wait(timeout=30)
 
 
-def _serve_cli(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def _serve_cli(model: Path, data_dir: Path, port: int, log: Path) -> subprocess.Popen:
     """`batchllm serve` on `port`, once it answers /health; one batch row at a time in the engine."""
-    process = subprocess.Popen([sys.executable, "-m", "batchllm", "serve", "--data-dir", str(data_dir), "--port",
-                                str(port), "--api-key", KEY, "--max-num-seqs", "2", "--grace-seconds", "0",
-                                "--log-level", "warning"],
+    process = subprocess.Popen([sys.executable, "-m", "batchllm", "serve", "--model", str(model),
+                                "--data-dir", str(data_dir), "--port", str(port), "--api-key", KEY,
+                                "--max-num-seqs", "2", "--grace-seconds", "0",
+                                "--num-kv-blocks", str(KV_BLOCKS), "--log-level", "warning"],
                                cwd=log.parent, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
     def healthy() -> bool:
@@ -319,14 +328,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_sigterm_with_the_last_rows_in_the_engine_saves_no_aborted_answer(served, tmp_path):
+def test_sigterm_with_the_last_rows_in_the_engine_saves_no_aborted_answer(served, tiny_llama_dir, tmp_path):
     """The CLI's drain (--grace-seconds 0) aborts the rows in the engine. When they are the batch's last ones, the job
     would end normally and finalize their aborted, empty answers: the next server must answer them instead."""
     data_dir, port, log, processes = tmp_path / "data", _free_port(), tmp_path / "serve.log", []
     lines = [_line(f"t{i}", "/v1/completions", {"prompt": p, "max_tokens": LONG_TOKENS, "temperature": 0,
                                                  "ignore_eos": True}) for i, p in enumerate(PROMPTS[:2])]
     try:
-        processes.append(_serve_cli(data_dir, port, log))
+        processes.append(_serve_cli(tiny_llama_dir, data_dir, port, log))
         client = openai_client(f"http://127.0.0.1:{port}", KEY)
         batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/completions",
                                       completion_window="24h")
@@ -336,7 +345,7 @@ def test_sigterm_with_the_last_rows_in_the_engine_saves_no_aborted_answer(served
         assert processes[0].wait(timeout=120) == 0, log.read_text()[-3000:]
         assert json.loads((data_dir / "batches" / f"{batch.id}.json").read_text())["status"] == "in_progress", \
             "the batch ended before the signal, or ended with the aborted rows"
-        processes.append(_serve_cli(data_dir, port, log))
+        processes.append(_serve_cli(tiny_llama_dir, data_dir, port, log))
         done = _wait_status(client, batch.id, ("completed", "failed"), SLOW)
         assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}, done
         answers = _by_id(_answers(client, done.output_file_id))
