@@ -24,14 +24,16 @@ def test_the_bar_shows_preemptions_once_there_are_any(capsys):
     assert "3 preempted (40 prompt tok recomputed)" in _final_line(capsys)
 
 
-def test_a_job_reports_its_preemptions(tmp_path):
+def test_a_job_reports_its_preemptions(tmp_path, tiny_llama_dir):
     """4 rows of ~12 prompt tokens with 20 forced output tokens, in 4 blocks of 16: admitted optimistically they
-    outgrow the pool and are preempted; admitted KV-aware (2 blocks each to the end) they are not."""
+    outgrow the pool and are preempted; admitted KV-aware (2 blocks each to the end) they are not. The session's tiny
+Llama (the default model's tokenizer: the same prompt tokens) does the steps: the point is the admission's count."""
     write_parquet_input(tmp_path / "in", [4])
     results = {}
     for policy in ("optimistic", "kv_aware"):
         # Its own engines (llm=), not the process-wide cache: the package's `llm` fixture holds the cached one.
-        llm = batchllm.LLM(num_kv_blocks=4, enable_prefix_caching=False, admission_policy=policy)
+        llm = batchllm.LLM(tiny_llama_dir, device="cpu", num_kv_blocks=4, enable_prefix_caching=False,
+                           admission_policy=policy)
         results[policy] = batchllm.run_job(tmp_path / "in", tmp_path / policy, prompt_column="q", use_tqdm=False,
                                            max_tokens=20, temperature=0, ignore_eos=True, llm=llm)
     optimistic, kv_aware = results["optimistic"], results["kv_aware"]
