@@ -81,12 +81,27 @@ def test_bad_job_limits_are_usage_errors(tmp_path, capsys, monkeypatch, flags, m
         batchllm.run_job(tmp_path / "in", tmp_path / "out", prompt_column="q", max_tokens_cap=None)
 
 
-def test_rows_checkpointed_before_a_kill_are_not_run_again(tmp_path, monkeypatch, llm):
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return batchllm.LLM(tiny_llama_dir, device="cpu", num_kv_blocks=KV_BLOCKS)
+
+
+# The kill test runs on the session's tiny Llama (its point is the checkpoints, not the weights). Its steps cost
+# ~1-3 ms, so each row asks for more tokens (EOS ignored) to keep the shard unfinished for a second or more; its KV
+# cache is given a size (from free memory it would be millions of blocks, seconds to set up).
+TINY_TOKENS = 40
+KV_BLOCKS = 64
+
+
+def test_rows_checkpointed_before_a_kill_are_not_run_again(tmp_path, monkeypatch, tiny_llama_dir, tiny):
+    llm = tiny
     table = write_parquet_input(tmp_path / "in", [12])
     output, log = tmp_path / "out", tmp_path / "job.log"
     # One shard that takes many engine steps: rows one at a time, checkpointed every 0.1 s.
     command = [sys.executable, "-m", "batchllm", "run", str(tmp_path / "in"), str(output), "--prompt-column", "q",
-               "--max-tokens", "3", "--rows-per-shard", "100", "--max-in-flight", "1", "--flush-seconds", "0.1"]
+               "--model", str(tiny_llama_dir), "--num-kv-blocks", str(KV_BLOCKS), "--ignore-eos",
+               "--max-tokens", str(TINY_TOKENS), "--rows-per-shard", "100", "--max-in-flight", "1",
+               "--flush-seconds", "0.1"]
     process = subprocess.Popen(command, cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while not _checkpointed(output / "_manifest.jsonl"):
@@ -98,14 +113,14 @@ def test_rows_checkpointed_before_a_kill_are_not_run_again(tmp_path, monkeypatch
     assert 0 < len(saved) < 12 and not list(output.glob("part-*.parquet"))
 
     ran = _engine_rows(llm, monkeypatch)
-    result = batchllm.run_job(tmp_path / "in", output, prompt_column="q", max_tokens=3, temperature=0,
-                              rows_per_shard=100, use_tqdm=False)
+    result = batchllm.run_job(tmp_path / "in", output, llm=llm, prompt_column="q", max_tokens=TINY_TOKENS,
+                              ignore_eos=True, temperature=0, rows_per_shard=100, use_tqdm=False)
     assert sorted(ran) == sorted(set(range(12)) - set(saved))  # nothing saved was run again
     assert (result.resumed_rows, result.written_rows) == (len(saved), 12 - len(saved))
     shards = read_shards(output)
     assert shards.column("id").to_pylist() == list(range(12))  # every row once, in input order
     assert shards.column("generated_text").to_pylist() == reference_texts(llm, table.column("q").to_pylist(),
-                                                                          max_tokens=3)
+                                                                          max_tokens=TINY_TOKENS, ignore_eos=True)
     assert sorted(p.name for p in output.iterdir()) == ["_manifest.jsonl", "part-00000.parquet"]
 
 
