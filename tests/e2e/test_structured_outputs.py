@@ -1,4 +1,6 @@
-"""Structured outputs end to end on the real default model, with both grammar engines.
+"""Structured outputs end to end, with both grammar engines: on the real default model, and where the point is
+equality with HF transformers under each engine's own matcher, on a tiny random Llama of the default tokenizer
+whose EOS logit is scaled up so that it ends some rows by choice (the masking, not the real weights, is compared).
 
 Engines: xgrammar (`LLM`'s default) with synchronous and asynchronous scheduling, and llguidance
 (`structured_outputs_backend="llguidance"`) with the CPU's default, synchronous scheduling. References that share
@@ -21,6 +23,7 @@ import torch
 from batchllm import LLM, SamplingParams
 from batchllm.engine.structured.common import GrammarError
 from batchllm.structured_outputs import StructuredOutputsParams
+from tests.tiny_models import TINY_LLAMA, write_tiny_llama
 
 MAX_TOKENS = 48
 EOS = 2  # the default model's generation_config.json
@@ -261,7 +264,7 @@ def test_unconstrained_rows_are_untouched_by_constrained_neighbours(llm, suite):
 
 # ---------------------------------------------------------------------------------------------------------
 # 3 + 4: greedy constrained output equals HF transformers masked by the engine's own matcher, and preemption with
-# a 16-token budget changes nothing
+# a 16-token budget changes nothing; on a tiny model, HF's reference of the same checkpoint
 
 HF_MAX_NEW = 32
 HF_QUESTIONS = ["Name three fruits.", "Describe a person named Alice who is 30 years old."]
@@ -283,6 +286,28 @@ def _hf_rows(tokenizer) -> list[tuple[list[int], str, str]]:
 
 def _params(kind: str, spec: str) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=spec) if kind == "json" else StructuredOutputsParams(regex=spec)
+
+
+# The tiny model's EOS (untied) output row times this: EOS wins on some regex rows within a few tokens, as the
+# real model's does, while the JSON rows still end by their grammar.
+EOS_SCALE = 3.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    directory = write_tiny_llama(tmp_path_factory.mktemp("tiny-eos"), **{**TINY_LLAMA, "tie_word_embeddings": False})
+    weights = load_file(directory / "model.safetensors")
+    weights["lm_head.weight"][EOS] *= EOS_SCALE
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(config, tiny_model):
+    async_scheduling, backend = config
+    return LLM(tiny_model, device="cpu", async_scheduling=async_scheduling, structured_outputs_backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +390,7 @@ def _grammar_engine(backend: str, hf_tokenizer, vocab: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(model_path, hf_tokenizer, hf_rows):
+def hf_reference(tiny_model, hf_tokenizer, hf_rows):
     """backend → HF greedy generation of hf_rows, one prompt at a time, masked by that engine's own matcher;
     each computed once, when first asked for."""
     from transformers import AutoModelForCausalLM, LogitsProcessor
@@ -393,7 +418,7 @@ def hf_reference(model_path, hf_tokenizer, hf_rows):
         if backend in cache:
             return cache[backend]
         if not model:
-            model.append(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval())
+            model.append(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
         vocab = model[0].config.vocab_size
         engine = _grammar_engine(backend, hf_tokenizer, vocab)
         outputs = []
@@ -423,8 +448,8 @@ def _generate_rows(engine: LLM, rows) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def constrained_greedy(llm, hf_rows):
-    return _generate_rows(llm, hf_rows)
+def constrained_greedy(tiny_llm, hf_rows):
+    return _generate_rows(tiny_llm, hf_rows)
 
 
 def test_constrained_greedy_equals_hf_with_the_engines_own_matcher(constrained_greedy, hf_reference, backend):
@@ -435,7 +460,7 @@ def test_constrained_greedy_equals_hf_with_the_engines_own_matcher(constrained_g
 
 
 @pytest.fixture(scope="module")
-def preempted_greedy(hf_rows):
+def preempted_greedy(tiny_model, hf_rows):
     """backend → (outputs, stats, output length of each preempted request when it was preempted) of hf_rows on
     an engine built once per backend, with asynchronous scheduling (a token in flight when its request is
     preempted): 6 blocks of 16 tokens, room for one request and a half, and a 16-token budget. Caching off, so
@@ -454,8 +479,9 @@ def preempted_greedy(hf_rows):
                 preempted_at.append(request.num_output_tokens)
                 preempt(self, request)
 
-            engine = LLM(num_kv_blocks=6, max_num_batched_tokens=16, enable_prefix_caching=False,
-                         async_scheduling=True, structured_outputs_backend=backend, admission_policy="optimistic")
+            engine = LLM(tiny_model, device="cpu", num_kv_blocks=6, max_num_batched_tokens=16,
+                         enable_prefix_caching=False, async_scheduling=True, structured_outputs_backend=backend,
+                         admission_policy="optimistic")
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(Scheduler, "_preempt", recording_preempt)
                 outputs = _generate_rows(engine, hf_rows)
