@@ -91,12 +91,15 @@ def test_sigint_keeps_the_rows_that_finished_and_resume_answers_the_others_once(
     assert [texts[f"r{i}"] for i in range(6)] == expected
 
 
-def test_ctrl_c_on_the_command_line_exits_130_long_before_the_rows_finish(llm, tmp_path):
+def test_ctrl_c_on_the_command_line_exits_130_long_before_the_rows_finish(llm, tiny_llama_dir, tmp_path):
     write_parquet_input(tmp_path / "in", [8])
     output, log = tmp_path / "out", tmp_path / "job.log"
-    # 8 rows, all in flight at once (the default --max-in-flight is 512), each 100 tokens: 100 steps or more.
+    # 8 rows, all in flight at once (the default --max-in-flight is 512), each 2000 tokens: 2000 steps or more of the
+    # session's tiny Llama (~1-3 ms each; the point is the signal, not the weights), with room in its KV cache for
+    # them all (sized from free memory, it would be millions of blocks: seconds to set up).
     command = [sys.executable, "-m", "batchllm", "run", str(tmp_path / "in"), str(output), "--prompt-column", "q",
-               "--max-tokens", "100", "--ignore-eos", "--rows-per-shard", "4"]
+               "--model", str(tiny_llama_dir), "--num-kv-blocks", "1024", "--max-tokens", "2000", "--ignore-eos",
+               "--rows-per-shard", "4"]
     process = subprocess.Popen(command, cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while "generating:" not in log.read_text():  # the progress bar: the engine is up and the rows are going in
