@@ -13,64 +13,24 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 import batchllm
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.entrypoints.cli.main import main
-from tests.e2e.conftest import ADAPTERS, MAX_NEW
+from tests.e2e.conftest import MAX_NEW
+from tests.e2e.peft_adapters import peft_greedy_tokens, write_adapters
 
 
 @pytest.fixture(scope="module")
 def tiny_adapter_dirs(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
-    """The adapters of `ADAPTERS` on the tiny model, both LoRA halves random (B is zero at PEFT's init)."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("tiny-adapters")
-    dirs = {}
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                                 lora_dropout=0.0, task_type="CAUSAL_LM")
-        model = peft.get_peft_model(base, config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_" in param_name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
-        model.save_pretrained(root / name)
-        dirs[name] = root / name
-        base = model.unload()
-    return dirs
+    """conftest.py's adapters, made the same way for the tiny model."""
+    return write_adapters(tiny_llama_dir, tmp_path_factory.mktemp("tiny-adapters"))
 
 
 @pytest.fixture(scope="module")
 def tiny_peft_greedy(tiny_llama_dir, tiny_adapter_dirs, prompts) -> dict:
     """(prompt index, adapter name or None) → PEFT's greedy new tokens on the tiny model."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    names = list(tiny_adapter_dirs)
-    model = peft.PeftModel.from_pretrained(base, tiny_adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(tiny_adapter_dirs[name], adapter_name=name)
-    model.eval()
-    reference = {}
-    with torch.inference_mode():
-        for name in [None, *names]:
-            for i, prompt in enumerate(prompts):
-                ids = torch.tensor([prompt])
-                kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-                if name is None:
-                    with model.disable_adapter():
-                        out = model.generate(input_ids=ids, **kwargs)
-                else:
-                    model.set_adapter(name)
-                    out = model.generate(input_ids=ids, **kwargs)
-                reference[(i, name)] = out[0, len(prompt):].tolist()
-    return reference
+    return peft_greedy_tokens(tiny_llama_dir, tiny_adapter_dirs, prompts, MAX_NEW)
 
 
 def _texts(tokenizer, prompts):
