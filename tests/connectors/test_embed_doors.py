@@ -3,8 +3,7 @@ an OpenAI batch file's /v1/embeddings lines, `batchllm run --task embed`, and tw
 
 The expected vectors are HF transformers' (`AutoModel`, float32): the final hidden states of each text alone,
 mean-pooled and normalized, as the default model's directory asks (no sentence-transformers layout: normalized).
-Bad rows fail alone, with their error and a null vector. The two replicas embed the session's tiny random Llama
-(tests/conftest.py), against HF's vectors of the same checkpoint: their point is the pool, not the weights.
+Bad rows fail alone, with their error and a null vector.
 """
 
 from __future__ import annotations
@@ -38,23 +37,18 @@ def keep_the_packages_engine():
     engine_cache._cached = saved
 
 
-def hf_vectors(model_path) -> np.ndarray:
-    """HF's normalized mean-pooled final hidden states of the good docs, each alone."""
+@pytest.fixture(scope="module")
+def expected() -> np.ndarray:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    hf = AutoModel.from_pretrained(model_path, dtype=torch.float32).eval()
+    from batchllm.model.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    hf = AutoModel.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     with torch.inference_mode():
         vectors = [hf(torch.tensor([tokenizer(DOCS[i])["input_ids"]])).last_hidden_state[0].mean(0) for i in GOOD]
     return torch.nn.functional.normalize(torch.stack(vectors), dim=-1).numpy()
-
-
-@pytest.fixture(scope="module")
-def expected() -> np.ndarray:
-    from batchllm.model.default_model import default_model_path
-
-    return hf_vectors(default_model_path())
 
 
 def _check(vectors: list, errors: list, expected: np.ndarray) -> None:
@@ -131,9 +125,8 @@ def test_openai_batch_embeddings(expected, tmp_path):
     assert "need an engine built with task='generate'" in answers["e"]["error"]["message"]
 
 
-def test_two_data_parallel_replicas_embed_as_hf_does(tiny_llama_dir):
-    expected = hf_vectors(tiny_llama_dir)
-    out = batchllm.embed(pd.DataFrame({"doc": [DOCS[i] for i in GOOD] * 3}), text_column="doc", model=tiny_llama_dir,
-                         engine_kwargs=ENGINE, data_parallel_size=2, use_tqdm=False)
+def test_two_data_parallel_replicas_embed_as_hf_does(expected):
+    out = batchllm.embed(pd.DataFrame({"doc": [DOCS[i] for i in GOOD] * 3}), text_column="doc", engine_kwargs=ENGINE,
+                         data_parallel_size=2, use_tqdm=False)
     np.testing.assert_allclose(np.array(pa.array(out["embedding"].array).to_pylist(), np.float32),
                                np.concatenate([expected] * 3), atol=1e-5)
