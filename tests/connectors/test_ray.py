@@ -1,8 +1,7 @@
-"""`batchllm.ray` on a local 2-CPU Ray cluster: Ray Data's map_batches with `LLMPredictor` gives, row for row, what
-`batchllm.generate` gives in this process (the independent reference), bad rows included, for pyarrow, pandas and
-numpy batches; `batchllm.ray.generate` wires replicas, GPUs and batch sizes and refuses bad arguments before any
-actor starts. The point is the wiring, not the weights: every engine runs the session's tiny random Llama with the
-default model's tokenizer (tests/conftest.py)."""
+"""`batchllm.ray` on a local 2-CPU Ray cluster with the real default model: Ray Data's map_batches with
+`LLMPredictor` gives, row for row, what `batchllm.generate` gives in this process (the independent reference),
+bad rows included, for pyarrow, pandas and numpy batches; `batchllm.ray.generate` wires replicas, GPUs and
+batch sizes and refuses bad arguments before any actor starts."""
 
 from __future__ import annotations
 
@@ -21,29 +20,11 @@ import ray
 
 import batchllm
 import batchllm.ray
-from batchllm.connectors.engine_cache import get_llm
 from batchllm.ray import LLMPredictor
 from tests.connectors.helpers import GREEDY
 
 GOOD = ["The capital of France is", "Two plus two equals", "The color of the sky is", "Once upon a time"]
 BATCH_SIZE = 5  # several batches per replica, the last one short
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> str:
-    return str(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def tiny_llm(tiny, keep_the_engine_cache):
-    """The process's cached engine of the tiny model (it replaces the package's default one until the module ends)."""
-    return get_llm(tiny)
-
-
-@pytest.fixture(scope="module")
-def greedy(tiny) -> dict:
-    """The connectors' greedy settings, with the tiny model."""
-    return {"model": tiny, **GREEDY}
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +44,21 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def table(tiny_llm):
-    over_long = "word " * (tiny_llm.max_model_len + 10)
+def table(llm):
+    # Needs `llm`: the default model is converted in this process before any actor loads it.
+    over_long = "word " * (llm.max_model_len + 10)
     prompts = [GOOD[0], None, GOOD[1], "", GOOD[2], over_long, GOOD[3], None] * 2
     return pa.table({"id": list(range(len(prompts))), "q": prompts})
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llm, table, greedy):
-    return batchllm.generate(table, prompt_column="q", use_tqdm=False, **greedy)
+def expected(llm, table):
+    return batchllm.generate(table, prompt_column="q", use_tqdm=False, **GREEDY)
 
 
 @pytest.fixture(scope="module")
-def ray_output(cluster, table, greedy):
-    ds = batchllm.ray.generate(ray.data.from_arrow(table), prompt_column="q", batch_size=BATCH_SIZE, **greedy)
+def ray_output(cluster, table):
+    ds = batchllm.ray.generate(ray.data.from_arrow(table), prompt_column="q", batch_size=BATCH_SIZE, **GREEDY)
     assert isinstance(ds, ray.data.Dataset)
     return ds.materialize()  # run once; the tests below read the same result
 
@@ -97,15 +79,15 @@ def test_write_parquet_round_trips(ray_output, expected, tmp_path):
     assert by_id(pq.read_table(tmp_path / "out")).equals(expected)
 
 
-def test_pandas_batches_on_two_replicas_with_mixed_types(cluster, tiny_llm, table, greedy):
+def test_pandas_batches_on_two_replicas_with_mixed_types(cluster, llm, table):
     frame = table.to_pandas()
     frame["q"] = frame["q"].astype(object)
     frame.loc[3, "q"] = 42  # a non-string prompt: only an object column can hold it
-    reference = batchllm.generate(frame, prompt_column="q", output_column="answer", use_tqdm=False, **greedy)
+    reference = batchllm.generate(frame, prompt_column="q", output_column="answer", use_tqdm=False, **GREEDY)
 
     blocks = [frame.iloc[start:start + 4] for start in range(0, len(frame), 4)]  # work for both replicas
     ds = ray.data.from_pandas(blocks).map_batches(
-        LLMPredictor, fn_constructor_kwargs={"prompt_column": "q", "output_column": "answer", **greedy},
+        LLMPredictor, fn_constructor_kwargs={"prompt_column": "q", "output_column": "answer", **GREEDY},
         compute=ray.data.ActorPoolStrategy(size=2), batch_size=BATCH_SIZE, batch_format="pandas")
     out = ds.to_pandas().sort_values("id").reset_index(drop=True)
 
@@ -116,8 +98,8 @@ def test_pandas_batches_on_two_replicas_with_mixed_types(cluster, tiny_llm, tabl
     assert out.answer_error[3] == "prompt column 'q' must be a string, got int"
 
 
-def test_numpy_batches_come_back_as_numpy(tiny_llm, table, expected, greedy):
-    predictor = LLMPredictor(prompt_column="q", **greedy)  # in this process: reuses the cached engine
+def test_numpy_batches_come_back_as_numpy(llm, table, expected):
+    predictor = LLMPredictor(prompt_column="q", **GREEDY)  # in this process: reuses the cached engine
     batch = {"id": table.column("id").to_numpy(), "q": np.array(table.column("q").to_pylist(), dtype=object)}
     out = predictor(batch)
     assert out["id"] is batch["id"] and out["q"] is batch["q"]
@@ -171,13 +153,13 @@ def test_generate_refuses_bad_arguments_before_running(cluster, arguments, error
         batchllm.ray.generate(RecordingDataset(), **arguments)
 
 
-def test_predictor_fails_at_construction_and_accepts_data_parallel_one(tiny_llm, greedy):
+def test_predictor_fails_at_construction_and_accepts_data_parallel_one(llm):
     with pytest.raises(ValueError, match="temperature"):
         LLMPredictor(prompt_column="q", temperature=-1)
     with pytest.raises(ValueError, match="concurrency=N"):
         LLMPredictor(prompt_column="q", engine_kwargs={"data_parallel_size": 4})
-    predictor = LLMPredictor(prompt_column="q", data_parallel_size=1, **greedy)
-    assert predictor.llm is tiny_llm  # the process's cached engine: built once per actor
+    predictor = LLMPredictor(prompt_column="q", data_parallel_size=1, **GREEDY)
+    assert predictor.llm is llm  # the process's cached engine: built once per actor
 
 
 def test_import_batchllm_does_not_need_ray(monkeypatch):

@@ -637,14 +637,12 @@ def test_real_model_cli_choice_and_call_wide_error(llm, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_data_parallel_pool_compiles_call_wide_constraints_on_a_replica(tiny_llama_dir):
+def test_data_parallel_pool_compiles_call_wide_constraints_on_a_replica():
     from batchllm.connectors.options import resolve_options
     from batchllm.connectors.replicas.pool import ReplicaPool
     from batchllm.connectors.tables.mapper import map_columns
 
-    # The point is the pool's compile-and-report path, which the constraint decides: a tiny Llama with the default
-    # tokenizer (tests/conftest.py) spares each replica loading the default model.
-    with ReplicaPool(2, tiny_llama_dir) as pool:
+    with ReplicaPool(2) as pool:
         with pytest.raises(ValueError, match="json constraint is rejected by the grammar engine"):
             pool.check_structured_outputs(StructuredOutputsParams(json=UNCOMPILABLE))
         pool.check_structured_outputs(StructuredOutputsParams(json=E2E_REVIEW))

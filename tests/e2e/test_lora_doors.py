@@ -1,14 +1,12 @@
 """Multi-LoRA through the other doors: the CLI on a Parquet table (two data-parallel replicas), an OpenAI batch
 file whose requests' `model` names the adapter, and a job's manifest pinning the adapters. The expected text is
-PEFT's greedy tokens (conftest.py), decoded. The CLI's two replicas run the session's tiny random Llama with
-adapters made the same way (below): its point is routing each row to its adapter, not the weights."""
+PEFT's greedy tokens (conftest.py), decoded."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,19 +16,6 @@ import batchllm
 from batchllm.connectors.jobs.manifest import ManifestMismatch
 from batchllm.entrypoints.cli.main import main
 from tests.e2e.conftest import MAX_NEW
-from tests.e2e.peft_adapters import peft_greedy_tokens, write_adapters
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter_dirs(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
-    """conftest.py's adapters, made the same way for the tiny model."""
-    return write_adapters(tiny_llama_dir, tmp_path_factory.mktemp("tiny-adapters"))
-
-
-@pytest.fixture(scope="module")
-def tiny_peft_greedy(tiny_llama_dir, tiny_adapter_dirs, prompts) -> dict:
-    """(prompt index, adapter name or None) → PEFT's greedy new tokens on the tiny model."""
-    return peft_greedy_tokens(tiny_llama_dir, tiny_adapter_dirs, prompts, MAX_NEW)
 
 
 def _texts(tokenizer, prompts):
@@ -41,16 +26,14 @@ def _expected(tokenizer, peft_greedy, i, name):
     return tokenizer.decode(peft_greedy[(i, name)], skip_special_tokens=True)
 
 
-def test_the_cli_runs_each_row_under_its_column_adapter_on_two_replicas(tiny_llama_dir, tiny_adapter_dirs, prompts,
-                                                                        tiny_peft_greedy, tokenizer, tmp_path,
-                                                                        capsys):
+def test_the_cli_runs_each_row_under_its_column_adapter_on_two_replicas(adapter_dirs, prompts, peft_greedy,
+                                                                        tokenizer, tmp_path, capsys):
     texts = _texts(tokenizer, prompts)
     names = [None, "qv", "all", "mlp", "", "nope", "mlp", "qv"]
     rows = [i % len(texts) for i in range(len(names))]
     pq.write_table(pa.table({"q": [texts[i] for i in rows], "adapter": names}), tmp_path / "in.parquet")
-    flags = [arg for name, path in tiny_adapter_dirs.items() for arg in ("--lora", f"{name}={path}")]
+    flags = [arg for name, path in adapter_dirs.items() for arg in ("--lora", f"{name}={path}")]
     code = main(["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q",
-                 "--model", str(tiny_llama_dir),
                  "--lora-column", "adapter", *flags, "--max-loras", "2", "--max-tokens", str(MAX_NEW),
                  "--data-parallel", "2", "--rows-per-shard", "3", "--no-progress"])
     assert code == 0, capsys.readouterr().err
@@ -59,7 +42,7 @@ def test_the_cli_runs_each_row_under_its_column_adapter_on_two_replicas(tiny_lla
         if name == "nope":
             assert "names 'nope', which is not one of loras= (all, mlp, qv)" in out["error"][j]
         else:
-            assert out["generated_text"][j] == _expected(tokenizer, tiny_peft_greedy, i, name or None), j
+            assert out["generated_text"][j] == _expected(tokenizer, peft_greedy, i, name or None), j
 
 
 def test_cli_lora_flags_are_checked_before_anything_runs(adapter_dirs, tmp_path, capsys):
