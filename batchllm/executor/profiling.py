@@ -93,6 +93,13 @@ def kv_pool_blocks(model: torch.nn.Module, model_config: ModelConfig, scheduler_
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} per block)")
+    if device.type != "cuda" and not cache_config.kv_cache_memory_bytes:
+        # The default CPU share is sized for the default model: a small model would get millions of blocks (seconds
+        # of pool bookkeeping at start) where every running sequence at full length, twice over (room for the prefix
+        # cache), is all the scheduler can use.
+        groups = 1 if layout is None else layout.num_groups
+        useful = 2 * scheduler_config.max_num_seqs * groups * -(-model_config.max_model_len // block_size)
+        num_blocks = min(num_blocks, useful)
     return int(num_blocks)
 
 

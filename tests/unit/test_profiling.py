@@ -19,3 +19,14 @@ def test_a_budget_above_max_model_len_is_spread_over_several_sequences():
 def test_a_budget_no_step_can_fill_stops_at_what_fits():
     assert profile_lengths(1000, 4, 100).tolist() == [100] * 4  # 4 rows of at most 100 tokens
     assert profile_lengths(3, 256, 100).tolist() == [1, 1, 1]  # fewer tokens than rows: one token each
+
+
+def test_the_default_cpu_pool_holds_what_the_scheduler_can_use(tiny_llama_dir):
+    """The default CPU budget (up to 4 GiB) would give the tiny model (8,192 bytes a block: K and V x 2 layers x 2
+    heads x 16 dims x 16 tokens x 4 bytes) half a million blocks; it gets every sequence at full length twice over:
+    2 x 4 sequences x 2048 / 16 = 1,024. A budget the user sets is taken as it is."""
+    from batchllm import LLM
+
+    assert LLM(tiny_llama_dir, device="cpu", max_num_seqs=4).stats.num_kv_blocks == 1024
+    assert LLM(tiny_llama_dir, device="cpu", max_num_seqs=4,
+               kv_cache_memory_bytes=3000 * 8192).stats.num_kv_blocks == 3000
