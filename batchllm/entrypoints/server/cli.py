@@ -140,6 +140,7 @@ def serve_command(args: argparse.Namespace, argv: list[str]) -> int:
 def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tuple[str | None, Any]]:
     """(name given by --model, engine process) per model, started in parallel; ValueError and the like for bad
     flags (the engine's own, raised where it was built)."""
+    from batchllm.engine_config import EngineConfig
     from batchllm.entrypoints.server.engine_process import EngineLaunch, launch_engines
     from batchllm.entrypoints.server.placement import gpu_count, plan_engines
 
@@ -152,6 +153,7 @@ def _start_engines(args: argparse.Namespace, loras: dict[str, str]) -> list[tupl
         engine["enable_lora"] = True
     if args.allow_remote_media:
         engine["allow_remote_media"] = True
+    EngineConfig.from_kwargs(**engine)  # a bad flag value fails here, before torch is imported and GPUs counted
     if args.task != "generate" and "max_num_batched_tokens" not in engine:
         engine["max_num_batched_tokens"] = SERVER_POOLING_BUDGET["gpu" if gpu_count(engine) else "cpu"]
     placements = plan_engines(len(models), engine)
