@@ -119,7 +119,7 @@ def peft_greedy(adapter_dirs, prompts):
     return reference
 
 
-# ---- HF's greedy tokens of the default model, once per session (test_generate_vs_hf.py, test_spec*.py) ---------
+# ---- HF's greedy tokens of the default model, once per session (test_generate_vs_hf.py) ----------------------
 
 class _DefaultModelGreedy:
     """HF `generate` on the default model: greedy, float32, one prompt at a time, no padding. Each prompt's run is
