@@ -28,19 +28,6 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     and chat template: for the tests whose point is a door's or a job's bookkeeping (resume, signals, replicas,
     flags), where the 135M default model only costs time (each of its decode steps reads its 538 MB of weights).
     Large initial weights give clear greedy choices, so its outputs do not hinge on rounding."""
-    import shutil
+    from tests.tiny_models import TINY_LLAMA, write_tiny_llama
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from batchllm.model.default_model import default_model_path
-
-    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         initializer_range=0.5, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    for path in default_model_path().iterdir():
-        if path.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
-            shutil.copy(path, directory / path.name)
-    return directory
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", **TINY_LLAMA)

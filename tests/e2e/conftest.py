@@ -46,36 +46,15 @@ def _default_tokenizer():
 
 
 MAX_NEW = 12
-ADAPTERS = {  # name: (rank, alpha, target modules, rslora)
-    "qv": (8, 16, ["q_proj", "v_proj"], False),
-    "all": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
-    "mlp": (16, 32, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
-}
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Write one word about the sea."]
 
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory):
-    """Three PEFT adapters of the default model (see `ADAPTERS`), saved as PEFT writes them."""
-    import peft
-    from transformers import AutoModelForCausalLM
+    """Three PEFT adapters of the default model (`peft_adapters.ADAPTERS`), saved as PEFT writes them."""
+    from tests.e2e.peft_adapters import write_adapters
 
-    root = tmp_path_factory.mktemp("adapters")
-    dirs = {}
-    base = AutoModelForCausalLM.from_pretrained(_default_model(), dtype=torch.float32)
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                                 lora_dropout=0.0, task_type="CAUSAL_LM")
-        model = peft.get_peft_model(base, config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_" in param_name:  # B is zero at PEFT's init: both halves random, so every delta counts
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
-        model.save_pretrained(root / name)
-        dirs[name] = root / name
-        base = model.unload()  # the base model again, without this adapter's layers
-    return dirs
+    return write_adapters(_default_model(), tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="session")
@@ -94,29 +73,9 @@ def prompts():
 @pytest.fixture(scope="session")
 def peft_greedy(adapter_dirs, prompts):
     """(prompt index, adapter name or None) → PEFT's greedy new tokens."""
-    import peft
-    from transformers import AutoModelForCausalLM
+    from tests.e2e.peft_adapters import peft_greedy_tokens
 
-    base = AutoModelForCausalLM.from_pretrained(_default_model(), dtype=torch.float32)
-    names = list(adapter_dirs)
-    model = peft.PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapter_dirs[name], adapter_name=name)
-    model.eval()
-    reference = {}
-    with torch.inference_mode():
-        for name in [None, *names]:
-            for i, prompt in enumerate(prompts):
-                ids = torch.tensor([prompt])
-                kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-                if name is None:
-                    with model.disable_adapter():
-                        out = model.generate(input_ids=ids, **kwargs)
-                else:
-                    model.set_adapter(name)
-                    out = model.generate(input_ids=ids, **kwargs)
-                reference[(i, name)] = out[0, len(prompt):].tolist()
-    return reference
+    return peft_greedy_tokens(_default_model(), adapter_dirs, prompts, MAX_NEW)
 
 
 # ---- HF's greedy tokens of the default model, once per session (test_generate_vs_hf.py) ----------------------
