@@ -5,6 +5,11 @@
     python benchmarks/gpu_profile.py --timeline --shape llama3-8b --workload W5 --rows 1000 --max-tokens 1000 \
         --max-num-seqs 512 [--sync] [--out $OUT]
     python benchmarks/gpu_profile.py --timeline --shape smollm2-135m --workload W4 --rows 8 --max-tokens 8  # CPU
+    python benchmarks/gpu_profile.py --timeline --images --shape qwen2.5-vl-7b --rows 1000 --max-tokens 128
+
+`--images` (a vision-language shape; `tiny-vl` on the CPU): each row is one synthetic 448 x 448 JPEG and a short
+instruction (vision.py's prompts), so the timeline shows the image steps (encoder and prefill) among the decode
+steps.
 
 Runs the workload once to warm up, then again under torch.profiler, and prints the share of wall time the
 GPU spent in each kind of kernel; the rest is host overhead or idle gaps between steps.
@@ -60,11 +65,14 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: the profiler then sees every kernel of a decode step")
     parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): the invariant kernels")
+    parser.add_argument("--images", action="store_true", help="vision.py's rows: one JPEG each (a VL shape)")
     parser.add_argument("--timeline", action="store_true", help="per-step host phases and GPU time (CPU too)")
     parser.add_argument("--kernel-steps", type=int, default=64, help="--timeline: profiled decode steps per bucket")
     parser.add_argument("--out", type=Path, help="--timeline: also write the per-step records as JSON here")
     args = parser.parse_args()
-    prompts = make_prompts(WORKLOADS[args.workload], args.rows, SHAPES[args.shape]["vocab_size"])
+    if args.images and not args.timeline:
+        parser.error("--images goes with --timeline (its warm-up uses other images than the timed rows)")
+    prompts = _prompts(args, args.rows)
     if args.timeline:
         return run_timeline(args, prompts)
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
@@ -92,6 +100,16 @@ def main() -> None:
         print(f"  {kind:16} {seconds:7.2f} s  {seconds / wall:6.1%} of wall")
     for name, seconds in sorted(top.items(), key=lambda kv: -kv[1])[:8]:
         print(f"    {seconds:7.3f} s  {name[:100]}")
+
+
+def _prompts(args, rows: int) -> list:
+    """The workload's first `rows` prompts; with --images, rows of one distinct synthetic JPEG each."""
+    if not args.images:
+        return make_prompts(WORKLOADS[args.workload], rows, SHAPES[args.shape]["vocab_size"])
+    from vision import PROMPT_AFTER, PROMPT_BEFORE, synthetic_jpeg
+
+    ids = PROMPT_BEFORE + [SHAPES[args.shape]["image_token_id"]] + PROMPT_AFTER
+    return [{"prompt_token_ids": ids, "multi_modal_data": {"image": synthetic_jpeg(i)}} for i in range(rows)]
 
 
 BUCKETS = ((128, "<128"), (256, "128-255"), (512, "256-511"), (1 << 62, "512+"))
@@ -241,7 +259,7 @@ def run_timeline(args, prompts) -> None:
               enforce_eager=args.enforce_eager, deterministic=args.deterministic)
     # Warm-up on other rows of the workload (up to 64): the timed prompts must not be in the prefix cache.
     n = min(64, args.rows)
-    warmup = make_prompts(WORKLOADS[args.workload], args.rows + n, SHAPES[args.shape]["vocab_size"])[-n:]
+    warmup = _prompts(args, args.rows + n)[-n:]
     llm.generate(warmup, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     timeline = Timeline(llm, args.kernel_steps)
     start = time.perf_counter()
@@ -251,7 +269,8 @@ def run_timeline(args, prompts) -> None:
     steps, cuda = timeline.steps, timeline.cuda
     mode = "async" if llm.engine.async_scheduling else "sync"
     decode = [s for s in steps if s.get("decode")]
-    print(f"{args.workload} {args.shape} {args.rows} rows x {args.max_tokens} ({mode}, {llm.runner.device.type}, "
+    workload = "images" if args.images else args.workload
+    print(f"{workload} {args.shape} {args.rows} rows x {args.max_tokens} ({mode}, {llm.runner.device.type}, "
           f"max_num_seqs {args.max_num_seqs}): wall {wall:.2f} s, {len(steps)} steps, {len(decode)} decode-only, "
           f"preemptions {llm.stats.num_preemptions}")
     if cuda:
@@ -288,7 +307,7 @@ def run_timeline(args, prompts) -> None:
             f" {1e3 * s[c]:>8.2f}" if c in s else f" {'-':>8}" for c in HOST + gpu))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        target = args.out / f"timeline-{args.workload}-r{args.rows}-o{args.max_tokens}-{args.shape}-{mode}.json"
+        target = args.out / f"timeline-{workload}-r{args.rows}-o{args.max_tokens}-{args.shape}-{mode}.json"
         records = [{k: (dict(v) if k == "kinds" else v) for k, v in s.items()} for s in steps]
         target.write_text(json.dumps({"wall_s": wall, "mode": mode, "steps": records}) + "\n")
         print(f"wrote {target}")

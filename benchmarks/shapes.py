@@ -61,6 +61,17 @@ SHAPES = {
                                              fullatt_block_indexes=[7, 15, 23, 31]),
                           image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                           vision_end_token_id=151653, tie_word_embeddings=False),
+    # Not a workload shape: Qwen2.5-VL's layout at toy widths, for trying the image benchmarks on the CPU.
+    "tiny-vl": dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
+                    text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=152064, max_position_embeddings=8192,
+                                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                         "mrope_section": [2, 3, 3]}),
+                    vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                                       fullatt_block_indexes=[1]),
+                    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                    vision_end_token_id=151653, tie_word_embeddings=True),
     # Not a workload shape: so small that on the CPU a step's time is the host's Python, for host_profile.py.
     "tiny-host": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=2048, rope_theta=10000.0, tie_word_embeddings=True,
