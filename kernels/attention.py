@@ -178,7 +178,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     if invariant:
-        tile = invariant_tile(group_p2, head_dim, query.dtype)
+        tile = invariant_tile(group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
     tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
     block_q = tile.block_m // group_p2
     constants = dict(
@@ -253,13 +253,14 @@ def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: t
     return TileConfig(rows, 64, 2) if head_dim <= 64 else TileConfig(rows, 32, 2)
 
 
-def invariant_tile(group_p2: int, head_dim: int, query_dtype: torch.dtype) -> TileConfig:
+def invariant_tile(group_p2: int, head_dim: int, query_dtype: torch.dtype, kv_fp8: bool = False) -> TileConfig:
     """The one launch shape of `invariant=True`, for every batch: `tile_config`'s decode tile (16 rows, or the group),
     for prefill rows too. Decode steps, where a deterministic run spends its attention time, then run as fast as
     the default's single pass; a prefill block covers 16 / group query tokens, so each K/V tile serves fewer of them
     than the 64-row prefill tile would (mostly from L2: one sequence's keys per head are a few hundred KB), a cost
-    that grows with the prompt's length squared but stays small beside the prompt's GEMMs at a few thousand tokens."""
-    return tile_config(1, group_p2, head_dim, query_dtype)
+    that grows with the prompt's length squared but stays small beside the prompt's GEMMs at a few thousand tokens.
+    A prefill block and a decode row of the same tile compile to the same kernel (the constants are the tile's)."""
+    return tile_config(1, group_p2, head_dim, query_dtype, kv_fp8)
 
 
 @functools.cache

@@ -87,7 +87,9 @@ def test_invariant_gemm_llama3_8b_sizes_gpu(n: int, k: int) -> None:
 class Cache:
     """Paged K/V of several sequences, in shuffled blocks; slots no sequence owns hold NaN."""
 
-    def __init__(self, seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
+    def __init__(self, seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the caches' (float8_e4m3fn: FP8 K/V, values rounded from `dtype`'s); default `dtype`."""
         gen = torch.Generator(DEVICE).manual_seed(seed)
         counts = [-(-n // BLOCK_SIZE) for n in seq_lens]
         order = torch.randperm(sum(counts) + 1, generator=gen, device=DEVICE)
@@ -105,6 +107,8 @@ class Cache:
             for cache in (self.k, self.v):
                 cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
                     n, num_kv_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
+        if kv_dtype is not None:  # NaN slots stay NaN in E4M3
+            self.k, self.v = self.k.to(kv_dtype), self.v.to(kv_dtype)
 
     def attend(self, query: torch.Tensor, rows: list[tuple[int, int, int]], reference_kernel: bool = False,
                **options) -> torch.Tensor:
@@ -131,10 +135,10 @@ class Cache:
 
 def check_attention_rows_invariant(seq_lens: list[int], chunks: list[int], gqa: int, num_kv_heads: int,
                                    head_dim: int, dtype: torch.dtype, decode_positions: list[int],
-                                   **options) -> None:
+                                   kv_dtype: torch.dtype | None = None, **options) -> None:
     """Sequence 0's rows (all `seq_lens[0]` of them) computed five ways, bit for bit the same."""
     length = seq_lens[0]
-    cache = Cache(seq_lens, num_kv_heads, head_dim, dtype, seed=length)
+    cache = Cache(seq_lens, num_kv_heads, head_dim, dtype, seed=length, kv_dtype=kv_dtype)
     gen = torch.Generator(DEVICE).manual_seed(1)
     heads = num_kv_heads * gqa
     query = torch.randn(length, heads, head_dim, generator=gen, device=DEVICE).to(dtype)
@@ -180,6 +184,13 @@ def test_invariant_attention_with_sinks() -> None:
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
     check_attention_rows_invariant([40, 17], [19], gqa=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                                    decode_positions=[0, 39], sinks=sinks)
+
+
+def test_invariant_attention_with_an_fp8_cache() -> None:
+    """FP8 K/V (deterministic=True takes kv_cache_dtype="fp8") with float16 queries: its own decode tile, for prefill
+    rows too; against the float32 reference on the same E4M3 values."""
+    check_attention_rows_invariant([40, 17, 6], [19], gqa=2, num_kv_heads=2, head_dim=16, dtype=torch.float16,
+                                   decode_positions=[0, 39], kv_dtype=torch.float8_e4m3fn)
 
 
 def test_invariant_attention_refuses_a_tile_or_splits() -> None:
