@@ -2,11 +2,11 @@
 
 A library GEMM picks its kernel, tiles and split-K by M (the rows of the call), so the same row of `x` rounds
 differently inside a decode step of 1 row and a prefill of 300. Here nothing a row's result depends on moves
-with M: the tile shape, warps and stages come from (N, K, dtype) only (`gemm_config`), there is no split-K, and
-each output tile accumulates its K tiles in float32 in increasing order. Rows are independent in `tl.dot` (a
-row's products and their sum never mix with another row's), so row r of `x` gives the same bits alone (M = 1)
-or inside any M: only the number of row tiles in the grid changes. M is not specialised on (`do_not_specialize`):
-one compiled kernel per (N, K, dtype) serves every step, and a CUDA graph captured at one M replays another's.
+with M: the launch shape comes from (N, K, dtype) (`gemm_config`), there is no split-K, and each output tile
+accumulates its K tiles in float32 in increasing order. Rows are independent in `tl.dot` (a row's products and
+their sum never mix with another row's), so row r of `x` gives the same bits alone (M = 1) or inside any M: only
+the number of row tiles in the grid changes. M is not specialised on (`do_not_specialize`): one compiled kernel
+per launch shape serves every step, and a CUDA graph captured at one M replays another's.
 
 Decode steps (M <= `SMALL_M`) fill few of the GPU's SMs with 128-row tiles. They may take smaller row and column
 tiles (`small_m_config`) with the same K tiles: each output element still sums the same K tiles in the same order,
