@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from batchllm import LoRARequest
+from tests.hf_greedy import hf_greedy_tokens
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
@@ -99,11 +100,7 @@ class _DefaultModelGreedy:
                 from transformers import AutoModelForCausalLM
 
                 self._model = AutoModelForCausalLM.from_pretrained(_default_model(), dtype=torch.float32).eval()
-            with torch.inference_mode():
-                ids = torch.tensor([prompt])
-                out = self._model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                           do_sample=False)
-            tokens = out[0, len(prompt):].tolist()
+            tokens = hf_greedy_tokens(self._model, [prompt], max_new_tokens)[0]
             self._runs[tuple(prompt)] = (max_new_tokens, tokens)
         return list(tokens)
 

@@ -4,9 +4,9 @@ so small that the optimistic policy preempts (and recomputes) where KV-aware adm
 from __future__ import annotations
 
 import pytest
-import torch
 
 from batchllm import LLM, SamplingParams
+from tests.hf_greedy import hf_greedy_tokens
 
 MAX_NEW = 16
 TEXTS = ["The capital of France is", "The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4, 5,",
@@ -20,16 +20,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(model_path, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-            outputs.append(out[0, len(prompt):].tolist())
+    outputs = hf_greedy_tokens(model_path, prompts, MAX_NEW)
     # No EOS within MAX_NEW tokens: the reference is what `ignore_eos=True` (a forced output) generates too.
     assert all(len(output) == MAX_NEW for output in outputs)
     return outputs

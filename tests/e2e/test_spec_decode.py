@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from batchllm import LLM, SamplingParams
 from tests.e2e.test_generate_vs_hf import _prompts
+from tests.hf_greedy import hf_greedy_tokens
 from tests.tiny_models import TINY_LLAMA, write_tiny_llama
 
 MAX_NEW = 24
@@ -49,20 +50,6 @@ def write_repeating_target(directory: Path) -> Path:
 def model_path(tmp_path_factory):
     """The target of every engine and HF reference here (overrides e2e/conftest.py's default model)."""
     return write_repeating_target(tmp_path_factory.mktemp("target"))
-
-
-def hf_greedy_tokens(model_path, prompts, max_new: int) -> list[list[int]]:
-    """HF `generate` on `model_path`: greedy, float32, one prompt at a time, no padding."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    tokens = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
-            tokens.append(out[0, len(prompt):].tolist())
-    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from batchllm import LLM, SamplingParams
 from batchllm.executor.model_runner import ModelRunner
 from tests.e2e.graph_replay import EagerReplay
-from tests.e2e.test_spec_decode import MAX_NEW, _greedy, _tight, hf_greedy_tokens, spec_prompts
+from tests.e2e.test_spec_decode import MAX_NEW, _greedy, _tight, spec_prompts
+from tests.hf_greedy import hf_greedy_tokens
 from tests.tiny_models import TINY_LLAMA, write_tiny_llama
 
 NUM_DRAFTS = 3

@@ -46,6 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from batchllm import LLM, SamplingParams
 from batchllm.model.default_model import default_model_path
 from batchllm.model.loader import load_model
+from tests.hf_greedy import hf_greedy_tokens
 from tests.unit import int4_writers as iw
 from tests.unit.test_fp8_checkpoints import (
     FUSED,
@@ -236,13 +237,7 @@ def hf_greedy(model, expected: Callable[[str], torch.Tensor], weights: dict[str,
     with torch.no_grad():
         for name in iw.linear_names(weights):
             modules[name].weight.copy_(expected(name))
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return hf_greedy_tokens(model, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("name", GREEDY)
