@@ -88,7 +88,7 @@ def tiny(tiny_llama_dir):
 
 # The kill test runs on the session's tiny Llama (its point is the checkpoints, not the weights). Its steps cost
 # ~1-3 ms, so each row asks for more tokens (EOS ignored) to keep the shard unfinished for a second or more; its KV
-# cache is given a size (from free memory it would be millions of blocks, seconds to set up).
+# cache is given what the job needs (by default 65,536 blocks, 512 MB, in every process).
 TINY_TOKENS = 40
 KV_BLOCKS = 64
 

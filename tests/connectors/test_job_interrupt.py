@@ -96,7 +96,7 @@ def test_ctrl_c_on_the_command_line_exits_130_long_before_the_rows_finish(llm, t
     output, log = tmp_path / "out", tmp_path / "job.log"
     # 8 rows, all in flight at once (the default --max-in-flight is 512), each 2000 tokens: 2000 steps or more of the
     # session's tiny Llama (~1-3 ms each; the point is the signal, not the weights), with room in its KV cache for
-    # them all (sized from free memory, it would be millions of blocks: seconds to set up).
+    # them all (by default 65,536 blocks, 512 MB).
     command = [sys.executable, "-m", "batchllm", "run", str(tmp_path / "in"), str(output), "--prompt-column", "q",
                "--model", str(tiny_llama_dir), "--num-kv-blocks", "1024", "--max-tokens", "2000", "--ignore-eos",
                "--rows-per-shard", "4"]

@@ -24,7 +24,7 @@ from tests.connectors.jobs import read_shards, write_parquet_input
 
 ROWS_PER_SHARD = 4
 GREEDY = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
-# Sized from free memory, the tiny model's KV cache would be millions of blocks, seconds to set up in every process.
+# What the job needs; by default the tiny model would get 65,536 blocks (512 MB) in every process.
 KV_BLOCKS = 64
 JOB = {"prompt_column": "q", "rows_per_shard": ROWS_PER_SHARD, "max_in_flight": 4, **GREEDY}
 

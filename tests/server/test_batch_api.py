@@ -38,7 +38,7 @@ CHATS = [[{"role": "user", "content": "Name a prime number."}], [{"role": "user"
 MANY = [f"Write the number {i} in words:" for i in range(12)]  # 2 at a time (SETTINGS): seconds to cancel or kill in
 MANY_TOKENS = 128
 LONG_TOKENS = 768  # seconds of work per row on a CPU, even in the CLI's main-thread engine: time to signal meanwhile
-KV_BLOCKS = 256  # sized from free memory, the tiny model's KV cache would be millions of blocks: seconds to set up
+KV_BLOCKS = 256  # by default the tiny model would get 65,536 blocks (512 MB) in every server process
 MAX_UPLOAD = 256 * 1024
 SETTINGS = BatchSettings(rows_per_shard=4, flush_seconds=0.2, max_in_flight=2, max_upload_bytes=MAX_UPLOAD)
 BATCH_SERVER = Path(__file__).with_name("batch_server.py")
