@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +75,21 @@ def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: i
         compact, indices = stage_slots(config, layout), stage_layer_indices(config)
         slots = [compact[layout.layer_slot[layer]] for layer in indices]
         groups = [layout.layer_group[layer] for layer in indices]
-    tensor = torch.empty(2, max(slots) + 1, num_blocks, block_size, layers[0].num_kv_heads, config.head_dim,
-                         dtype=dtype, device=device)
+    tensor = zeroed_pool((2, max(slots) + 1, num_blocks, block_size, layers[0].num_kv_heads, config.head_dim),
+                         dtype, device)
     for layer, slot, group in zip(layers, slots, groups, strict=True):
         layer.k_cache, layer.v_cache, layer.kv_group = tensor[0, slot], tensor[1, slot], group
     return KVCache(tensor)
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A pool of zeros. Slots no token has written are still read: a key masked out of a query's softmax enters
+    `p @ V` as 0 x its value, NaN where recycled memory held a NaN bit pattern (a verification step's inert tokens
+    and a CUDA graph's padding rows sit at positions nothing wrote). On the GPU a memset; on the CPU an anonymous
+    mapping, zero pages that become resident only as blocks are written (a memset would make a 4 GiB default pool
+    resident at start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
