@@ -3,14 +3,26 @@
 Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. `triton.jit` reads
 TRITON_INTERPRET when it decorates, and Triton's own library functions are decorated when `triton` is first
 imported, which some test dependencies do at import (peft does): so it is set here, ahead of every module.
+
+The interpreter's `tl.dot` is `numpy.matmul`, so the batch-invariance tests of the deterministic kernels hold only
+if numpy's BLAS rounds a row the same wherever it sits in a tile (as a GPU tile does). OpenBLAS's Haswell / Zen
+SGEMM kernels do not (a row at tile row 0 and at row 6 can differ in the last bit); its Sandybridge kernel does.
+OpenBLAS reads OPENBLAS_CORETYPE when it loads, at numpy's import, which `import torch` does: so before it.
 """
 
 import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# Each CPU engine's default KV pool would be 4 GiB, allocated untouched. A machine that does not overcommit memory
+# (vm.overcommit_memory=2) charges all of it at once: with a few engines alive in this process (module fixtures)
+# and in its replicas, allocations then fail. 1 GiB (1,456 blocks of the default model) holds every test's rows;
+# tests that size the pool say so.
+os.environ.setdefault("BATCHLLM_CPU_KV_CACHE_BYTES", str(1 << 30))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -103,8 +103,19 @@ def kv_pool_blocks(model: torch.nn.Module, model_config: ModelConfig, scheduler_
     return int(num_blocks)
 
 
+CPU_KV_BYTES_ENV = "BATCHLLM_CPU_KV_CACHE_BYTES"
+
+
 def _default_cpu_kv_bytes() -> int:
-    """A quarter of physical memory, at most 4 GiB: room for the weights and the rest of the process."""
+    """`$BATCHLLM_CPU_KV_CACHE_BYTES` where set (as vLLM's CPU backend takes its KV space from the environment: a
+    process that starts engines it does not configure, such as a test suite or a replica pool, can bound them all);
+    otherwise a quarter of physical memory, at most 4 GiB: room for the weights and the rest of the process. The
+    pool is allocated untouched, but a system that does not overcommit memory charges all of it at once."""
+    value = os.environ.get(CPU_KV_BYTES_ENV)
+    if value is not None:
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"{CPU_KV_BYTES_ENV}={value!r}: expected a number of bytes, an int >= 1")
+        return int(value)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):

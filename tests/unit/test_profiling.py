@@ -1,6 +1,8 @@
 """The profiled step's shape (executor/profiling.py): it must carry the whole token budget, in sequences no
 longer than the model allows, so the KV pool is sized with the largest step's activations set aside."""
 
+import pytest
+
 from batchllm.executor.profiling import profile_lengths
 
 
@@ -30,3 +32,15 @@ def test_the_default_cpu_pool_holds_what_the_scheduler_can_use(tiny_llama_dir):
     assert LLM(tiny_llama_dir, device="cpu", max_num_seqs=4).stats.num_kv_blocks == 1024
     assert LLM(tiny_llama_dir, device="cpu", max_num_seqs=4,
                kv_cache_memory_bytes=3000 * 8192).stats.num_kv_blocks == 3000
+
+
+def test_the_environment_bounds_the_default_cpu_pool(tiny_llama_dir, monkeypatch):
+    """$BATCHLLM_CPU_KV_CACHE_BYTES replaces the default budget (500 blocks of 8,192 bytes, under the 1,024 that
+    the scheduler could use); a value that is not a byte count is refused with the variable's name."""
+    from batchllm import LLM
+
+    monkeypatch.setenv("BATCHLLM_CPU_KV_CACHE_BYTES", str(500 * 8192))
+    assert LLM(tiny_llama_dir, device="cpu", max_num_seqs=4).stats.num_kv_blocks == 500
+    monkeypatch.setenv("BATCHLLM_CPU_KV_CACHE_BYTES", "4GiB")
+    with pytest.raises(ValueError, match="BATCHLLM_CPU_KV_CACHE_BYTES='4GiB': expected a number of bytes"):
+        LLM(tiny_llama_dir, device="cpu", max_num_seqs=4)
