@@ -120,7 +120,7 @@ def test_wheel_install_imports_kernels_and_connectors(wheel_python, tmp_path):
 # Builds engines from the wheel alone: one in-process, one over three tensor-parallel worker processes
 # (they import the wheel's batchllm.distributed and executor modules in fresh interpreters).
 ENGINE_CHECK = textwrap.dedent("""
-    import json, sys
+    import gc, json, sys
     import batchllm
     from batchllm import LLM, SamplingParams
     texts = []
@@ -130,6 +130,8 @@ ENGINE_CHECK = textwrap.dedent("""
             llm = LLM(device="cpu", tensor_parallel_size=tp)
             texts.append(llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text)
             llm.shutdown()
+            del llm  # its KV pool goes before the next engine takes one (a memory-tight machine holds one at a time)
+            gc.collect()
         print(json.dumps({"file": batchllm.__file__, "texts": texts}))
 """)
 
