@@ -90,6 +90,6 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     resident at start)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     pages = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

@@ -85,22 +85,31 @@ def kv_pool_blocks(model: torch.nn.Module, model_config: ModelConfig, scheduler_
     `kv_cache_memory_bytes` or a default share of memory. `extra_bytes_per_block`: a proposer's own K/V.
     `layout`: a hybrid KV cache's, whose block holds one group's layers."""
     per_block = kv_bytes_per_block(model_config, block_size, dtype, layout) + extra_bytes_per_block
-    if device.type == "cuda":
-        budget = profile_peak_memory(model, model_config, scheduler_config, block_size, device, dtype,
-                                     cache_config.gpu_memory_utilization)
-    else:
-        budget = cache_config.kv_cache_memory_bytes or _default_cpu_kv_bytes()
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} per block)")
-    if device.type != "cuda" and not cache_config.kv_cache_memory_bytes:
-        # The default CPU share is sized for the default model: a small model would get millions of blocks (seconds
-        # of pool bookkeeping at start) where every running sequence at full length, twice over (room for the prefix
-        # cache), is all the scheduler can use.
+    if device.type != "cuda":
         groups = 1 if layout is None else layout.num_groups
-        useful = 2 * scheduler_config.max_num_seqs * groups * -(-model_config.max_model_len // block_size)
-        num_blocks = min(num_blocks, useful)
-    return int(num_blocks)
+        return cpu_pool_blocks(cache_config, per_block, scheduler_config.max_num_seqs, model_config.max_model_len,
+                               block_size, groups)
+    budget = profile_peak_memory(model, model_config, scheduler_config, block_size, device, dtype,
+                                 cache_config.gpu_memory_utilization)
+    return _blocks_within(budget, per_block)
+
+
+def cpu_pool_blocks(cache_config: CacheConfig, per_block: int, max_num_seqs: int, max_model_len: int,
+                    block_size: int, groups: int = 1) -> int:
+    """The CPU pool: `kv_cache_memory_bytes` as given, or the default budget (`_default_cpu_kv_bytes`) capped at
+    every running sequence at full length, twice over (room for the prefix cache), in each of `groups` (a hybrid
+    KV cache's): all the scheduler can use. Uncapped, a small model would get millions of blocks (seconds of pool
+    bookkeeping at start). The dry run (connectors/jobs/engine_preview.py) reports the same number."""
+    if cache_config.kv_cache_memory_bytes:
+        return _blocks_within(cache_config.kv_cache_memory_bytes, per_block)
+    useful = 2 * max_num_seqs * groups * -(-max_model_len // block_size)
+    return min(_blocks_within(_default_cpu_kv_bytes(), per_block), useful)
+
+
+def _blocks_within(budget: int, per_block: int) -> int:
+    if budget < per_block:
+        raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes, {per_block} per block)")
+    return int(budget // per_block)
 
 
 CPU_KV_BYTES_ENV = "BATCHLLM_CPU_KV_CACHE_BYTES"

@@ -97,10 +97,11 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
     kv_bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
                           * (1 if resolved.kv_cache_dtype == "fp8" else dtype_bytes))
     gpus = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-    kv_tokens = _known_kv_tokens(config.cache, device_type, kv_bytes_per_token // max(1, gpus))
     model_limit, requested_len = model_config.max_model_len, config.model.max_model_len
     if requested_len is not None and requested_len > model_limit:  # the runner's check, with its message
         raise ValueError(f"max_model_len={requested_len} exceeds the model's limit of {model_limit} positions")
+    kv_tokens = _known_kv_tokens(config.cache, device_type, kv_bytes_per_token // max(1, gpus),
+                                 config.scheduler.max_num_seqs, requested_len or model_limit)
     max_model_len = min(requested_len or model_limit, kv_tokens or model_limit)
     return EnginePreview(resolved.model_path, config.pooling.task, resolved.tokenizer, model_config, max_model_len,
                          resolved.pooling_params, resolved.embedding_dim, resolved.pinned_quantization,
@@ -110,15 +111,16 @@ def preview_engine(model: str | Path | None = None, engine_kwargs: Mapping[str, 
                          AdapterRegistry(model_config, config.lora.max_lora_rank, config.lora.enable_lora))
 
 
-def _known_kv_tokens(cache: CacheConfig, device_type: str, kv_bytes_per_token: int) -> int | None:
+def _known_kv_tokens(cache: CacheConfig, device_type: str, kv_bytes_per_token: int, max_num_seqs: int,
+                     max_model_len: int) -> int | None:
     """Tokens the KV pool holds, as the runner sizes it (executor/profiling.py), where that needs no device."""
-    from batchllm.executor.profiling import _default_cpu_kv_bytes
+    from batchllm.executor.profiling import cpu_pool_blocks
 
     per_block = kv_bytes_per_token * cache.block_size
     if cache.num_blocks:
         blocks = cache.num_blocks
     elif device_type == "cpu":
-        blocks = (cache.kv_cache_memory_bytes or _default_cpu_kv_bytes()) // per_block
+        blocks = cpu_pool_blocks(cache, per_block, max_num_seqs, max_model_len, cache.block_size)
     else:
         return None
     return blocks * cache.block_size

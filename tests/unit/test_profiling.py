@@ -44,3 +44,14 @@ def test_the_environment_bounds_the_default_cpu_pool(tiny_llama_dir, monkeypatch
     monkeypatch.setenv("BATCHLLM_CPU_KV_CACHE_BYTES", "4GiB")
     with pytest.raises(ValueError, match="BATCHLLM_CPU_KV_CACHE_BYTES='4GiB': expected a number of bytes"):
         LLM(tiny_llama_dir, device="cpu", max_num_seqs=4)
+
+
+def test_the_dry_run_reports_the_pool_the_engine_takes(tiny_llama_dir):
+    """The dry run's KV tokens (connectors/jobs/engine_preview.py, no model loaded) equal the engine's pool:
+    1,024 blocks of 16 (the default budget's cap, as above), not the whole budget's blocks."""
+    from batchllm import LLM
+    from batchllm.connectors.jobs.engine_preview import preview_engine
+
+    kwargs = dict(device="cpu", max_num_seqs=4)
+    assert preview_engine(tiny_llama_dir, kwargs).kv_cache_tokens == 1024 * 16
+    assert LLM(tiny_llama_dir, **kwargs).stats.num_kv_blocks == 1024
