@@ -18,6 +18,7 @@ mode follows from where the time goes: prefill steps are GEMMs at M in the thous
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -31,6 +32,7 @@ from shapes import SHAPES
 from batchllm.kernels.invariant_gemm import GemmConfig, gemm_config, invariant_linear
 
 ROWS = (1, 64, 256, 2048, 8192)
+GROUPS = (1, 4, 8, 16)  # row tiles per group of the launch order, timed beside the default's
 
 
 def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -115,7 +117,9 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
             default = gemm_config(n, k, torch.bfloat16)
-            configs = [default] + ([c for c in candidates() if c != default] if args.sweep else [])
+            # The launch order's grouping beside the default's (1: row-major, no grouping): the same bits.
+            orders = [dataclasses.replace(default, group_m=g) for g in GROUPS if g != default.group_m]
+            configs = [default, *orders] + ([c for c in candidates() if c != default] if args.sweep else [])
             timed = []
             for config in configs:
                 try:
@@ -125,14 +129,16 @@ def main() -> None:
                     results.append(dict(layer=name, m=m, config=str(config), error=type(exc).__name__))
                     continue
                 row = dict(layer=name, n=n, k=k, m=m, config=str(config), default=config == default, ms=ms,
+                           group_m=config.group_m, order_only=config in orders,
                            cublas_ms=cublas_ms, vs_cublas=cublas_ms / ms, invariant=ok,
                            tflops=2 * m * n * k / (ms * 1e-3) / 1e12)
                 results.append(row)
                 timed.append(row)
             best = max((r for r in timed if r["invariant"]), key=lambda r: r["vs_cublas"])
+            by_group = " ".join(f"g{r['group_m']} {r['ms'] * 1e3:.1f}" for r in timed if r["order_only"])
             print(f"{name:8} M={m:5}: cuBLAS {cublas_ms * 1e3:8.1f} us; default {timed[0]['ms'] * 1e3:8.1f} us "
-                  f"({timed[0]['vs_cublas']:.2f}x of cuBLAS); best {best['config']} {best['ms'] * 1e3:.1f} us "
-                  f"({best['vs_cublas']:.2f}x)", flush=True)
+                  f"({timed[0]['vs_cublas']:.2f}x of cuBLAS; other launch orders, us: {by_group}); best "
+                  f"{best['config']} {best['ms'] * 1e3:.1f} us ({best['vs_cublas']:.2f}x)", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         name = f"{time.strftime('%Y-%m-%d')}-invariant-gemm-{args.shape}-{device.split()[1].lower()}.json"

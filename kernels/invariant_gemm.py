@@ -35,6 +35,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     block_m: int
+    group_m: int = 8  # row tiles per group of the launch order (L2 reuse); never enters a row's sum
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -109,11 +110,12 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m > 0:
-        grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
         invariant_gemm_kernel[grid](
             rows, weight, bias if bias is not None else weight, out, m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
             # float32 models get float32 products; on the GPU the default would round operands to tf32.
             DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -125,11 +127,19 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def invariant_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`: one `[BLOCK_M, BLOCK_N]` tile of `out` per program."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Grid `(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)`: one `[BLOCK_M, BLOCK_N]` tile of `out` per program, visited
+    GROUP_M row tiles at a time down each column of tiles (the programs running at once share their x and W tiles
+    in L2; at M in the thousands a row-major order re-reads x from memory once per column tile)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group_first = pid // (GROUP_M * tiles_n) * GROUP_M
+    group_rows = tl.minimum(tiles_m - group_first, GROUP_M)
+    tile_m = group_first + (pid % (GROUP_M * tiles_n)) % group_rows
+    tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N

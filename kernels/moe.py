@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from batchllm.kernels.moe_int import dequantize_int_triton, int_groups, int_weight_tile
-from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_tile_dot
+from batchllm.kernels.moe_mxfp4 import dequantize_mxfp4_triton, mx_tile_dot, mx_tile_scaled_dot
 from batchllm.kernels.moe_reference import MOE_ACTIVATIONS, MXFP4_BLOCK, SWIGLUOAI_ALPHA
 
 _ALPHA = tl.constexpr(SWIGLUOAI_ALPHA)  # jit code reads only constexpr globals
@@ -56,6 +56,16 @@ def weight_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
     if w13.dtype == torch.int32:
         return INT
     return FP8 if w13_scale is not None else DENSE
+
+
+def expands_experts(w_format: int, num_pairs: int, num_experts: int, dtype: torch.dtype) -> bool:
+    """Whether quantized experts are expanded to `dtype` for the dense kernel rather than decoded in registers.
+    MXFP4 with 16-bit activations goes through `tl.dot_scaled` at every batch size; float32 activations decode by
+    hand, slower than expanding once any expert has more than one row (an H100, gpt-oss-20b experts: T = 1
+    0.35 ms against ~0.65 ms expanded; T = 256 3.3 ms against ~1.2 ms). Integer experts follow that rule, untimed."""
+    if w_format == MXFP4 and dtype in (torch.bfloat16, torch.float16):
+        return False
+    return w_format in (MXFP4, INT) and num_pairs > num_experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +129,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     w_format = weight_format(w13, w13_scale)
-    if w_format in (MXFP4, INT) and num_tokens * top_k > num_experts:
-        # Measured on an H100 (gpt-oss-20b experts, benchmarks/README.md): decoding MXFP4 in registers is slower
-        # than expanding the experts once and running the dense kernel for every batch but the smallest (T = 1:
-        # 0.35 ms against ~0.65 ms; T = 256: 3.3 ms against ~1.2 ms). Integer experts follow the same rule, untimed.
+    if expands_experts(w_format, num_tokens * top_k, num_experts, hidden.dtype):
         if w_format == MXFP4:
             w13, w2 = (dequantize_mxfp4_triton(w, s, hidden.dtype) for w, s in ((w13, w13_scale), (w2, w2_scale)))
         else:
@@ -232,7 +239,14 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, sorted
     dtype = x_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W_FORMAT == _MXFP4:
+    if W_FORMAT == _MXFP4 and dtype != tl.float32:
+        gate_scale_cols = scale_ptr + expert * stride_s_expert + cols[:, None].to(tl.int64) * stride_s_row
+        for k0 in range(0, hidden_size, BLOCK_K):
+            gate += mx_tile_scaled_dot(x_rows, real[:, None], gate_cols, gate_scale_cols, in_cols, k0, hidden_size,
+                                       BLOCK_K, dtype)
+            up += mx_tile_scaled_dot(x_rows, real[:, None], up_cols, gate_scale_cols + inter_size * stride_s_row,
+                                     in_cols, k0, hidden_size, BLOCK_K, dtype)
+    elif W_FORMAT == _MXFP4:
         for k0 in range(0, hidden_size, BLOCK_K):
             gate += mx_tile_dot(x_rows, real[:, None], gate_cols, gate_scales, in_cols[None, :], k0, hidden_size,
                                 BLOCK_K, dtype, DOT_PRECISION)
@@ -292,7 +306,12 @@ def _down_kernel(y_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, weights_ptr, out_p
     w_zeros = zero_ptr + expert * stride_s_expert + cols[None, :].to(tl.int64) * stride_s_row
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W_FORMAT == _MXFP4:
+    if W_FORMAT == _MXFP4 and dtype != tl.float32:
+        scale_cols = scale_ptr + expert * stride_s_expert + cols[:, None].to(tl.int64) * stride_s_row
+        for k0 in range(0, inter_size, BLOCK_K):
+            acc += mx_tile_scaled_dot(y_rows, real[:, None], w_cols, scale_cols, in_cols, k0, inter_size, BLOCK_K,
+                                      dtype)
+    elif W_FORMAT == _MXFP4:
         for k0 in range(0, inter_size, BLOCK_K):
             acc += mx_tile_dot(y_rows, real[:, None], w_cols, w_scales, in_cols[None, :], k0, inter_size, BLOCK_K,
                                dtype, DOT_PRECISION)

@@ -1,12 +1,16 @@
 """MXFP4 experts in the fused MoE kernel (kernels/moe.py): the E2M1 decoding and one E8M0 block's products.
 
 An MXFP4 weight row stores 32 values per block as 16 bytes (value 2j in the low nibble of byte j, 2j + 1 in the
-high one) and one power-of-two scale. Rather than interleave the two nibbles back into K order (a register
-shuffle per element), `mx_tile_dot` splits the activations instead: `x[:, even k] @ low values + x[:, odd k] @
-high values`, two dots over a tile's contiguous bytes per weight row. It is correct but slow (5% of the H100's
-bandwidth at 256 tokens: the decoding instructions, not the bytes, are its time), so it runs only for a handful
-of tokens; otherwise `dequantize_mxfp4_triton` expands the experts to the activations' dtype and the dense kernel
-runs. Triton's `tl.dot_scaled` (e2m1 operands with e8m0 scales) is the next thing to try.
+high one) and one power-of-two scale: the layout of the OCP MX spec, which Triton's `tl.dot_scaled` reads as
+it is (`rhs_k_pack`: two K-consecutive values per byte, the low nibble first; scales `[N, K / 32]`).
+
+`mx_tile_scaled_dot` hands a tile to `tl.dot_scaled` (bf16 / fp16 activations times E2M1 with E8M0 scales), which
+on Hopper decodes the nibbles with the compiler's own conversion sequence next to the MMA. `mx_tile_dot` decodes
+by hand for float32 activations (which `dot_scaled` does not take): rather than interleave the two nibbles back
+into K order (a register shuffle per element), it splits the activations instead: `x[:, even k] @ low values +
+x[:, odd k] @ high values`, two dots over a tile's contiguous bytes per weight row; at 5% of the H100's bandwidth
+it is there for correctness. Where neither pays, `dequantize_mxfp4_triton` expands the experts to the activations'
+dtype and the dense kernel runs (kernels/moe.py's `expands_experts` decides).
 """
 
 from __future__ import annotations
@@ -54,6 +58,27 @@ def mx_tile_dot(x_rows, x_mask, w_rows, s_rows, n_mask, k0, size, BLOCK_K: tl.co
     low = (e2m1_values(packed & 0xF) * factor).to(DTYPE)
     high = (e2m1_values(packed >> 4) * factor).to(DTYPE)
     return tl.dot(x_even, low, input_precision=DOT_PRECISION) + tl.dot(x_odd, high, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def mx_tile_scaled_dot(x_rows, x_mask, w_rows, s_cols, in_cols, k0, size, BLOCK_K: tl.constexpr,
+                       DTYPE: tl.constexpr):
+    """As `mx_tile_dot` through `tl.dot_scaled`, for 16-bit activations (`DTYPE` bfloat16 or float16), given
+    the scale rows' pointers as a column `[N, 1]` (`s_cols`; dot_scaled takes the scales as `[N, K / 32]`) and
+    the columns' mask `in_cols [N]`."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_rows + k[None, :], mask=x_mask & (k < size)[None, :], other=0.0)
+    j = tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_rows + (j + k0 // 2)[:, None], mask=in_cols[None, :] & (k0 + 2 * j < size)[:, None], other=0)
+    blocks = k0 // (2 * _HALF_BLOCK) + tl.arange(0, BLOCK_K // (2 * _HALF_BLOCK))
+    # Scale 127 (factor 1) past the row's end, where the codes are zeros.
+    scales = tl.load(s_cols + blocks[None, :], mask=in_cols[:, None] & (blocks < size // (2 * _HALF_BLOCK))[None, :],
+                     other=127)
+    if DTYPE == tl.bfloat16:
+        product = tl.dot_scaled(x, None, "bf16", packed, scales, "e2m1")
+    else:
+        product = tl.dot_scaled(x, None, "fp16", packed, scales, "e2m1")
+    return product
 
 
 def dequantize_mxfp4_triton(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -61,6 +61,20 @@ def test_quantized_experts_float16(fmt):
     check(fused_moe_triton(**args, activation="silu"), args, "silu", None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("routing", ["decode T=1 k=2 (6 of 8 experts unchosen)", "uneven segments 17, 1, 0, 33",
+                                     "64-row blocks, a partial last one"])
+def test_mxfp4_experts_through_dot_scaled(routing, dtype):
+    """16-bit activations take MXFP4 experts in registers (`tl.dot_scaled`) at every batch size, never expanded:
+    the unchosen experts' NaN scales stay unread, and the tiles' K tails (HIDDEN = 96 = 64 + 32) are masked."""
+    from batchllm.kernels import moe
+
+    assert not moe.expands_experts(moe.MXFP4, 10_000, 8, dtype)
+    fused_moe_triton = _fused_moe_triton()
+    args = quantize_experts(make_moe(*ROUTINGS[routing], HIDDEN, INTER, dtype, bias=True, seed=9), "mxfp4", 10)
+    check(fused_moe_triton(**args, activation="swigluoai", swiglu_limit=7.0), args, "swigluoai", 7.0)
+
+
 def test_mxfp4_decoding_by_hand():
     """Per the OCP MX v1.0 spec: E2M1 has bias 1; exponent field 0 is subnormal (0.5 * mantissa), otherwise
     (1 + mantissa / 2) * 2^(e - 1); bit 3 is the sign. E8M0 scale s is 2^(s - 127). Byte j of a row holds

@@ -63,6 +63,19 @@ def test_invariant_gemm_keeps_leading_dims_and_rejects_mixed_dtypes() -> None:
         invariant_linear(x, weight.float())
 
 
+def test_grouped_launch_order_covers_every_tile_once() -> None:
+    """Tiles visited GROUP_M row tiles at a time: 7 row tiles in groups of 2 (the last group short) by 3 column
+    tiles (the last one short) give every output element once, equal to float32 torch."""
+    from batchllm.kernels import invariant_gemm
+
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    x = torch.randn(100, 40, generator=gen, device=DEVICE)
+    weight = torch.randn(40, 40, generator=gen, device=DEVICE)
+    config = invariant_gemm.GemmConfig(16, 16, num_warps=4, num_stages=2, block_m=16, group_m=2)
+    got = invariant_linear(x, weight, config=config)
+    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
 def test_decode_sized_tiles_serve_small_m_only_where_they_round_as_the_default(monkeypatch) -> None:
     """Small M takes `small_m_config` once a check found it bit-equal to the default; a config that rounds
     differently (other K tiles) is refused, and rows stay invariant either way."""
