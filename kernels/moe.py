@@ -18,16 +18,16 @@ next to the expert weights at decode and a few percent of the GEMMs' time at pre
 Quantized experts are dequantized in registers, tile by tile, and multiplied on the 16-bit tensor cores
 (weight-only quantization: at decode the time is the weights' bytes, which is what quantization cuts):
 `W_FORMAT` FP8 (E4M3 codes are exact in bf16; the row's float32 scale multiplies the accumulator once, after
-the K loop) or MXFP4 (E2M1 values times their block's power of two, exact in bf16, the activations split
-into even and odd features instead of the nibbles interleaved: see moe_mxfp4.py, which also expands MXFP4
-experts for the dense kernel at prefill) or 4- / 8-bit integers (GPTQ, AWQ: `(code - zero) * scale` per group,
-rounded to the dot's dtype, which is also what expanding them gives; expanded as MXFP4 is, by the same rule: see
-moe_int.py). See `moe_reference.dequantize_expert` for the formats.
+the K loop) or MXFP4 (E2M1 values times their block's power of two, exact in bf16: `tl.dot_scaled` for 16-bit
+activations, a hand decoding for float32; see moe_mxfp4.py) or 4- / 8-bit integers (GPTQ, AWQ: `(code - zero)
+* scale` per group, rounded to the dot's dtype, which is also what expanding them gives; moe_int.py). Where
+decoding in registers does not pay, the experts are expanded for the dense kernel first (`expands_experts`). See
+`moe_reference.dequantize_expert` for the formats.
 
 Both grids are `(max_blocks * n_tiles,)` with `max_blocks` an upper bound fixed by T, k, E and BLOCK_M: the host
 never reads the number of padded rows (no sync, CUDA-graph safe); programs past it return at once. Block sizes
-follow from the shapes by fixed rules (no autotuning, as for the other kernels); they are first guesses for
-Hopper, not yet timed.
+follow from the shapes by fixed rules (no autotuning, as for the other kernels; `choose_tiles` says which were
+timed).
 """
 
 from __future__ import annotations
