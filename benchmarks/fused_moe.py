@@ -25,7 +25,8 @@ from batchllm.kernels import moe
 from batchllm.kernels.moe_reference import fused_moe
 
 CHOOSE_TILES = moe.choose_tiles  # `sweep` swaps the module's own for each configuration, then restores it
-EXPANDS_EXPERTS = moe.expands_experts  # format "mxfp4-expanded" swaps it: MXFP4 expanded to bf16 at every size
+EXPANDS_EXPERTS = moe.expands_experts  # formats "mxfp4-expanded" / "mxfp4-registers" swap it (below)
+FORCED = {"mxfp4-expanded": True, "mxfp4-registers": False}  # MXFP4 expanded to bf16 / decoded in registers always
 
 # name: (experts, top-k, hidden, expert intermediate, activation)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768, "silu"), "gpt-oss-20b": (32, 4, 2880, 2880, "swigluoai")}
@@ -47,14 +48,14 @@ def expert_weights(experts: int, rows: int, cols: int, fmt: str, gen: torch.Gene
     if fmt == "fp8":
         w = (torch.randn(experts, rows, cols, device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
         return w, torch.full((experts, rows), 0.02 / 64, device="cuda"), rows * cols + rows * 4
-    # "mxfp4" and "mxfp4-expanded"
+    # "mxfp4" (the kernel's own choice of path), "mxfp4-expanded", "mxfp4-registers"
     packed = torch.randint(0, 256, (experts, rows, cols // 2), device="cuda", dtype=torch.uint8, generator=gen)
     scales = torch.randint(118, 121, (experts, rows, cols // 32), device="cuda", dtype=torch.uint8, generator=gen)
     return packed, scales, rows * cols // 2 + rows * cols // 32
 
 
 def run(shape: str, tokens: int, fmt: str, bandwidth: float, peak: float, check: bool = True) -> dict:
-    moe.expands_experts = (lambda *_: True) if fmt == "mxfp4-expanded" else EXPANDS_EXPERTS
+    moe.expands_experts = (lambda *_, forced=FORCED[fmt]: forced) if fmt in FORCED else EXPANDS_EXPERTS
     experts, k, hidden, inter, activation = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -116,8 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
     parser.add_argument("--cases", nargs="+", default=["qwen3-30b-a3b:bf16", "qwen3-30b-a3b:fp8", "gpt-oss-20b:bf16",
-                                                       "gpt-oss-20b:mxfp4", "gpt-oss-20b:mxfp4-expanded"],
-                        help="shape:format (mxfp4-expanded: the experts expanded to bf16 for the dense kernel)")
+                                                       "gpt-oss-20b:mxfp4-registers", "gpt-oss-20b:mxfp4-expanded"],
+                        help="shape:format (mxfp4: the kernel's choice; mxfp4-registers: decoded in registers, "
+                             "tl.dot_scaled; mxfp4-expanded: expanded to bf16 for the dense kernel)")
     parser.add_argument("--sweep", action="store_true", help="time a grid of tile configurations per case")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

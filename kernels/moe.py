@@ -60,12 +60,20 @@ def weight_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
 
 def expands_experts(w_format: int, num_pairs: int, num_experts: int, dtype: torch.dtype) -> bool:
     """Whether quantized experts are expanded to `dtype` for the dense kernel rather than decoded in registers.
-    MXFP4 with 16-bit activations goes through `tl.dot_scaled` at every batch size; float32 activations decode by
-    hand, slower than expanding once any expert has more than one row (an H100, gpt-oss-20b experts: T = 1
-    0.35 ms against ~0.65 ms expanded; T = 256 3.3 ms against ~1.2 ms). Integer experts follow that rule, untimed."""
+
+    Float32 activations decode MXFP4 by hand, slower than expanding once any expert has more than one row (an H100,
+    gpt-oss-20b experts: T = 1 0.35 ms against ~0.65 ms expanded; T = 256 3.3 ms against ~1.2 ms); integer experts
+    follow that rule, untimed. 16-bit activations take MXFP4 through `tl.dot_scaled` up to
+    `MXFP4_EXPAND_ABOVE_PAIRS`: decode steps, where expanding every layer's experts each step (~0.5 ms a layer on
+    an H100) cost more than the bf16 experts' whole GEMMs. Past it (prefill) the expansion is ~12 % of the dense
+    kernel's time, a known cost, so large batches keep that path until `benchmarks/fused_moe.py` ("mxfp4" against
+    "mxfp4-expanded") shows where the in-register path stops paying."""
     if w_format == MXFP4 and dtype in (torch.bfloat16, torch.float16):
-        return False
+        return num_pairs > MXFP4_EXPAND_ABOVE_PAIRS
     return w_format in (MXFP4, INT) and num_pairs > num_experts
+
+
+MXFP4_EXPAND_ABOVE_PAIRS = 8192  # token-expert pairs: 2,048 tokens at gpt-oss's top-4
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,11 +65,13 @@ def test_quantized_experts_float16(fmt):
 @pytest.mark.parametrize("routing", ["decode T=1 k=2 (6 of 8 experts unchosen)", "uneven segments 17, 1, 0, 33",
                                      "64-row blocks, a partial last one"])
 def test_mxfp4_experts_through_dot_scaled(routing, dtype):
-    """16-bit activations take MXFP4 experts in registers (`tl.dot_scaled`) at every batch size, never expanded:
-    the unchosen experts' NaN scales stay unread, and the tiles' K tails (HIDDEN = 96 = 64 + 32) are masked."""
+    """16-bit activations take MXFP4 experts in registers (`tl.dot_scaled`) up to decode-sized batches, not
+    expanded: the unchosen experts' NaN scales stay unread, and the tiles' K tails (HIDDEN = 96 = 64 + 32) are
+    masked."""
     from batchllm.kernels import moe
 
-    assert not moe.expands_experts(moe.MXFP4, 10_000, 8, dtype)
+    assert not moe.expands_experts(moe.MXFP4, 1024, 8, dtype)
+    assert moe.expands_experts(moe.MXFP4, moe.MXFP4_EXPAND_ABOVE_PAIRS + 1, 8, dtype)
     fused_moe_triton = _fused_moe_triton()
     args = quantize_experts(make_moe(*ROUTINGS[routing], HIDDEN, INTER, dtype, bias=True, seed=9), "mxfp4", 10)
     check(fused_moe_triton(**args, activation="swigluoai", swiglu_limit=7.0), args, "swigluoai", 7.0)
