@@ -66,8 +66,8 @@ def expands_experts(w_format: int, num_pairs: int, num_experts: int, dtype: torc
     follow that rule, untimed. 16-bit activations take MXFP4 through `tl.dot_scaled` up to
     `MXFP4_EXPAND_ABOVE_PAIRS`: decode steps, where expanding every layer's experts each step (~0.5 ms a layer on
     an H100) cost more than the bf16 experts' whole GEMMs. Past it (prefill) the expansion is ~12 % of the dense
-    kernel's time, a known cost, so large batches keep that path until `benchmarks/fused_moe.py` ("mxfp4" against
-    "mxfp4-expanded") shows where the in-register path stops paying."""
+    kernel's time, a known cost, so large batches keep that path until `benchmarks/fused_moe.py`
+    ("mxfp4-registers" against "mxfp4-expanded") shows where the in-register path stops paying."""
     if w_format == MXFP4 and dtype in (torch.bfloat16, torch.float16):
         return num_pairs > MXFP4_EXPAND_ABOVE_PAIRS
     return w_format in (MXFP4, INT) and num_pairs > num_experts
