@@ -1,0 +1,69 @@
+"""Speculative decoding with CUDA graphs on CUDA (GPU-marked: skipped without a device): greedy outputs with n-gram
+drafts equal those without speculation, a tiny float32 Llama written by transformers.
+
+The verification graphs replay a padded layout (every row as `1 + k` query tokens, the batch padded to a captured
+size) whose inert tokens and padding rows read K/V slots nothing wrote; masked, they still enter `p @ V` as 0 x
+value, NaN where the pool held NaN bits (executor/kv_cache.py's `zeroed_pool`, tests/unit/test_kv_pool_zeroed.py
+on the CPU). Here the pool is filled with NaN first and then allocated again, so a pool that were not zeroed would
+come back with them. Float32 leaves no near-ties: the outputs must be equal, row for row."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from batchllm import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+VOCAB = 1024
+ENGINE = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 26)
+
+
+@pytest.fixture(scope="module")
+def repeating_llama(tmp_path_factory):
+    """Small initial weights: greedy runs repeat tokens, so n-gram drafts are both accepted and rejected."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("models") / "repeating-llama"
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.1, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def _free(llm: LLM) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_ngram_verification_graphs_keep_greedy_outputs(repeating_llama):
+    gen = torch.Generator().manual_seed(0)
+    copy = torch.randint(10, VOCAB, (40,), generator=gen).tolist()
+    prompts = [copy * 3, [1]] + [torch.randint(10, VOCAB, (int(n),), generator=gen).tolist()
+                                 for n in torch.randint(5, 300, (30,), generator=gen)]
+    plain = LLM(repeating_llama, **ENGINE)
+    reference = _greedy(plain, prompts)
+    _free(plain)
+    poison = torch.full((1 << 24,), float("nan"), device="cuda")  # the allocator's cache now holds NaN bits
+    del poison
+    spec = LLM(repeating_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                    "adaptive": False}, **ENGINE)
+    assert spec.runner.graphs is not None, "CUDA graphs are the point: the verification layout is what they replay"
+    outputs = _greedy(spec, prompts)
+    accepted = spec.stats.num_accepted_tokens
+    _free(spec)
+    assert accepted > 0
+    assert outputs == reference
