@@ -39,8 +39,7 @@ def repeating_llama(tmp_path_factory):
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _free(llm: LLM) -> None:
