@@ -15,15 +15,22 @@ TINY_LLAMA_TP3 = {**TINY_LLAMA, "hidden_size": 96, "intermediate_size": 192, "nu
                   "num_key_value_heads": 3}
 
 
+def write_random_llama(directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **config) -> Path:
+    """A random Llama of `config` (LlamaConfig's fields) written by transformers in `dtype`, without a tokenizer (for
+    engines with `skip_tokenizer_init=True`: the GPU machines have no default model to copy one from)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**config)).to(dtype).save_pretrained(directory)
+    return directory
+
+
 def write_tiny_llama(directory: Path, seed: int = 0, **config) -> Path:
     """A random Llama of `config` (TINY_LLAMA's fields) written by transformers, with the default model's tokenizer,
     chat template and generation config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from batchllm.model.default_model import default_model_path
 
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(directory)
+    write_random_llama(directory, seed, **config)
     for path in default_model_path().iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
             shutil.copy(path, directory / path.name)

@@ -14,6 +14,7 @@ import torch
 from batchllm import LLM, SamplingParams
 from tests.e2e.test_deterministic import _in_batch as in_batch
 from tests.e2e.test_deterministic import _results
+from tests.tiny_models import write_random_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,16 +29,11 @@ ENGINE = dict(device="cuda", dtype="bfloat16", deterministic=True, skip_tokenize
 
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("models") / "random-llama"
-    torch.manual_seed(0)
     # head_dim 64 with 4 query heads per KV head (GQA as in llama3-8b); large weights: clear greedy choices.
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    return directory
+    return write_random_llama(tmp_path_factory.mktemp("models") / "random-llama", seed=0, dtype=torch.bfloat16,
+                              vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                              initializer_range=0.2, tie_word_embeddings=False)
 
 
 def _params(i: int) -> SamplingParams:

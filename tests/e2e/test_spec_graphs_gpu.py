@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchllm import LLM, SamplingParams
+from tests.tiny_models import write_random_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -26,15 +27,10 @@ ENGINE = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, enable_p
 @pytest.fixture(scope="module")
 def repeating_llama(tmp_path_factory):
     """Small initial weights: greedy runs repeat tokens, so n-gram drafts are both accepted and rejected."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("models") / "repeating-llama"
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.1, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
+    return write_random_llama(tmp_path_factory.mktemp("models") / "repeating-llama", seed=3, vocab_size=VOCAB,
+                              hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                              tie_word_embeddings=True)
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
