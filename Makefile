@@ -34,8 +34,12 @@ demo: venv
 # pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where kernels/ (installed as
 # batchllm.kernels) shadows HF's `kernels` package, which transformers imports. pyproject.toml sets importlib mode.
 # --durations: the slowest tests, printed last (the suite must stay under 20 minutes on a 2-core CI machine).
+# Two pytest-xdist workers, one thread each (tests/conftest.py): most tests are single-threaded Python (tiny models,
+# the Triton interpreter, subprocess start-up), so two processes do what two torch threads in one cannot. Whole
+# files go to one worker (--dist loadfile), so module fixtures are built once.
+TEST_WORKERS ?= 2
 test: venv
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 bench: venv
 	$(PY) benchmarks/throughput.py

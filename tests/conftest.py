@@ -20,12 +20,19 @@ os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 # and in its replicas, allocations then fail. 1 GiB (1,456 blocks of the default model) holds every test's rows;
 # tests that size the pool say so.
 os.environ.setdefault("BATCHLLM_CPU_KV_CACHE_BYTES", str(1 << 30))
+# Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker keeps to one thread, as do the
+# engines, replicas and BLAS it starts: two workers of two threads each fight over the cores and gain nothing.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case a plugin imported torch before the variables above were set
 
 # `python -m pytest` from the repo root puts the root first on sys.path, where kernels/ (installed as
 # batchllm.kernels) shadows HF's `kernels` package, which transformers >= 5.25 imports. `make test` runs pytest's
