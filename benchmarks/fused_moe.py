@@ -55,7 +55,9 @@ def expert_weights(experts: int, rows: int, cols: int, fmt: str, gen: torch.Gene
 
 
 def run(shape: str, tokens: int, fmt: str, bandwidth: float, peak: float, check: bool = True) -> dict:
-    moe.expands_experts = (lambda *_, forced=FORCED[fmt]: forced) if fmt in FORCED else EXPANDS_EXPERTS
+    # Forced for MXFP4 only: the expanded experts go through the call again as bf16, which must not expand.
+    moe.expands_experts = ((lambda w_format, *_, forced=FORCED[fmt]: forced and w_format == moe.MXFP4)
+                           if fmt in FORCED else EXPANDS_EXPERTS)
     experts, k, hidden, inter, activation = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -38,8 +38,9 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _free(llm: LLM) -> None:
-    del llm
+def _release_memory() -> None:
+    """After the caller's `del`: the engine's pool back to the allocator's cache, and the cache to the device (the
+    next engine's profile measures what the device has free)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -51,7 +52,8 @@ def test_ngram_verification_graphs_keep_greedy_outputs(repeating_llama):
                                  for n in torch.randint(5, 300, (30,), generator=gen)]
     plain = LLM(repeating_llama, **ENGINE)
     reference = _greedy(plain, prompts)
-    _free(plain)
+    del plain
+    _release_memory()
     poison = torch.full((1 << 24,), float("nan"), device="cuda")  # the allocator's cache now holds NaN bits
     del poison
     spec = LLM(repeating_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
@@ -59,6 +61,7 @@ def test_ngram_verification_graphs_keep_greedy_outputs(repeating_llama):
     assert spec.runner.graphs is not None, "CUDA graphs are the point: the verification layout is what they replay"
     outputs = _greedy(spec, prompts)
     accepted = spec.stats.num_accepted_tokens
-    _free(spec)
+    del spec
+    _release_memory()
     assert accepted > 0
     assert outputs == reference
