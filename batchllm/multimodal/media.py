@@ -203,7 +203,11 @@ def _fetch(url: str, timeout_s: float) -> bytes:
 
 
 def _short(text: str) -> str:
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+    """Both ends of a long text: a path's file name is at its end."""
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    head = _SHOWN_CHARS // 2
+    return text[:head] + "..." + text[-(_SHOWN_CHARS - head):]
 
 
 def _reason(exc: BaseException) -> str:

@@ -164,6 +164,15 @@ def test_load_images_keeps_order_and_puts_errors_in_their_slots(picture):
     assert load_images([]) == []
 
 
+def test_a_long_missing_path_keeps_its_file_name_in_the_error():
+    path = "/data/" + "nested/" * 30 + "photo_0042.png"
+    with pytest.raises(MediaError) as error:
+        load_image(path)
+    message = str(error.value)
+    assert message.startswith("file not found: /data/nested/") and message.endswith("/photo_0042.png")
+    assert "..." in message and len(message) < 120  # shortened, not the whole path
+
+
 class _Server:
     """A loopback HTTP server on a thread, serving `routes` (path → bytes); anything else is a 404. A path with
     "unsized" in it is sent without a Content-Length (the body ends when the connection closes)."""
