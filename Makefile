@@ -36,8 +36,9 @@ demo: venv
 # --durations: the slowest tests, printed last (the suite must stay under 20 minutes on a 2-core CI machine).
 # Two pytest-xdist workers, one thread each (tests/conftest.py): most tests are single-threaded Python (tiny models,
 # the Triton interpreter, subprocess start-up), so two processes do what two torch threads in one cannot. Whole
-# files go to one worker (--dist loadfile), so module fixtures are built once.
-TEST_WORKERS ?= 2
+# files go to one worker (--dist loadfile), so module fixtures are built once. On a GPU host one process
+# (-n 0): the GPU-marked tests each size their engine to most of the device's memory.
+TEST_WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,2)
 test: venv
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
