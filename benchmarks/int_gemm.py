@@ -9,14 +9,13 @@ the other formats). Each call is timed inside a CUDA graph (launch overhead excl
 decode steps) replayed several times, the median replay taken. The graph cycles over enough copies of the
 weight that they do not fit in the 50 MB L2 together, since each layer of a model reads its own weight from
 HBM (a 4-bit weight of a few MB alone would stay in L2 and be timed too fast). Paths per M: `split-k` (up to
-M = 64; `split-k-swap` the same multiplying w^T x^T), `tiled` (from M = 16), `dequantize` (all M), each in its
-default configuration; `auto` is the one `int_matmul` takes.
+M = 64), `tiled` (from M = 16), `dequantize` (all M), each in its default configuration; `auto` is the one
+`int_matmul` takes.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import math
 
@@ -132,13 +131,10 @@ def main() -> None:
             bf16_us = time_us(F.linear, [(x, w) for w in dense])
             calls = [(x, *w) for w in weights]
             auto = int_gemm.choose_path(m)
-            paths = ["auto"] + [p for p, ok in (("split-k", m <= 64), ("split-k-swap", m <= 64), ("tiled", m >= 16),
-                                                ("dequantize", True)) if ok]
+            paths = ["auto"] + [p for p, ok in (("split-k", m <= 64), ("tiled", m >= 16), ("dequantize", True)) if ok]
             for path in paths:
-                gemm_path = auto if path == "auto" else path.removesuffix("-swap")
+                gemm_path = auto if path == "auto" else path
                 config = None if gemm_path == "dequantize" else int_gemm.gemm_config(gemm_path, m, n, k)
-                if path.endswith("-swap"):  # the same configuration multiplying w^T x^T (GemmConfig.swap_ab)
-                    config = dataclasses.replace(config, swap_ab=True)
                 us = time_us(path_fn("auto" if path == "auto" else gemm_path, args.bits, config), calls)
                 label = f"auto={auto}" if path == "auto" else path
                 results.append({"shape": name, "k": k, "n": n, "m": m, "path": label, "bf16_us": bf16_us,

@@ -58,9 +58,6 @@ class GemmConfig:
     split_k: int = 1  # at most this many K splits (fewer if K has fewer BLOCK_K tiles)
     num_warps: int = 4
     num_stages: int = 3
-    # Multiply as `out^T = w^T x^T`: the dequantized tile becomes the MMA's first operand, which Hopper's wgmma
-    # reads from registers (the second must be staged in shared memory), and the few rows of a decode batch its N.
-    swap_ab: bool = False
 
 
 def choose_path(m: int) -> str:
@@ -121,7 +118,7 @@ def int_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         qweight.stride(0), scales.stride(0), group_size, BITS=bits, HAS_G_IDX=g_idx is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         # fp32 inputs get fp32 products; on the GPU the default would round operands to tf32.
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SWAP_AB=config.swap_ab,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split_k > 1:
@@ -178,7 +175,7 @@ def _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, k_end, c
 def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, m, n, k, chunk, stride_x,
                      stride_q, stride_s, group_size, BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr):
     """Grid `(cdiv(n, BLOCK_N), cdiv(m, BLOCK_M), split_k)`; N tiles vary fastest, so programs running together
     share x's rows. Split s's sum over its `chunk` rows of K goes to plane s of out, contiguous `[split_k, m, n]`
     (float32 partial sums, or the output itself in x's dtype when there is one split)."""
@@ -189,21 +186,13 @@ def _int_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     k_start = split * chunk
     k_end = tl.minimum(k, k_start + chunk)
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_tile = tl.load(x_rows + ks[None, :], mask=in_m[:, None] & (ks < k_end)[None, :], other=0.0)
         w_tile = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, k0, k_end, cols, n, stride_q,
                                   stride_s, group_size, x_ptr.dtype.element_ty, BITS, HAS_G_IDX, BLOCK_K, BLOCK_N)
-        if SWAP_AB:
-            acc += tl.dot(tl.trans(w_tile), tl.trans(x_tile), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+        acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + split.to(tl.int64) * m * n + rows.to(tl.int64)[:, None] * n + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & (cols < n)[None, :])
 

@@ -117,16 +117,14 @@ def test_int_matmul_triton_matches_reference(bits, group_size, act_order, m):
 
 # Each path forced at small blocks: split-K (K = 120 in 3 splits of 48, 48 and 24 rows in BLOCK_K = 16 tiles, the
 # last short), the tiled configuration (two 64-row tiles of K, the second short), and dequantize-then-matmul.
-# "split-k-swapped": the same split-K configuration multiplying `w^T x^T` (GemmConfig.swap_ab).
-CONFIGS = {"split-k": dict(block_m=16, block_n=32, block_k=16, split_k=3),
-           "split-k-swapped": dict(block_m=16, block_n=32, block_k=16, split_k=3, swap_ab=True),
-           "tiled": dict(block_m=32, block_n=32, block_k=64)}
+CONFIGS = {"split-k": dict(block_m=16, block_n=32, block_k=16, split_k=3), "tiled": dict(block_m=32, block_n=32,
+                                                                                          block_k=64)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("path", ["split-k", "split-k-swapped", "tiled", "dequantize"])
+@pytest.mark.parametrize("path", ["split-k", "tiled", "dequantize"])
 def test_each_path_at_odd_sizes(path, bits, act_order, dtype):
     int_gemm = _int_gemm()
     k, n, group_size = 120, 37, 48  # a short last tile of K; odd N; groups of 48, 48 and a partial 24
