@@ -64,16 +64,18 @@ def expands_experts(w_format: int, num_pairs: int, num_experts: int, dtype: torc
     Float32 activations decode MXFP4 by hand, slower than expanding once any expert has more than one row (an H100,
     gpt-oss-20b experts: T = 1 0.35 ms against ~0.65 ms expanded; T = 256 3.3 ms against ~1.2 ms); integer experts
     follow that rule, untimed. 16-bit activations take MXFP4 through `tl.dot_scaled` up to
-    `MXFP4_EXPAND_ABOVE_PAIRS`: decode steps, where expanding every layer's experts each step (~0.5 ms a layer on
-    an H100) cost more than the bf16 experts' whole GEMMs. Past it (prefill) the expansion is ~12 % of the dense
-    kernel's time, a known cost, so large batches keep that path until `benchmarks/fused_moe.py`
-    ("mxfp4-registers" against "mxfp4-expanded") shows where the in-register path stops paying."""
+    `MXFP4_EXPAND_ABOVE_PAIRS` token-expert pairs and expand past it: `benchmarks/fused_moe.py`, one H100, gpt-oss-20b
+    experts, µs per layer in a CUDA graph, `tl.dot_scaled` / expanded: T = 1 246 / 836, 64 789 / 1,342, 256 1,253 /
+    1,377, 1,024 2,369 / 1,566, 8,192 11,105 / 4,073 (Triton 3.6 emulates the bf16 x e2m1 product on Hopper; its
+    cost grows with T, the expansion's does not)."""
     if w_format == MXFP4 and dtype in (torch.bfloat16, torch.float16):
         return num_pairs > MXFP4_EXPAND_ABOVE_PAIRS
     return w_format in (MXFP4, INT) and num_pairs > num_experts
 
 
-MXFP4_EXPAND_ABOVE_PAIRS = 8192  # token-expert pairs: 2,048 tokens at gpt-oss's top-4
+# Token-expert pairs: 256 tokens at gpt-oss's top-4, the largest measured batch where `tl.dot_scaled` won (the two
+# lines cross near 360 tokens by interpolation).
+MXFP4_EXPAND_ABOVE_PAIRS = 1024
 
 
 @dataclass(frozen=True, slots=True)

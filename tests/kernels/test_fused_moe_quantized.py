@@ -70,7 +70,7 @@ def test_mxfp4_experts_through_dot_scaled(routing, dtype):
     masked."""
     from batchllm.kernels import moe
 
-    assert not moe.expands_experts(moe.MXFP4, 1024, 8, dtype)
+    assert not moe.expands_experts(moe.MXFP4, moe.MXFP4_EXPAND_ABOVE_PAIRS, 8, dtype)
     assert moe.expands_experts(moe.MXFP4, moe.MXFP4_EXPAND_ABOVE_PAIRS + 1, 8, dtype)
     fused_moe_triton = _fused_moe_triton()
     args = quantize_experts(make_moe(*ROUTINGS[routing], HIDDEN, INTER, dtype, bias=True, seed=9), "mxfp4", 10)
