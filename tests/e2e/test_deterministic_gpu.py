@@ -23,8 +23,7 @@ MAX_TOKENS = 8
 PREFIX = list(range(3, 40))  # 37 tokens: with prefix caching the later rows start from cached blocks
 ROWS = [PREFIX + [(7 * i + j) % VOCAB for j in range(5 + 3 * i)] for i in range(16)]
 OTHERS = [[(11 * i + 5 * j) % VOCAB for j in range(1 + (13 * i) % 90)] for i in range(64)]
-ENGINE = dict(device="cuda", dtype="bfloat16", deterministic=True, skip_tokenizer_init=True,
-              kv_cache_memory_bytes=1 << 28)
+ENGINE = dict(device="cuda", dtype="bfloat16", deterministic=True, skip_tokenizer_init=True, num_kv_blocks=4096)
 
 
 @pytest.fixture(scope="module")

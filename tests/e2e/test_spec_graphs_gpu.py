@@ -4,8 +4,9 @@ drafts equal those without speculation, a tiny float32 Llama written by transfor
 The verification graphs replay a padded layout (every row as `1 + k` query tokens, the batch padded to a captured
 size) whose inert tokens and padding rows read K/V slots nothing wrote; masked, they still enter `p @ V` as 0 x
 value, NaN where the pool held NaN bits (executor/kv_cache.py's `zeroed_pool`, tests/unit/test_kv_pool_zeroed.py
-on the CPU). Here the pool is filled with NaN first and then allocated again, so a pool that were not zeroed would
-come back with them. Float32 leaves no near-ties: the outputs must be equal, row for row."""
+on the CPU). Here a 64 MB tensor of NaN is freed into the allocator's cache just before the speculative engine
+allocates its 16 MB pool (`num_kv_blocks`: no profiling run comes between), so a pool that were not zeroed would
+come back with NaN. Float32 leaves no near-ties: the outputs must be equal, row for row."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from tests.tiny_models import write_random_llama
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 VOCAB = 1024
+# 2,048 blocks of 8 KiB (2 layers x K and V x 16 slots x 2 heads x 16 dims x 4 bytes): 16 MB, room for every row.
 ENGINE = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
-              kv_cache_memory_bytes=1 << 26)
+              num_kv_blocks=2048)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_ngram_verification_graphs_keep_greedy_outputs(repeating_llama):
     reference = _greedy(plain, prompts)
     del plain
     _release_memory()
-    poison = torch.full((1 << 24,), float("nan"), device="cuda")  # the allocator's cache now holds NaN bits
+    poison = torch.full((1 << 24,), float("nan"), device="cuda")  # 64 MB; freed, the allocator keeps it cached
     del poison
     spec = LLM(repeating_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                     "adaptive": False}, **ENGINE)
