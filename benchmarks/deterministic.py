@@ -24,6 +24,7 @@ from shapes import SHAPES, make_shape_dir
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 
 from batchllm import LLM, SamplingParams
+from batchllm.kernels import invariant_gemm
 
 SHARDS = 4
 
@@ -98,12 +99,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the shard shuffle's")
     parser.add_argument("--throughput-only", action="store_true",
                         help="only (a) in each mode: the throughput cost, for workloads too long to run three times")
+    parser.add_argument("--gemm-loads", nargs="+", choices=["tma", "pointers"], default=["tma"],
+                        help="how the invariant GEMM loads its tiles on Hopper; the deterministic mode runs once "
+                             "per choice (the ratio is the first's)")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     args = parser.parse_args()
     prompts = make_prompts(WORKLOADS[args.workload], args.rows, SHAPES[args.shape]["vocab_size"])
     directory = make_shape_dir(args.shape)
-    modes = [run_mode(directory, prompts, args, deterministic) for deterministic in (False, True)]
-    default, deterministic = modes
+    modes = [run_mode(directory, prompts, args, False)]
+    for loads in args.gemm_loads:
+        invariant_gemm.TMA_ON_HOPPER = loads == "tma"
+        print(f"invariant GEMM loads: {loads}", flush=True)
+        modes.append(dict(run_mode(directory, prompts, args, True), gemm_loads=loads))
+    default, deterministic = modes[:2]
     ratio = deterministic["total_tok_s"] / default["total_tok_s"]
     print(f"deterministic / default throughput: {ratio:.2f}x", flush=True)
     card, hw = hardware(args.device)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 from shapes import SHAPES
 
-from batchllm.kernels.invariant_gemm import GemmConfig, gemm_config, invariant_linear
+from batchllm.kernels.invariant_gemm import SMALL_M, GemmConfig, gemm_config, invariant_linear, small_m_config
 
 ROWS = (1, 64, 256, 2048, 8192)
 GROUPS = (1, 4, 8, 16)  # row tiles per group of the launch order, timed beside the default's
@@ -117,27 +117,41 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
             default = gemm_config(n, k, torch.bfloat16)
+            want = invariant_linear(x, w, config=default)
             # The launch order's grouping beside the default's (1: row-major, no grouping): the same bits.
             orders = [dataclasses.replace(default, group_m=g) for g in GROUPS if g != default.group_m]
-            configs = [default, *orders] + ([c for c in candidates() if c != default] if args.sweep else [])
+            # The same tiles loaded by TMA, and at decode sizes the decode-sized tiles both ways: all must equal
+            # the default's bits (the sum is the same; only the loads change).
+            loaders = [dataclasses.replace(default, tma=True)]
+            if m <= SMALL_M:
+                small = small_m_config(n, k, torch.bfloat16)
+                loaders += [small, dataclasses.replace(small, tma=True)]
+            configs = [default, *loaders, *orders] + ([c for c in candidates() if c != default] if args.sweep else [])
             timed = []
             for config in configs:
                 try:
                     ok = m < 7 or invariant(x, w, config)  # M < 7: nothing to compare inside
+                    equal = torch.equal(invariant_linear(x, w, config=config), want)
                     ms = triton.testing.do_bench(lambda: invariant_linear(x, w, config=config), warmup=10, rep=50)
                 except Exception as exc:  # a shape that does not compile (shared memory, registers)
                     results.append(dict(layer=name, m=m, config=str(config), error=type(exc).__name__))
                     continue
                 row = dict(layer=name, n=n, k=k, m=m, config=str(config), default=config == default, ms=ms,
-                           group_m=config.group_m, order_only=config in orders,
+                           group_m=config.group_m, order_only=config in orders, loader=config in loaders,
+                           tma=config.tma, equal_to_default=equal,
                            cublas_ms=cublas_ms, vs_cublas=cublas_ms / ms, invariant=ok,
                            tflops=2 * m * n * k / (ms * 1e-3) / 1e12)
                 results.append(row)
                 timed.append(row)
             best = max((r for r in timed if r["invariant"]), key=lambda r: r["vs_cublas"])
             by_group = " ".join(f"g{r['group_m']} {r['ms'] * 1e3:.1f}" for r in timed if r["order_only"])
+            by_loader = " ".join(f"{'small ' if r['config'] != str(dataclasses.replace(default, tma=r['tma'])) else ''}"
+                                 f"{'tma' if r['tma'] else 'ptr'} {r['ms'] * 1e3:.1f}"
+                                 f"{'' if r['equal_to_default'] else ' (bits differ)'}"
+                                 for r in timed if r["loader"])
             print(f"{name:8} M={m:5}: cuBLAS {cublas_ms * 1e3:8.1f} us; default {timed[0]['ms'] * 1e3:8.1f} us "
-                  f"({timed[0]['vs_cublas']:.2f}x of cuBLAS; other launch orders, us: {by_group}); best "
+                  f"({timed[0]['vs_cublas']:.2f}x of cuBLAS; loaders, us: {by_loader}; other launch orders, us: "
+                  f"{by_group}); best "
                   f"{best['config']} {best['ms'] * 1e3:.1f} us ({best['vs_cublas']:.2f}x)", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ only if every element is equal; until then, and forever if not, the default serv
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class GemmConfig:
     num_stages: int
     block_m: int
     group_m: int = 16  # row tiles per group of the launch order (L2 reuse); never enters a row's sum
+    tma: bool = False  # tiles loaded by the Tensor Memory Accelerator (Hopper): how bytes arrive, not the sum
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -62,6 +64,27 @@ def small_m_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(64, default.block_k, num_warps=4, num_stages=4, block_m=64)
 
 
+TMA_ON_HOPPER = True  # load the tiles by TMA where the GPU has one (benchmarks/invariant_gemm.py times both)
+
+_tma_devices: dict[torch.device, bool] = {}
+
+
+def _with_tma(config: GemmConfig, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
+    """`config` loading by TMA on a Hopper-or-later GPU, for 16-bit operands whose rows span whole 16 bytes (TMA's
+    stride rule). A function of (K, dtype, device) only, so a weight's rows never change loaders with M."""
+    if not TMA_ON_HOPPER or device.type != "cuda" or dtype == torch.float32 or (k * dtype.itemsize) % 16:
+        return config
+    if device not in _tma_devices:
+        _tma_devices[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return dataclasses.replace(config, tma=True) if _tma_devices[device] else config
+
+
+def _configs(n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[GemmConfig, GemmConfig]:
+    """The default and the decode-sized launch shapes for `[n, k]` weights on `device`."""
+    return (_with_tma(gemm_config(n, k, dtype), k, dtype, device),
+            _with_tma(small_m_config(n, k, dtype), k, dtype, device))
+
+
 _small_tiles_ok: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
 
 
@@ -76,7 +99,7 @@ def _small_tiles_equal(n: int, k: int, dtype: torch.dtype, device: torch.device)
         gen = torch.Generator(device).manual_seed(0)
         x = torch.randn(SMALL_M, k, generator=gen, device=device).to(dtype)
         w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
-        default, small = gemm_config(n, k, dtype), small_m_config(n, k, dtype)
+        default, small = _configs(n, k, dtype, device)
         _small_tiles_ok[key] = small == default or torch.equal(_launch(x, w, None, default), _launch(x, w, None, small))
     return _small_tiles_ok[key]
 
@@ -101,7 +124,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     m = rows.shape[0]
     if config is None:  # the check runs at the first call of any M, before CUDA graphs capture the decode sizes
         small = _small_tiles_equal(n, k, x.dtype, x.device) and 0 < m <= SMALL_M
-        config = small_m_config(n, k, x.dtype) if small else gemm_config(n, k, x.dtype)
+        config = _configs(n, k, x.dtype, x.device)[1 if small else 0]
     return _launch(rows, weight, bias, config).view(*x.shape[:-1], n)
 
 
@@ -111,11 +134,14 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m > 0:
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+        x, w = rows, weight
+        if config.tma:
+            x, w = _descriptors(rows, weight, config)
         invariant_gemm_kernel[grid](
-            rows, weight, bias if bias is not None else weight, out, m, n, k,
+            x, w, bias if bias is not None else weight, out, m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m,
+            GROUP_M=config.group_m, USE_TMA=config.tma,
             # float32 models get float32 products; on the GPU the default would round operands to tf32.
             DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -123,15 +149,30 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out
 
 
+def _descriptors(rows: torch.Tensor, weight: torch.Tensor, config: GemmConfig):
+    """TMA descriptors of x's `[block_m, block_k]` and W's `[block_n, block_k]` tiles. TMA reads past the edges
+    as zeros (what the pointer loads' masks give) and needs 16-byte aligned bases and row strides."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if rows.data_ptr() % 16 or (rows.stride(0) * rows.element_size()) % 16:
+        rows = rows.contiguous() if rows.data_ptr() % 16 == 0 else rows.clone()
+    if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
+        raise ValueError(f"invariant_linear: a TMA config needs a 16-byte aligned weight with 16-byte rows, got "
+                         f"[{weight.shape[0]}, {weight.shape[1]}] {weight.dtype}")
+    return (TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]))
+
+
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid `(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)`: one `[BLOCK_M, BLOCK_N]` tile of `out` per program, visited
     GROUP_M row tiles at a time down each column of tiles (the programs running at once share their x and W tiles
-    in L2; at M in the thousands a row-major order re-reads x from memory once per column tile)."""
+    in L2; at M in the thousands a row-major order re-reads x from memory once per column tile). With USE_TMA,
+    `x_ptr` and `w_ptr` are TMA descriptors (`_descriptors`); the products and their order are the same."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group_first = pid // (GROUP_M * tiles_n) * GROUP_M
@@ -143,14 +184,19 @@ def invariant_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    if not USE_TMA:
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+        w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         # Out-of-range K columns load as 0 for both operands: their products add exact zeros.
-        k_ok = k_start + ks < K
-        x = tl.load(x_ptrs + k_start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k_start, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if USE_TMA:
+            x = x_ptr.load([tile_m * BLOCK_M, k_start])
+            w = w_ptr.load([tile_n * BLOCK_N, k_start]).T
+        else:
+            k_ok = k_start + ks < K
+            x = tl.load(x_ptrs + k_start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k_start, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
