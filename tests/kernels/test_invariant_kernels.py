@@ -78,17 +78,45 @@ def test_grouped_launch_order_covers_every_tile_once() -> None:
 
 def test_decode_sized_tiles_serve_small_m_only_where_they_round_as_the_default(monkeypatch) -> None:
     """Small M takes `small_m_config` once a check found it bit-equal to the default; a config that rounds
-    differently (other K tiles) is refused, and rows stay invariant either way."""
+    differently is refused, and rows stay invariant either way. Whether two tile shapes round alike is the
+    hardware's business (the GPU's float32 FMA loop sums K in order at any K tile), so the differing config is
+    simulated: its launches come back one ulp up."""
     from batchllm.kernels import invariant_gemm
 
     assert invariant_gemm._small_tiles_equal(80, 96, torch.float32, DEVICE)  # same K tiles: equal
     check_gemm_rows_invariant(80, 96, torch.float32, True, [0, 63, 299])
     monkeypatch.setattr(invariant_gemm, "_small_tiles_ok", {})
     default = invariant_gemm.gemm_config(80, 96, torch.float32)
-    other_k_tiles = invariant_gemm.GemmConfig(64, default.block_k // 2, 4, 3, 64)
-    monkeypatch.setattr(invariant_gemm, "small_m_config", lambda n, k, dtype: other_k_tiles)
+    other_rounding = invariant_gemm.GemmConfig(64, default.block_k // 2, 4, 3, 64)
+    launch = invariant_gemm._launch
+
+    def rounding_up(rows, weight, bias, config):
+        out = launch(rows, weight, bias, config)
+        return torch.nextafter(out, torch.full_like(out, float("inf"))) if config == other_rounding else out
+
+    monkeypatch.setattr(invariant_gemm, "_launch", rounding_up)
+    monkeypatch.setattr(invariant_gemm, "small_m_config", lambda n, k, dtype: other_rounding)
     assert not invariant_gemm._small_tiles_equal(80, 96, torch.float32, DEVICE)
     check_gemm_rows_invariant(80, 96, torch.float32, True, [0, 63, 299])
+
+
+def test_tma_loads_give_the_pointer_loads_bits() -> None:
+    """The TMA loader (Hopper's default) reads past the edges as zeros, as the pointer loads' masks do: ragged
+    M, N and K tiles give the same bits both ways. In the interpreter on CPU; on a GPU with TMA, for real."""
+    import dataclasses
+
+    from batchllm.kernels import invariant_gemm
+
+    gen = torch.Generator(DEVICE).manual_seed(9)
+    for m, n, k in [(300, 80, 96), (7, 33, 40), (1, 48, 64)]:
+        x = torch.randn(m * k + 1, generator=gen, device=DEVICE).to(torch.float16)[1:].view(m, k)  # 2 bytes off 16
+        weight = torch.randn(n, k, generator=gen, device=DEVICE).to(torch.float16)
+        bias = torch.randn(n, generator=gen, device=DEVICE).to(torch.float16)
+        pointers = invariant_gemm.GemmConfig(16, 32, num_warps=4, num_stages=2, block_m=16, group_m=2)
+        want = invariant_linear(x, weight, bias, config=pointers)
+        torch.testing.assert_close(want.float(), x.float() @ weight.float().T + bias.float(), atol=2e-2, rtol=1e-2)
+        got = invariant_linear(x, weight, bias, config=dataclasses.replace(pointers, tma=True))
+        assert torch.equal(got, want), (m, n, k)
 
 
 @gpu_test
