@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import random
 import shlex
@@ -173,14 +175,18 @@ async def read_events(response: httpx.Response, result: Result) -> None:
     result.error = result.error or "the stream ended without [DONE]"
 
 
-async def send_all(client: httpx.AsyncClient, url: str, prompts: list[list[int]], max_tokens: int,
-                   rate: float) -> list[Result]:
-    """Every prompt at once (rate inf) or at Poisson arrival times of `rate` requests/s, concurrently."""
+def arrival_offsets(count: int, rate: float) -> list[float]:
+    """Every prompt at once (rate inf) or Poisson arrival times of `rate` requests/s."""
     rng = random.Random(0)
     offsets = [0.0]
-    for _ in prompts[1:]:
+    for _ in range(count - 1):
         offsets.append(offsets[-1] + (0.0 if math.isinf(rate) else rng.expovariate(rate)))
-    start = time.perf_counter()
+    return offsets
+
+
+async def send_all(client: httpx.AsyncClient, url: str, prompts: list[list[int]], max_tokens: int,
+                   offsets: list[float], start: float) -> list[Result]:
+    """Each prompt at `start + its offset` (perf_counter seconds), concurrently."""
 
     async def at(offset: float, prompt: list[int]) -> Result:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
@@ -191,6 +197,39 @@ async def send_all(client: httpx.AsyncClient, url: str, prompts: list[list[int]]
             return Result(now - REQUEST_TIMEOUT_S, [], now, 0, f"no answer within {REQUEST_TIMEOUT_S} s")
 
     return await asyncio.gather(*(at(offset, prompt) for offset, prompt in zip(offsets, prompts)))
+
+
+def client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                             timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=60))
+
+
+def client_process(url: str, prompts: list[list[int]], max_tokens: int, offsets: list[float],
+                   start: float) -> tuple[list[Result], float]:
+    """One client process's share of a round (`--client-processes`): its results and its CPU seconds.
+    perf_counter is the system's monotonic clock on Linux, so `start` and the times recorded agree across
+    processes."""
+
+    async def run() -> list[Result]:
+        async with client() as http:
+            return await send_all(http, url, prompts, max_tokens, offsets, start)
+
+    cpu = time.process_time()
+    results = asyncio.run(run())
+    return results, time.process_time() - cpu
+
+
+def server_histograms(url: str) -> dict[str, float]:
+    """The server's own E2E and TTFT histograms' sums and counts (/metrics): cumulative over the rounds."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    wanted = ("batchllm_e2e_request_latency_seconds_sum", "batchllm_e2e_request_latency_seconds_count",
+              "batchllm_time_to_first_token_seconds_sum", "batchllm_time_to_first_token_seconds_count")
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.split("{")[0] in wanted:
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    return values
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -221,18 +260,52 @@ def figures(results: list[Result], max_tokens: int, slo_ttft_s: float, slo_tpot_
 
 
 async def serve_rounds(url: str, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int,
-                       rates: list[float], slo: tuple[float, float]) -> dict[str, dict]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=60)
+                       rates: list[float], processes: list[int], slo: tuple[float, float]) -> dict[str, dict]:
+    """One round per rate and client-process count; keyed by the rate (one process) or "RATExNp"."""
     results: dict[str, dict] = {}
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        warm = await send_all(client, url, warmup, max_tokens, math.inf)
-        if any(r.error for r in warm):
-            raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
-        for i, rate in enumerate(rates):
-            timed = await send_all(client, url, salted(prompts, 11 + i), max_tokens, rate)
-            results[f"{rate:g}"] = entry = figures(timed, max_tokens, slo[0] / 1000, slo[1] / 1000)
-            print(f"rate {rate:g}: {json.dumps(entry)}", flush=True)
+    pool = None
+    if max(processes) > 1:
+        pool = concurrent.futures.ProcessPoolExecutor(max(processes), mp_context=multiprocessing.get_context("spawn"))
+        list(pool.map(time.sleep, [0.0] * max(processes)))  # started (and this module imported) before any round
+    try:
+        async with client() as http:
+            warm = await send_all(http, url, warmup, max_tokens, arrival_offsets(len(warmup), math.inf),
+                                  time.perf_counter())
+            if any(r.error for r in warm):
+                raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
+            i = 0
+            for rate in rates:
+                for count in processes:
+                    round_prompts, offsets = salted(prompts, 11 + i), arrival_offsets(len(prompts), rate)
+                    i += 1
+                    before = server_histograms(url)
+                    if count == 1:
+                        cpu = time.process_time()
+                        timed = await send_all(http, url, round_prompts, max_tokens, offsets, time.perf_counter())
+                        cpu = time.process_time() - cpu
+                    else:  # the prompts dealt round-robin, every process starting at one instant
+                        start = time.perf_counter() + 1.0
+                        futures = [asyncio.wrap_future(pool.submit(client_process, url, round_prompts[j::count],
+                                                                   max_tokens, offsets[j::count], start))
+                                   for j in range(count)]
+                        shares = await asyncio.gather(*futures)
+                        timed = [r for share, _ in shares for r in share]
+                        cpu = sum(seconds for _, seconds in shares)
+                    after = server_histograms(url)
+                    entry = figures(timed, max_tokens, slo[0] / 1000, slo[1] / 1000)
+                    entry["client_processes"], entry["client_cpu_s"] = count, round(cpu, 3)
+                    for key, metric in (("server_e2e_mean_ms", "e2e_request_latency"),
+                                        ("server_ttft_mean_ms", "time_to_first_token")):
+                        total = f"batchllm_{metric}_seconds"
+                        n = after.get(total + "_count", 0) - before.get(total + "_count", 0)
+                        if n:
+                            entry[key] = round(1000 * (after[total + "_sum"] - before[total + "_sum"]) / n, 2)
+                    key = f"{rate:g}" if count == 1 else f"{rate:g}x{count}p"
+                    results[key] = entry
+                    print(f"rate {key}: {json.dumps(entry)}", flush=True)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return results
 
 
@@ -262,6 +335,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
                         help="requests/s; inf: all at once")
+    parser.add_argument("--client-processes", type=int, nargs="+", default=[1],
+                        help="one round per rate and count: the prompts dealt over that many client processes (a "
+                             "single Python client parsing every stream may fall behind the server)")
     parser.add_argument("--slo-ttft-ms", type=float, help="default: 2000 on CUDA, 20000 on CPU")
     parser.add_argument("--slo-itl-ms", type=float, help="TPOT's SLO; default: 100 on CUDA, 1000 on CPU")
     parser.add_argument("--engine-args", default="", help='more engine flags of `batchllm serve`, e.g. '
@@ -287,7 +363,7 @@ def main() -> None:
     prompts = make_prompts(WORKLOADS[args.workload], args.rows, vocab)
     warmup = salted(prompts, 10)  # every prompt at once: what the timed rounds run gets compiled first
     peak = max(range(len(args.rates)), key=args.rates.__getitem__)  # inf, where it is one of the rates
-    final = salted(prompts, 11 + peak)  # the offline peer runs the peak rate's prompts
+    final = salted(prompts, 11 + peak * len(args.client_processes))  # the peak rate's prompts (its first round)
     print(f"{args.workload}: {args.rows} rows, prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
           f"{args.max_tokens} output tokens, {name} {dtype} on {device}, engine flags {engine_argv}", flush=True)
 
@@ -296,10 +372,13 @@ def main() -> None:
         print(f"warning: load average {load_at_start} before the run; the figures will not be representative")
     with tempfile.TemporaryDirectory(prefix="batchllm-serve-") as workdir:
         with serving(model, engine_argv, Path(workdir)) as url:
-            served = asyncio.run(serve_rounds(url, prompts, warmup, args.max_tokens, args.rates, slo))
+            served = asyncio.run(serve_rounds(url, prompts, warmup, args.max_tokens, args.rates,
+                                                 args.client_processes, slo))
     peer = offline(model, engine, final, warmup, args.max_tokens)
     peak_rate = f"{args.rates[peak]:g}"
-    ratio = served[peak_rate].get("output_tok_s", 0.0) / peer["output_tok_s"]
+    peak_rounds = [key for key in served if key == peak_rate or key.startswith(peak_rate + "x")]
+    ratios = {key: round(served[key].get("output_tok_s", 0.0) / peer["output_tok_s"], 3) for key in peak_rounds}
+    ratio = ratios[peak_rounds[0]]
 
     device_name, device_info = hardware(device)
     today = str(datetime.date.today())
@@ -308,7 +387,7 @@ def main() -> None:
                   prompt_tokens=sum(map(len, prompts)), slo_ms={"ttft": slo[0], "tpot": slo[1]}, device=device_name,
                   **device_info,
                   load_average_at_start=load_at_start, served=served,
-                  offline=peer, served_over_offline={"rate": peak_rate, "ratio": round(ratio, 3)})
+                  offline=peer, served_over_offline={"rate": peak_rounds[0], "ratio": ratio, "by_round": ratios})
     save_record(f"{today}-serve-{name}-{device_name}.json", record, args.out)
     print("\n| rate | req/s | out tok/s | TTFT mean/p50/p99 ms | ITL mean/p50/p99 ms | goodput req/s |")
     print("|---|---|---|---|---|---|")
@@ -321,7 +400,11 @@ def main() -> None:
         print(f"| {rate} | {entry['request_per_s']:.2f}{failed} | {entry['output_tok_s']:.1f} | {ttft} | {itl} | "
               f"{entry['goodput_req_s']:.2f} |")
     print(f"\noffline LLM.generate: {peer['output_tok_s']:.1f} out tok/s ({peer['seconds']:.2f} s)")
-    print(f"served (rate {peak_rate}) / offline output tok/s: {ratio:.3f}")
+    for key, value in ratios.items():
+        entry = served[key]
+        print(f"served (rate {key}) / offline output tok/s: {value:.3f}; client CPU {entry.get('client_cpu_s')} s "
+              f"over {entry.get('duration_s')} s; E2E mean as the client saw it {entry.get('e2e_ms', {}).get('mean')} "
+              f"ms, as the server did {entry.get('server_e2e_mean_ms')} ms")
 
 
 if __name__ == "__main__":
