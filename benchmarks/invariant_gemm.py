@@ -50,15 +50,24 @@ def candidates():
         yield GemmConfig(block_n, block_k, warps, stages, block_m)
 
 
-def small_m_candidates(default: GemmConfig):
-    for block_m, block_n, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (3, 4)):
-        yield GemmConfig(block_n, default.block_k, warps, stages, block_m)
+def small_m_candidates(default: GemmConfig, tma: bool = False):
+    """Decode-sized tiles with the default's K tiles; with `tma`, loaded by TMA, deeper pipelines and the wide
+    weights' 128-row tiles too."""
+    if not tma:
+        for block_m, block_n, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (3, 4)):
+            yield GemmConfig(block_n, default.block_k, warps, stages, block_m)
+        return
+    for block_m, block_n, stages in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5)):
+        warps = 8 if block_m * block_n > 64 * 128 else 4
+        yield GemmConfig(block_n, default.block_k, warps, stages, block_m, tma=True)
 
 
 def small_m(args) -> list[dict]:
     """For each weight and decode-sized M: the fastest config whose product equals the default's bit for bit."""
     results = []
     for name, (n, k) in weight_shapes(args.shape).items():
+        if args.layers and name not in args.layers:
+            continue
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         default = gemm_config(n, k, torch.bfloat16)
         for m in args.rows:
@@ -67,7 +76,7 @@ def small_m(args) -> list[dict]:
             cublas_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
             default_ms = triton.testing.do_bench(lambda: invariant_linear(x, w, config=default), warmup=10, rep=50)
             timed = []
-            for config in small_m_candidates(default):
+            for config in small_m_candidates(default, args.tma):
                 try:
                     equal = torch.equal(invariant_linear(x, w, config=config), want)
                     ms = triton.testing.do_bench(lambda: invariant_linear(x, w, config=config), warmup=5, rep=25)
@@ -99,15 +108,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
     parser.add_argument("--small-m", action="store_true", help="decode-sized tiles equal to the default's bits")
+    parser.add_argument("--tma", action="store_true", help="--small-m: the candidates loaded by TMA")
+    parser.add_argument("--layers", nargs="+", help="--small-m: only these weights (qkv, o, gate_up, down, lm_head)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     if args.small_m:
         rows = args.rows if args.rows != list(ROWS) else [8, 64, 256]
-        results = small_m(argparse.Namespace(shape=args.shape, rows=rows))
+        results = small_m(argparse.Namespace(shape=args.shape, rows=rows, tma=args.tma, layers=args.layers))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            name = f"{time.strftime('%Y-%m-%d')}-invariant-gemm-small-m-{args.shape}-{device.split()[1].lower()}.json"
+            kind = "small-m-tma" if args.tma else "small-m"
+            name = f"{time.strftime('%Y-%m-%d')}-invariant-gemm-{kind}-{args.shape}-{device.split()[1].lower()}.json"
             (args.out / name).write_text(json.dumps(dict(device=device, shape=args.shape, results=results), indent=1))
         return
     results = []
