@@ -79,7 +79,14 @@ def launch_shapes(group_p2: int):
         yield TileConfig(max(16, group_p2), tile_n, warps, stages), splits
 
 
-def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
+def fp8_query_shapes(group_p2: int):
+    """`--fp8-queries`: the library's tile, then key tiles of 64-256 with 4 or 8 warps."""
+    yield None
+    for tile_n, warps in itertools.product((64, 128, 256), (4, 8)):
+        yield TileConfig(max(16, group_p2), tile_n, warps, 3)
+
+
+def run_case(case, sweep: bool, uniform: bool, bandwidth: float, fp8_queries: bool = False) -> list[dict]:
     shape, kv, rows, context, window = case
     query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform, window=window)
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
@@ -106,6 +113,24 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
                             tile=str(tile or default_tile),
                             splits=splits, ms=ms, kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
                             floor_share=(kv_bytes / bandwidth) / (ms * 1e-3), rel_err=err))
+    if fp8_queries and kv == "fp8":
+        # The queries' E4M3 rounding moves the output by ~1e-2 (relative): rel_err records how far from the default.
+        for tile in fp8_query_shapes(group_p2):
+            def call():
+                return paged_attention_triton(query, k_cache, v_cache, metadata, scale, tile=tile,
+                                              sliding_window=window, fp8_queries=True)
+            try:
+                out = call()
+                torch.cuda.synchronize()
+            except Exception as exc:
+                results.append(dict(tile=str(tile), fp8_queries=True, error=type(exc).__name__))
+                continue
+            err = ((out.float() - reference).norm() / reference.norm()).item()
+            ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+            results.append(dict(shape=shape, kv=kv, rows=rows, context=context, window=window, fp8_queries=True,
+                                tile=str(tile or default_tile), splits=None, ms=ms, kv_bytes=kv_bytes,
+                                tb_s=kv_bytes / (ms * 1e-3) / 1e12, floor_share=(kv_bytes / bandwidth) / (ms * 1e-3),
+                                rel_err=err))
     return results
 
 
@@ -116,6 +141,8 @@ def main() -> None:
     parser.add_argument("--uniform", action="store_true", help="context lengths uniform in [0.2, 1.8] x context")
     parser.add_argument("--cases", nargs="*",
                         help="shape:kv:rows:context[:window], e.g. llama3-8b:fp8:256:1500 gemma3-12b:bf16:64:8192:1024")
+    parser.add_argument("--fp8-queries", action="store_true",
+                        help="FP8 cases: also time fp8_queries=True (E4M3 queries, q . k on FP8 tensor cores)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else DEFAULT_CASES
@@ -126,9 +153,18 @@ def main() -> None:
     rows_out = []
     for case in cases:
         start = time.perf_counter()
-        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth)
+        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth, args.fp8_queries)
         rows_out += results
-        timed = [r for r in results if "ms" in r]
+        fp8_timed = [r for r in results if "ms" in r and r.get("fp8_queries")]
+        if fp8_timed:
+            best = min(fp8_timed, key=lambda r: r["ms"])
+            bf16 = [r for r in rows_out if "ms" in r and r["kv"] == "bf16" and not r.get("fp8_queries")
+                    and (r["shape"], r["rows"], r["context"], r["window"]) == case[:1] + case[2:]]
+            versus = f"; {best['ms'] / bf16[0]['ms']:.2f}x of the bf16 case's default" if bf16 else ""
+            print(f"{case} fp8_queries: default tile {fp8_timed[0]['ms'] * 1e3:.0f} us; best {best['tile']} "
+                  f"{best['ms'] * 1e3:.0f} us ({best['floor_share']:.0%} of floor, rel err {best['rel_err']:.1e})"
+                  f"{versus}", flush=True)
+        timed = [r for r in results if "ms" in r and not r.get("fp8_queries")]
         best = min(timed, key=lambda r: r["ms"])
         default = timed[0]
         print(f"{case}: default {default['tile']} {default['ms'] * 1e3:.0f} us ({default['tb_s']:.2f} TB/s, "
