@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchllm.engine.interfaces import NewRequestData, SchedulerOutput
+from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, SchedulerOutput
 from batchllm.executor.block_table import BlockTables
 from batchllm.executor.drafter_base import LookaheadRows
 from batchllm.executor.multimodal_step import MultiModalRow
@@ -115,7 +115,7 @@ class RequestStates:
         sample_rows: list[int] = []
         sampled_states: list[tuple[str, RequestState]] = []
         sample_positions: list[int] = []
-        drafts: list[list[int]] = []
+        drafts_of_rows: list[list[int]] = []
         lookahead = LookaheadRows([], [], [], [])
         new_rows: list[bool] = []
         num_drafts: list[int] = []
@@ -125,51 +125,65 @@ class RequestStates:
         pool_rows: list[PoolRow] = []
         mm_rows: list[MultiModalRow] = []
         position_shifts: list[tuple[int, int, int]] = []
-        states, block_tables = self.states, self.block_tables
+        states, extend = self.states, self.block_tables.extend
+        speculative = so.speculative
         for i, scheduled in enumerate(so.requests):
             request_id = scheduled.request_id
-            state = states[request_id] if scheduled.new is None else self.add(request_id, scheduled.new)
-            if scheduled.block_ids or scheduled.full_block_table:
-                block_tables.extend(state.row, scheduled.block_ids, reset=scheduled.full_block_table)
-            new_tokens = scheduled.token_ids
-            if state.pooling is not None:
-                pool_rows.append(PoolRow(request_id, state.pooling, len(token_ids), scheduled.num_tokens,
-                                         scheduled.num_computed_tokens, state.num_prompt_tokens, scheduled.sample))
-            if state.lora is not None:
-                lora_rows.append((state.lora, len(token_ids), len(new_tokens) + scheduled.placeholder))
-            mm = state.mm
-            if mm is not None:  # only rows that reach into their images are built (decode runs every step)
-                if mm.mrope_delta:
-                    position_shifts.append((len(token_ids), len(new_tokens) + scheduled.placeholder, mm.mrope_delta))
-                if scheduled.num_computed_tokens < mm.last_image_end:
-                    mm_rows.append(MultiModalRow(mm, len(token_ids), scheduled.num_computed_tokens,
-                                                 len(new_tokens) + scheduled.placeholder))
+            new = scheduled.new
+            state = states[request_id] if new is None else self.add(request_id, new)
+            row, full_table = state.row, scheduled.full_block_table
+            if full_table or scheduled.block_ids:
+                extend(row, scheduled.block_ids, reset=full_table)
+            new_tokens, drafts, placeholder = scheduled.token_ids, scheduled.draft_token_ids, scheduled.placeholder
+            num_computed_tokens = scheduled.num_computed_tokens
+            num_own = len(new_tokens) + placeholder  # the row's tokens before its drafts
+            if state.pooling is not None or state.lora is not None or state.mm is not None:
+                _gather_extras(request_id, state, scheduled, len(token_ids), num_own, pool_rows, lora_rows, mm_rows,
+                               position_shifts)
             token_ids += new_tokens
-            if scheduled.placeholder:
+            if placeholder:
                 placeholder_slots.append(len(token_ids))
                 placeholder_rows.append(last_rows[request_id])
                 token_ids.append(0)
-            token_ids += scheduled.draft_token_ids
-            new_rows.append(scheduled.new is not None)
-            num_drafts.append(len(scheduled.draft_token_ids))
-            num_scheduled.append(scheduled.num_tokens)
-            num_computed.append(scheduled.num_computed_tokens)
-            block_rows.append(state.row)
+            if drafts:
+                token_ids += drafts
+            new_rows.append(new is not None)
+            num_drafts.append(len(drafts))
+            num_scheduled.append(num_own + len(drafts))
+            num_computed.append(num_computed_tokens)
+            block_rows.append(row)
             if scheduled.sample and state.pooling is None:
                 sample_rows.append(i)
                 sampled_states.append((request_id, state))
-                sample_positions.append(scheduled.num_computed_tokens + scheduled.num_tokens
-                                        - len(scheduled.draft_token_ids))
-                if so.speculative:
-                    drafts.append(scheduled.draft_token_ids)
+                sample_positions.append(num_computed_tokens + num_own)
+                if speculative:
+                    drafts_of_rows.append(drafts)
                 if scheduled.num_lookahead:
                     lookahead.sampled_rows.append(len(sample_rows) - 1)
-                    lookahead.table_rows.append(state.row)
+                    lookahead.table_rows.append(row)
                     lookahead.positions.append(sample_positions[-1])
                     lookahead.num_drafts.append(scheduled.num_lookahead)
         return StepBatch(
             token_ids, np.array(num_scheduled, dtype=np.int64), np.array(num_computed, dtype=np.int64),
             np.array(block_rows, dtype=np.int64), new_rows, num_drafts, np.array(sample_rows, dtype=np.int64),
-            sampled_states, sample_positions, drafts if so.speculative else None,
+            sampled_states, sample_positions, drafts_of_rows if speculative else None,
             lookahead if lookahead.num_drafts else None, placeholder_slots, placeholder_rows, lora_rows, pool_rows,
             mm_rows, position_shifts)
+
+
+def _gather_extras(request_id: str, state: RequestState, scheduled: ScheduledRequest, first: int, num_own: int,
+                   pool_rows: list[PoolRow], lora_rows: list[tuple[LoRARequest, int, int]],
+                   mm_rows: list[MultiModalRow], position_shifts: list[tuple[int, int, int]]) -> None:
+    """The rarer parts of a row of `RequestStates.gather`: a pooling request's, an adapter's, a prompt's images'.
+    `first`: the row's first flat token; `num_own`: its tokens before any drafts."""
+    if state.pooling is not None:
+        pool_rows.append(PoolRow(request_id, state.pooling, first, num_own + len(scheduled.draft_token_ids),
+                                 scheduled.num_computed_tokens, state.num_prompt_tokens, scheduled.sample))
+    if state.lora is not None:
+        lora_rows.append((state.lora, first, num_own))
+    mm = state.mm
+    if mm is not None:  # only rows that reach into their images are built (decode runs every step)
+        if mm.mrope_delta:
+            position_shifts.append((first, num_own, mm.mrope_delta))
+        if scheduled.num_computed_tokens < mm.last_image_end:
+            mm_rows.append(MultiModalRow(mm, first, scheduled.num_computed_tokens, num_own))
