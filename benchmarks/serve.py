@@ -43,13 +43,11 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import datetime
 import json
 import math
 import multiprocessing
 import os
-import random
 import shlex
 import signal
 import socket
@@ -61,8 +59,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import torch
+from serve_client import arrival_offsets, client, client_process, figures, send_all, server_histograms
 from shapes import make_shape_dir, shape_config
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -73,7 +71,6 @@ from batchllm.model.default_model import default_model_path
 
 READY_TIMEOUT_S = 600  # loading the model and capturing its graphs
 STOP_TIMEOUT_S = 60  # SIGTERM's drain, then SIGKILL
-REQUEST_TIMEOUT_S = 1800  # one request, from its send
 SLO_DEFAULTS_MS = {"cuda": (2000.0, 100.0), "cpu": (20000.0, 1000.0)}  # TTFT, TPOT
 
 
@@ -86,15 +83,6 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "model_max_length": 1 << 20}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-@dataclasses.dataclass
-class Result:
-    send: float
-    chunks: list[float]  # arrival times of the chunks that carry text
-    end: float
-    tokens: int  # usage.completion_tokens
-    error: str | None = None
 
 
 def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
@@ -142,123 +130,6 @@ def serving(model: Path, engine_argv: list[str], workdir: Path) -> Iterator[str]
         print(f"warning: the server exited with status {server.returncode}:\n{tail(log_path)}", file=sys.stderr)
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Result:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    result = Result(time.perf_counter(), [], 0.0, 0)
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-            else:
-                await read_events(response, result)
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    result.end = time.perf_counter()
-    return result
-
-
-async def read_events(response: httpx.Response, result: Result) -> None:
-    """The server-sent events of one answer, up to `data: [DONE]` (or the end of the stream)."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            return
-        event = json.loads(line[len("data: "):])
-        if "error" in event:
-            result.error = event["error"]["message"]
-        elif any(choice.get("text") for choice in event["choices"]):
-            result.chunks.append(time.perf_counter())
-        if event.get("usage"):
-            result.tokens = event["usage"]["completion_tokens"]
-    result.error = result.error or "the stream ended without [DONE]"
-
-
-def arrival_offsets(count: int, rate: float) -> list[float]:
-    """Every prompt at once (rate inf) or Poisson arrival times of `rate` requests/s."""
-    rng = random.Random(0)
-    offsets = [0.0]
-    for _ in range(count - 1):
-        offsets.append(offsets[-1] + (0.0 if math.isinf(rate) else rng.expovariate(rate)))
-    return offsets
-
-
-async def send_all(client: httpx.AsyncClient, url: str, prompts: list[list[int]], max_tokens: int,
-                   offsets: list[float], start: float) -> list[Result]:
-    """Each prompt at `start + its offset` (perf_counter seconds), concurrently."""
-
-    async def at(offset: float, prompt: list[int]) -> Result:
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        try:
-            return await asyncio.wait_for(stream_one(client, url, prompt, max_tokens), REQUEST_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            now = time.perf_counter()
-            return Result(now - REQUEST_TIMEOUT_S, [], now, 0, f"no answer within {REQUEST_TIMEOUT_S} s")
-
-    return await asyncio.gather(*(at(offset, prompt) for offset, prompt in zip(offsets, prompts)))
-
-
-def client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=60))
-
-
-def client_process(url: str, prompts: list[list[int]], max_tokens: int, offsets: list[float],
-                   start: float) -> tuple[list[Result], float]:
-    """One client process's share of a round (`--client-processes`): its results and its CPU seconds.
-    perf_counter is the system's monotonic clock on Linux, so `start` and the times recorded agree across
-    processes."""
-
-    async def run() -> list[Result]:
-        async with client() as http:
-            return await send_all(http, url, prompts, max_tokens, offsets, start)
-
-    cpu = time.process_time()
-    results = asyncio.run(run())
-    return results, time.process_time() - cpu
-
-
-def server_histograms(url: str) -> dict[str, float]:
-    """The server's own E2E and TTFT histograms' sums and counts (/metrics): cumulative over the rounds."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    wanted = ("batchllm_e2e_request_latency_seconds_sum", "batchllm_e2e_request_latency_seconds_count",
-              "batchllm_time_to_first_token_seconds_sum", "batchllm_time_to_first_token_seconds_count")
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.split("{")[0] in wanted:
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
-    return values
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    """Mean, median and 99th percentile, in milliseconds."""
-    if not values:
-        return {"mean": math.nan, "p50": math.nan, "p99": math.nan}
-    ms = 1000 * np.asarray(values)
-    return {"mean": round(float(ms.mean()), 2), "p50": round(float(np.percentile(ms, 50)), 2),
-            "p99": round(float(np.percentile(ms, 99)), 2)}
-
-
-def figures(results: list[Result], max_tokens: int, slo_ttft_s: float, slo_tpot_s: float) -> dict:
-    ok = [r for r in results if r.error is None and r.chunks]
-    errors = sorted({r.error or "no text chunk" for r in results if r not in ok})
-    if not ok:
-        return {"completed": 0, "failed": len(results), "errors": errors}
-    duration = max(r.end for r in ok) - min(r.send for r in ok)
-    tokens, chunks = sum(r.tokens for r in ok), sum(len(r.chunks) for r in ok)
-    ttft = [r.chunks[0] - r.send for r in ok]
-    tpot = [(r.chunks[-1] - r.chunks[0]) / (r.tokens - 1) if r.tokens > 1 else 0.0 for r in ok]
-    good = sum(t <= slo_ttft_s and p <= slo_tpot_s for t, p in zip(ttft, tpot))
-    return {"completed": len(ok), "failed": len(results) - len(ok), "errors": errors[:5],
-            "short": sum(r.tokens != max_tokens for r in ok), "duration_s": round(duration, 3),
-            "request_per_s": round(len(ok) / duration, 3), "output_tok_s": round(tokens / duration, 1),
-            "goodput_req_s": round(good / duration, 3), "tokens_per_chunk": round(tokens / chunks, 3),
-            "ttft_ms": summary(ttft), "itl_ms": summary([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
-            "tpot_ms": summary(tpot), "e2e_ms": summary([r.end - r.send for r in ok])}
-
-
 async def serve_rounds(url: str, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int,
                        rates: list[float], processes: list[int], slo: tuple[float, float]) -> dict[str, dict]:
     """One round per rate and client-process count; keyed by the rate (one process) or "RATExNp"."""
@@ -266,7 +137,7 @@ async def serve_rounds(url: str, prompts: list[list[int]], warmup: list[list[int
     pool = None
     if max(processes) > 1:
         pool = concurrent.futures.ProcessPoolExecutor(max(processes), mp_context=multiprocessing.get_context("spawn"))
-        list(pool.map(time.sleep, [0.0] * max(processes)))  # started (and this module imported) before any round
+        list(pool.map(time.sleep, [0.0] * max(processes)))  # started (serve_client imported) before any round
     try:
         async with client() as http:
             warm = await send_all(http, url, warmup, max_tokens, arrival_offsets(len(warmup), math.inf),
