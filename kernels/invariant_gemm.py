@@ -19,6 +19,7 @@ only if every element is equal; until then, and forever if not, the default serv
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,23 +70,22 @@ def small_m_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 
 TMA_ON_HOPPER = True  # load the tiles by TMA where the GPU has one (benchmarks/invariant_gemm.py times both)
 
-_tma_devices: dict[torch.device, bool] = {}
-
-
-def _with_tma(config: GemmConfig, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
-    """`config` loading by TMA on a Hopper-or-later GPU, for 16-bit operands whose rows span whole 16 bytes (TMA's
-    stride rule). A function of (K, dtype, device) only, so a weight's rows never change loaders with M."""
-    if not TMA_ON_HOPPER or device.type != "cuda" or dtype == torch.float32 or (k * dtype.itemsize) % 16:
-        return config
-    if device not in _tma_devices:
-        _tma_devices[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return dataclasses.replace(config, tma=True) if _tma_devices[device] else config
-
 
 def _configs(n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[GemmConfig, GemmConfig]:
-    """The default and the decode-sized launch shapes for `[n, k]` weights on `device`."""
-    return (_with_tma(gemm_config(n, k, dtype), k, dtype, device),
-            _with_tma(small_m_config(n, k, dtype), k, dtype, device))
+    """The default and the decode-sized launch shapes for `[n, k]` weights on `device` (asked per call: cached)."""
+    return _device_configs(n, k, dtype, device, TMA_ON_HOPPER)
+
+
+@functools.cache
+def _device_configs(n: int, k: int, dtype: torch.dtype, device: torch.device,
+                    tma_on_hopper: bool) -> tuple[GemmConfig, GemmConfig]:
+    """Both launch shapes loading by TMA on a Hopper-or-later GPU, for 16-bit operands whose rows span whole 16 bytes
+    (TMA's stride rule): a function of (K, dtype, device) only, so a weight's rows never change loaders with M."""
+    configs = gemm_config(n, k, dtype), small_m_config(n, k, dtype)
+    if (tma_on_hopper and device.type == "cuda" and dtype != torch.float32 and (k * dtype.itemsize) % 16 == 0
+            and torch.cuda.get_device_capability(device)[0] >= 9):
+        return tuple(dataclasses.replace(config, tma=True) for config in configs)
+    return configs
 
 
 _small_tiles_ok: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
@@ -158,7 +158,7 @@ def _descriptors(rows: torch.Tensor, weight: torch.Tensor, config: GemmConfig):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if rows.data_ptr() % 16 or (rows.stride(0) * rows.element_size()) % 16:
-        rows = rows.contiguous() if rows.data_ptr() % 16 == 0 else rows.clone()
+        rows = rows.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned, rows packed
     if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
         raise ValueError(f"invariant_linear: a TMA config needs a 16-byte aligned weight with 16-byte rows, got "
                          f"[{weight.shape[0]}, {weight.shape[1]}] {weight.dtype}")

@@ -96,8 +96,12 @@ def test_decode_sized_tiles_serve_small_m_only_where_they_round_as_the_default(m
 
     monkeypatch.setattr(invariant_gemm, "_launch", rounding_up)
     monkeypatch.setattr(invariant_gemm, "small_m_config", lambda n, k, dtype: other_rounding)
-    assert not invariant_gemm._small_tiles_equal(80, 96, torch.float32, DEVICE)
-    check_gemm_rows_invariant(80, 96, torch.float32, True, [0, 63, 299])
+    invariant_gemm._device_configs.cache_clear()  # the launch shapes are cached per weight shape
+    try:
+        assert not invariant_gemm._small_tiles_equal(80, 96, torch.float32, DEVICE)
+        check_gemm_rows_invariant(80, 96, torch.float32, True, [0, 63, 299])
+    finally:
+        invariant_gemm._device_configs.cache_clear()  # not the patched shapes for the tests after this one
 
 
 def test_tma_loads_give_the_pointer_loads_bits() -> None:
