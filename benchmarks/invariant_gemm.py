@@ -134,11 +134,14 @@ def main() -> None:
             orders = [dataclasses.replace(default, group_m=g) for g in GROUPS if g != default.group_m]
             # The same tiles loaded by TMA, and at decode sizes the decode-sized tiles both ways: all must equal
             # the default's bits (the sum is the same; only the loads change).
-            loaders = [dataclasses.replace(default, tma=True)]
+            loaders = {"tma": dataclasses.replace(default, tma=True)}
             if m <= SMALL_M:
                 small = small_m_config(n, k, torch.bfloat16)
-                loaders += [small, dataclasses.replace(small, tma=True)]
-            configs = [default, *loaders, *orders] + ([c for c in candidates() if c != default] if args.sweep else [])
+                loaders.update({"small ptr": small, "small tma": dataclasses.replace(small, tma=True)})
+            labels = {config: label for label, config in loaders.items()}
+            configs = [default, *loaders.values(), *orders]
+            if args.sweep:
+                configs += [c for c in candidates() if c != default]
             timed = []
             for config in configs:
                 try:
@@ -149,7 +152,7 @@ def main() -> None:
                     results.append(dict(layer=name, m=m, config=str(config), error=type(exc).__name__))
                     continue
                 row = dict(layer=name, n=n, k=k, m=m, config=str(config), default=config == default, ms=ms,
-                           group_m=config.group_m, order_only=config in orders, loader=config in loaders,
+                           group_m=config.group_m, order_only=config in orders, loader=labels.get(config),
                            tma=config.tma, equal_to_default=equal,
                            cublas_ms=cublas_ms, vs_cublas=cublas_ms / ms, invariant=ok,
                            tflops=2 * m * n * k / (ms * 1e-3) / 1e12)
@@ -157,9 +160,7 @@ def main() -> None:
                 timed.append(row)
             best = max((r for r in timed if r["invariant"]), key=lambda r: r["vs_cublas"])
             by_group = " ".join(f"g{r['group_m']} {r['ms'] * 1e3:.1f}" for r in timed if r["order_only"])
-            by_loader = " ".join(f"{'small ' if r['config'] != str(dataclasses.replace(default, tma=r['tma'])) else ''}"
-                                 f"{'tma' if r['tma'] else 'ptr'} {r['ms'] * 1e3:.1f}"
-                                 f"{'' if r['equal_to_default'] else ' (bits differ)'}"
+            by_loader = " ".join(f"{r['loader']} {r['ms'] * 1e3:.1f}{'' if r['equal_to_default'] else ' (bits differ)'}"
                                  for r in timed if r["loader"])
             print(f"{name:8} M={m:5}: cuBLAS {cublas_ms * 1e3:8.1f} us; default {timed[0]['ms'] * 1e3:8.1f} us "
                   f"({timed[0]['vs_cublas']:.2f}x of cuBLAS; loaders, us: {by_loader}; other launch orders, us: "
