@@ -60,7 +60,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from serve_client import arrival_offsets, client, client_process, figures, send_all, server_histograms
+from serve_client import arrival_offsets, client, client_process, figures, send_all, server_histograms, server_means
 from shapes import make_shape_dir, shape_config
 from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -144,40 +144,37 @@ async def serve_rounds(url: str, prompts: list[list[int]], warmup: list[list[int
                                   time.perf_counter())
             if any(r.error for r in warm):
                 raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
-            i = 0
-            for rate in rates:
-                for count in processes:
-                    round_prompts, offsets = salted(prompts, 11 + i), arrival_offsets(len(prompts), rate)
-                    i += 1
-                    before = server_histograms(url)
-                    if count == 1:
-                        cpu = time.process_time()
-                        timed = await send_all(http, url, round_prompts, max_tokens, offsets, time.perf_counter())
-                        cpu = time.process_time() - cpu
-                    else:  # the prompts dealt round-robin, every process starting at one instant
-                        start = time.perf_counter() + 1.0
-                        futures = [asyncio.wrap_future(pool.submit(client_process, url, round_prompts[j::count],
-                                                                   max_tokens, offsets[j::count], start))
-                                   for j in range(count)]
-                        shares = await asyncio.gather(*futures)
-                        timed = [r for share, _ in shares for r in share]
-                        cpu = sum(seconds for _, seconds in shares)
-                    after = server_histograms(url)
-                    entry = figures(timed, max_tokens, slo[0] / 1000, slo[1] / 1000)
-                    entry["client_processes"], entry["client_cpu_s"] = count, round(cpu, 3)
-                    for key, metric in (("server_e2e_mean_ms", "e2e_request_latency"),
-                                        ("server_ttft_mean_ms", "time_to_first_token")):
-                        total = f"batchllm_{metric}_seconds"
-                        n = after.get(total + "_count", 0) - before.get(total + "_count", 0)
-                        if n:
-                            entry[key] = round(1000 * (after[total + "_sum"] - before[total + "_sum"]) / n, 2)
-                    key = f"{rate:g}" if count == 1 else f"{rate:g}x{count}p"
-                    results[key] = entry
-                    print(f"rate {key}: {json.dumps(entry)}", flush=True)
+            rounds = [(rate, count) for rate in rates for count in processes]
+            for i, (rate, count) in enumerate(rounds):
+                before = server_histograms(url)
+                timed, cpu = await timed_round(http, pool, url, salted(prompts, 11 + i), max_tokens,
+                                               arrival_offsets(len(prompts), rate), count)
+                entry = figures(timed, max_tokens, slo[0] / 1000, slo[1] / 1000)
+                entry.update(client_processes=count, client_cpu_s=round(cpu, 3),
+                             **server_means(before, server_histograms(url)))
+                key = f"{rate:g}" if count == 1 else f"{rate:g}x{count}p"
+                results[key] = entry
+                print(f"rate {key}: {json.dumps(entry)}", flush=True)
     finally:
         if pool is not None:
             pool.shutdown()
     return results
+
+
+async def timed_round(http: httpx.AsyncClient, pool: concurrent.futures.Executor | None, url: str,
+                      prompts: list[list[int]], max_tokens: int, offsets: list[float], count: int
+                      ) -> tuple[list, float]:
+    """A round's results and the client's CPU seconds: from this process, or dealt round-robin over `count` client
+    processes of `pool`, every one starting at one instant."""
+    if count == 1:
+        cpu = time.process_time()
+        results = await send_all(http, url, prompts, max_tokens, offsets, time.perf_counter())
+        return results, time.process_time() - cpu
+    start = time.perf_counter() + 1.0
+    shares = await asyncio.gather(*(asyncio.wrap_future(pool.submit(client_process, url, prompts[j::count], max_tokens,
+                                                                    offsets[j::count], start))
+                                    for j in range(count)))
+    return [r for share, _ in shares for r in share], sum(seconds for _, seconds in shares)
 
 
 def offline(model: Path, engine: dict, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int) -> dict:

@@ -140,3 +140,14 @@ def figures(results: list[Result], max_tokens: int, slo_ttft_s: float, slo_tpot_
             "goodput_req_s": round(good / duration, 3), "tokens_per_chunk": round(tokens / chunks, 3),
             "ttft_ms": summary(ttft), "itl_ms": summary([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
             "tpot_ms": summary(tpot), "e2e_ms": summary([r.end - r.send for r in ok])}
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's own E2E and TTFT means over a round, from its histograms before and after it."""
+    means = {}
+    for key, metric in (("server_e2e_mean_ms", "e2e_request_latency"), ("server_ttft_mean_ms", "time_to_first_token")):
+        total = f"batchllm_{metric}_seconds"
+        n = after.get(total + "_count", 0) - before.get(total + "_count", 0)
+        if n:
+            means[key] = round(1000 * (after[total + "_sum"] - before[total + "_sum"]) / n, 2)
+    return means
