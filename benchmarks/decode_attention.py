@@ -92,45 +92,30 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float, fp8_queries: bo
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
     scale = query.shape[-1] ** -0.5
     default_tile = tile_config(1, group_p2, query.shape[-1], query.dtype, k_cache.dtype == FP8_DTYPE)
+    shapes = [(tile, splits, False) for tile, splits in (launch_shapes(group_p2) if sweep else [(None, None)])]
+    if fp8_queries and kv == "fp8":
+        # The queries' E4M3 rounding moves the output by ~1e-2 (relative): rel_err records how far from the default.
+        shapes += [(tile, None, True) for tile in fp8_query_shapes(group_p2)]
     reference = None
     results = []
-    shapes = launch_shapes(group_p2) if sweep else iter([(None, None)])
-    for tile, splits in shapes:
+    for tile, splits, e4m3_queries in shapes:
         def call():
             return paged_attention_triton(query, k_cache, v_cache, metadata, scale, num_splits=splits, tile=tile,
-                                          sliding_window=window)
+                                          sliding_window=window, fp8_queries=e4m3_queries)
         try:
             out = call()
             torch.cuda.synchronize()
         except Exception as exc:  # a shape that does not compile (out of shared memory / registers)
-            results.append(dict(tile=str(tile), splits=splits, error=type(exc).__name__))
+            results.append(dict(tile=str(tile), splits=splits, fp8_queries=e4m3_queries, error=type(exc).__name__))
             continue
         if reference is None:
             reference = out.float()
         err = ((out.float() - reference).norm() / reference.norm()).item()
         ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
         results.append(dict(shape=shape, kv=kv, rows=rows, context=context, window=window,
-                            tile=str(tile or default_tile),
-                            splits=splits, ms=ms, kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
+                            tile=str(tile or default_tile), splits=splits, fp8_queries=e4m3_queries, ms=ms,
+                            kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
                             floor_share=(kv_bytes / bandwidth) / (ms * 1e-3), rel_err=err))
-    if fp8_queries and kv == "fp8":
-        # The queries' E4M3 rounding moves the output by ~1e-2 (relative): rel_err records how far from the default.
-        for tile in fp8_query_shapes(group_p2):
-            def call():
-                return paged_attention_triton(query, k_cache, v_cache, metadata, scale, tile=tile,
-                                              sliding_window=window, fp8_queries=True)
-            try:
-                out = call()
-                torch.cuda.synchronize()
-            except Exception as exc:
-                results.append(dict(tile=str(tile), fp8_queries=True, error=type(exc).__name__))
-                continue
-            err = ((out.float() - reference).norm() / reference.norm()).item()
-            ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-            results.append(dict(shape=shape, kv=kv, rows=rows, context=context, window=window, fp8_queries=True,
-                                tile=str(tile or default_tile), splits=None, ms=ms, kv_bytes=kv_bytes,
-                                tb_s=kv_bytes / (ms * 1e-3) / 1e12, floor_share=(kv_bytes / bandwidth) / (ms * 1e-3),
-                                rel_err=err))
     return results
 
 
