@@ -79,42 +79,32 @@ def launch_shapes(group_p2: int):
         yield TileConfig(max(16, group_p2), tile_n, warps, stages), splits
 
 
-def fp8_query_shapes(group_p2: int):
-    """`--fp8-queries`: the library's tile, then key tiles of 64-256 with 4 or 8 warps."""
-    yield None
-    for tile_n, warps in itertools.product((64, 128, 256), (4, 8)):
-        yield TileConfig(max(16, group_p2), tile_n, warps, 3)
-
-
-def run_case(case, sweep: bool, uniform: bool, bandwidth: float, fp8_queries: bool = False) -> list[dict]:
+def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
     shape, kv, rows, context, window = case
     query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform, window=window)
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
     scale = query.shape[-1] ** -0.5
     default_tile = tile_config(1, group_p2, query.shape[-1], query.dtype, k_cache.dtype == FP8_DTYPE)
-    shapes = [(tile, splits, False) for tile, splits in (launch_shapes(group_p2) if sweep else [(None, None)])]
-    if fp8_queries and kv == "fp8":
-        # The queries' E4M3 rounding moves the output by ~1e-2 (relative): rel_err records how far from the default.
-        shapes += [(tile, None, True) for tile in fp8_query_shapes(group_p2)]
     reference = None
     results = []
-    for tile, splits, e4m3_queries in shapes:
+    shapes = launch_shapes(group_p2) if sweep else iter([(None, None)])
+    for tile, splits in shapes:
         def call():
             return paged_attention_triton(query, k_cache, v_cache, metadata, scale, num_splits=splits, tile=tile,
-                                          sliding_window=window, fp8_queries=e4m3_queries)
+                                          sliding_window=window)
         try:
             out = call()
             torch.cuda.synchronize()
         except Exception as exc:  # a shape that does not compile (out of shared memory / registers)
-            results.append(dict(tile=str(tile), splits=splits, fp8_queries=e4m3_queries, error=type(exc).__name__))
+            results.append(dict(tile=str(tile), splits=splits, error=type(exc).__name__))
             continue
         if reference is None:
             reference = out.float()
         err = ((out.float() - reference).norm() / reference.norm()).item()
         ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
         results.append(dict(shape=shape, kv=kv, rows=rows, context=context, window=window,
-                            tile=str(tile or default_tile), splits=splits, fp8_queries=e4m3_queries, ms=ms,
-                            kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
+                            tile=str(tile or default_tile),
+                            splits=splits, ms=ms, kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
                             floor_share=(kv_bytes / bandwidth) / (ms * 1e-3), rel_err=err))
     return results
 
@@ -126,8 +116,6 @@ def main() -> None:
     parser.add_argument("--uniform", action="store_true", help="context lengths uniform in [0.2, 1.8] x context")
     parser.add_argument("--cases", nargs="*",
                         help="shape:kv:rows:context[:window], e.g. llama3-8b:fp8:256:1500 gemma3-12b:bf16:64:8192:1024")
-    parser.add_argument("--fp8-queries", action="store_true",
-                        help="FP8 cases: also time fp8_queries=True (E4M3 queries, q . k on FP8 tensor cores)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else DEFAULT_CASES
@@ -138,18 +126,9 @@ def main() -> None:
     rows_out = []
     for case in cases:
         start = time.perf_counter()
-        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth, args.fp8_queries)
+        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth)
         rows_out += results
-        fp8_timed = [r for r in results if "ms" in r and r.get("fp8_queries")]
-        if fp8_timed:
-            best = min(fp8_timed, key=lambda r: r["ms"])
-            bf16 = [r for r in rows_out if "ms" in r and r["kv"] == "bf16" and not r.get("fp8_queries")
-                    and (r["shape"], r["rows"], r["context"], r["window"]) == case[:1] + case[2:]]
-            versus = f"; {best['ms'] / bf16[0]['ms']:.2f}x of the bf16 case's default" if bf16 else ""
-            print(f"{case} fp8_queries: default tile {fp8_timed[0]['ms'] * 1e3:.0f} us; best {best['tile']} "
-                  f"{best['ms'] * 1e3:.0f} us ({best['floor_share']:.0%} of floor, rel err {best['rel_err']:.1e})"
-                  f"{versus}", flush=True)
-        timed = [r for r in results if "ms" in r and not r.get("fp8_queries")]
+        timed = [r for r in results if "ms" in r]
         best = min(timed, key=lambda r: r["ms"])
         default = timed[0]
         print(f"{case}: default {default['tile']} {default['ms'] * 1e3:.0f} us ({default['tb_s']:.2f} TB/s, "

@@ -134,7 +134,6 @@ def paged_attention_triton(
     logit_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     invariant: bool = False,
-    fp8_queries: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of `query [T, num_heads, head_dim]`; returns `out` (allocated if not given).
 
@@ -149,11 +148,6 @@ def paged_attention_triton(
     `[position, seq_len - 1]` rather than checks: a check would sync). `invariant=True` makes each row's result
     independent of the batch (see the module docstring), with key limits too: it takes `invariant_tile` and one
     pass, so `tile` and `num_splits` > 1 are refused with it.
-
-    `fp8_queries` (FP8 caches only; an experiment, off in the engine until measured): each query row (a token's head)
-    is quantized to E4M3 with its own scale, amax / 448, and q . k runs on FP8 tensor cores from the cache's bytes,
-    so K is neither converted nor transposed per key; P . V stays 16-bit. The result is attention of the quantized
-    queries: it differs from the 16-bit queries' by their rounding (3 mantissa bits).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -166,8 +160,6 @@ def paged_attention_triton(
         return out
     if k_cache.stride() != v_cache.stride() or query.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("paged_attention_triton needs unit-stride head dims and K/V caches of one layout")
-    if fp8_queries and k_cache.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8_queries needs FP8 caches, got {k_cache.dtype}")
     if sinks is not None and sinks.shape != (num_heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected one logit per query head ({num_heads},)")
     if invariant:
@@ -196,7 +188,7 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
-        HAS_KEY_LIMIT=metadata.key_limit is not None, FP8_QUERIES=fp8_queries,
+        HAS_KEY_LIMIT=metadata.key_limit is not None,
     )
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,

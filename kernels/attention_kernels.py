@@ -39,7 +39,6 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_KEY_LIMIT: tl.constexpr,
-    FP8_QUERIES: tl.constexpr,
 ):
     """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`; see attention.py's docstring."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
@@ -74,16 +73,7 @@ def paged_attention_kernel(
     row_ok = (q_index < query_len) & (rows % GROUP_P2 < GROUP)
     q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    row_scale = qk_scale
-    if FP8_QUERIES:
-        # Each (token, head) row of queries quantized to E4M3 with its own scale (amax / 448), so q . k runs on the
-        # FP8 tensor cores straight from the cache's bytes: no per-key conversion or transpose of K.
-        q32 = q.to(tl.float32)
-        amax = tl.max(tl.abs(q32), 1)
-        q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-        q = (q32 / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
-        row_scale = (qk_scale * q_scale)[:, None]
-    elif KV_FP8:
+    if KV_FP8:
         q = q.to(KV_DOT_DTYPE)
     context_len = tl.load(seq_lens_ptr + seq) - query_len
     q_pos = context_len + q_index  # absolute position: sees keys at positions <= q_pos
@@ -128,21 +118,16 @@ def paged_attention_kernel(
         # and a NaN times a zero softmax weight is still NaN.
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        if FP8_QUERIES:
+        if KV_FP8:
+            # Loaded the way it lies in memory (head dims contiguous), converted, then transposed: a byte-wide
+            # tile loaded transposed would be converted in a layout that wastes most of each load.
             k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
                         other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * row_scale
+            k_t = tl.trans(k.to(KV_DOT_DTYPE))
         else:
-            if KV_FP8:
-                # Loaded the way it lies in memory (head dims contiguous), converted, then transposed: a byte-wide
-                # tile loaded transposed would be converted in a layout that wastes most of each load.
-                k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                            other=0.0)
-                k_t = tl.trans(k.to(KV_DOT_DTYPE))
-            else:
-                k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
-                              other=0.0)
-            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * row_scale
+            k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
+                          other=0.0)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap * _tanh(scores / soft_cap)
         visible = (key_pos[None, :] <= key_limit[:, None]) & key_ok[None, :]

@@ -356,29 +356,6 @@ def test_fp8_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_split
     check_fp8_attention(batch, k_scale=0.05, v_scale=2.0, num_splits=num_splits)
 
 
-@pytest.mark.parametrize(("rows", "gqa", "head_dim"), [(DECODE_BATCH, 4, 128), (SMALL_MIXED_BATCH, 2, 64)])
-def test_fp8_queries_attend_with_their_e4m3_rounding(rows: list[tuple[int, int]], gqa: int, head_dim: int) -> None:
-    """`fp8_queries`: each (token, head) row of queries quantized to E4M3 with scale amax / 448 (computed here, in
-    torch, from that definition) attends over the FP8 caches: the kernel equals the float32 reference on the
-    quantized-then-dequantized queries, and stays near the 16-bit queries' result (the rounding's cost)."""
-    batch = make_batch(rows, gqa, head_dim, torch.float16, seed=31 + gqa, num_blocks=256)
-    fp8, dequantized = to_fp8_batch(batch, k_scale=0.05, v_scale=2.0)
-    scale = head_dim**-0.5
-    got = paged_attention_triton(fp8.query, fp8.k_cache, fp8.v_cache, fp8.metadata, scale, k_scale=0.05,
-                                 v_scale=2.0, fp8_queries=True)
-    q = batch.query.float()
-    amax = q.abs().amax(-1, keepdim=True)
-    q_scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-    rounded = (q / q_scale).to(FP8).float() * q_scale
-    assert not torch.equal(rounded, q), "the test's queries must lose bits to E4M3"
-    expected = Batch(rounded, dequantized.k_cache, dequantized.v_cache, batch.metadata).expected(scale)
-    torch.testing.assert_close(got.float(), expected, **TOLERANCE[torch.float16])
-    unrounded = dequantized.expected(scale)
-    assert (got.float() - unrounded).abs().max() < 0.25, "E4M3 queries moved the output too far"
-    with pytest.raises(ValueError, match="FP8 caches"):
-        paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale, fp8_queries=True)
-
-
 def test_attention_ignores_scales_for_model_dtype_caches() -> None:
     """KV scales come from the checkpoint whatever the cache dtype; only an FP8 cache applies them."""
     batch = make_batch([(1, 40), (5, 21)], 2, 32, torch.float32, seed=26, num_blocks=16)
