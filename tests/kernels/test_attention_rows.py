@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from batchllm.kernels.attention import SplitKVWorkspace  # noqa: E402
 from batchllm.kernels.attention_rows import decode_attention_rows  # noqa: E402
 from tests.kernels.test_fp8_kernels import to_fp8_batch  # noqa: E402
-from tests.kernels.test_triton_kernels import DEVICE, PAD_TOKENS, TOLERANCE, Batch, make_batch  # noqa: E402
+from tests.kernels.test_triton_kernels import DEVICE, PAD_TOKENS, TOLERANCE, Batch, gpu_test, make_batch  # noqa: E402
 
 ROWS = [(1, 1), (1, 17), (0, 20), (1, 130), (1, 300)]
 
@@ -57,3 +57,12 @@ def test_prefill_rows_are_refused() -> None:
     with pytest.raises(ValueError, match="max_query_len=3"):
         decode_attention_rows(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.125)
 
+
+
+@gpu_test
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_decode_rows_at_smollm2_size(num_splits: int) -> None:
+    """200 bf16 decode rows of smollm2's heads (9 query, 3 KV, 64 wide) over 100-700 keys."""
+    rows = [(1, 100 + 3 * i) for i in range(200)]
+    batch = make_batch(rows, 3, 64, torch.bfloat16, seed=5, num_kv_heads=3, num_blocks=16384)
+    check(batch, num_splits, batch.expected(64 ** -0.5), tile_n=32)
