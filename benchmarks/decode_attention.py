@@ -82,9 +82,10 @@ def launch_shapes(group_p2: int):
         yield TileConfig(max(16, group_p2), tile_n, warps, stages), splits
 
 
-def rows_kernel_shapes():
-    """`--rows-kernel`: decode_attention_rows' key tiles, warps and K/V splits."""
-    return itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 4))
+def rows_kernel_shapes(num_kv_heads: int):
+    """`--rows-kernel`: decode_attention_rows' key tiles, warps, K/V splits and KV heads a program."""
+    heads = [h for h in (1, 2, 4) if num_kv_heads % h == 0 and h < num_kv_heads] + [num_kv_heads]
+    return itertools.product((32, 64), (4, 8), (1, 2), heads)
 
 
 def run_case(case, sweep: bool, uniform: bool, bandwidth: float, rows_kernel: bool = False) -> list[dict]:
@@ -100,11 +101,11 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float, rows_kernel: bo
                                              num_splits=splits, tile=tile, sliding_window=window)))
     if rows_kernel and window is None:
         workspace = SplitKVWorkspace.allocate(rows, query.shape[1], query.shape[2], 4, query.device)
-        for tile_n, warps, splits in rows_kernel_shapes():
-            candidates.append((dict(kernel="rows", tile=f"tile_n={tile_n} warps={warps}", splits=splits),
+        for tile_n, warps, splits, heads in rows_kernel_shapes(k_cache.shape[2]):
+            candidates.append((dict(kernel="rows", tile=f"tile_n={tile_n} warps={warps} heads={heads}", splits=splits),
                                functools.partial(decode_attention_rows, query, k_cache, v_cache, metadata, scale,
                                                  workspace=workspace, num_splits=splits, tile_n=tile_n,
-                                                 num_warps=warps)))
+                                                 num_warps=warps, heads_per_program=heads)))
     reference = None
     results = []
     for fields, call in candidates:

@@ -12,6 +12,10 @@ One dot still gives every query head the scores of its own KV head: the query ti
 in the others. `P . V` then sums every head's values into a row, of which the row keeps only its own head's
 columns when it is stored. The products grow num_kv_heads-fold, which a memory-bound kernel can spend.
 
+`heads_per_program` reads fewer heads a program (a divisor of the KV heads) where all of them would make the tiles
+too wide (llama3-8b's FP8 cache: 8 heads of 128 bytes; two give the 256-byte rows the paged kernel reads at full
+bandwidth in bf16).
+
 Decode-only batches (`max_query_len <= 1`), no per-layer variants (window, soft cap, sinks, key limits); split-KV
 writes the partials `paged_attention_triton` writes, merged by its `merge_splits_kernel`. Off in the engine until
 an H100 shows it faster (`benchmarks/decode_attention.py --rows-kernel`).
@@ -34,10 +38,11 @@ from batchllm.kernels.reference import FP8_DTYPE
 def decode_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                           workspace: SplitKVWorkspace | None = None, num_splits: int = 1, k_scale: float = 1.0,
-                          v_scale: float = 1.0, tile_n: int = 32, num_warps: int = 4,
-                          num_stages: int = 3) -> torch.Tensor:
-    """`paged_attention_triton`'s result for a decode-only batch, each program reading one row's keys for every KV
-    head; `num_splits` slices of the keys each (merged as there)."""
+                          v_scale: float = 1.0, tile_n: int = 32, num_warps: int = 4, num_stages: int = 3,
+                          heads_per_program: int | None = None) -> torch.Tensor:
+    """`paged_attention_triton`'s result for a decode-only batch, each program reading one row's keys for
+    `heads_per_program` adjacent KV heads (None: `row_heads`'s choice); `num_splits` slices of the keys each (merged
+    as there)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = metadata.seq_lens.shape[0]
@@ -47,6 +52,9 @@ def decode_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("decode_attention_rows needs each slot's heads contiguous: caches [blocks, block, heads, dim]")
     if query.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
         raise ValueError("decode_attention_rows needs unit-stride head dims")
+    heads = heads_per_program or row_heads(num_kv_heads, head_dim, k_cache.element_size())
+    if num_kv_heads % heads:
+        raise ValueError(f"heads_per_program={heads} does not divide the {num_kv_heads} KV heads")
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = 1.0
     if out is None:
@@ -56,14 +64,14 @@ def decode_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     constants = dict(
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        ROWS_P2=max(16, triton.next_power_of_2(num_kv_heads * group_p2)),
-        COLS_P2=max(16, triton.next_power_of_2(num_kv_heads * head_dim)), TILE_N=tile_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, HEADS=heads, HEAD_DIM=head_dim,
+        ROWS_P2=max(16, triton.next_power_of_2(heads * group_p2)),
+        COLS_P2=max(16, triton.next_power_of_2(heads * head_dim)), TILE_N=tile_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
     )
     # Programs [0, num_seqs) attend; the next num_tokens zero the padding tokens past the last sequence's.
-    grid = (num_seqs + num_tokens, num_splits)
+    grid = (num_seqs + num_tokens, num_kv_heads // heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, num_seqs,
               scale * k_scale * math.log2(math.e), v_scale, query.stride(0), query.stride(1), k_cache.stride(0),
               k_cache.stride(1), metadata.block_tables.stride(0), out, out.stride(0), out.stride(1))
@@ -88,24 +96,32 @@ def decode_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+def row_heads(num_kv_heads: int, head_dim: int, element_size: int, min_bytes: int = 256) -> int:
+    """The fewest adjacent KV heads (a divisor of `num_kv_heads`) whose K row per key is at least `min_bytes`: the
+    row the paged kernel reads at the card's bandwidth (llama3-8b's bf16 heads), or all of them."""
+    return next(h for h in range(1, num_kv_heads + 1)
+                if num_kv_heads % h == 0 and (h * head_dim * element_size >= min_bytes or h == num_kv_heads))
+
+
 @triton.jit
 def _decode_rows_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs,
     qk_scale, v_scale, stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, out_ptr, stride_ot, stride_oh,
     acc_ptr, max_ptr, sum_ptr, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROWS_P2: tl.constexpr, COLS_P2: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
 ):
-    """Grid `(num_seqs + num_tokens, NUM_SPLITS)`: see the module docstring."""
+    """Grid `(num_seqs + num_tokens, num_kv_heads // HEADS, NUM_SPLITS)`: see the module docstring."""
     program = tl.program_id(0)
-    split = tl.program_id(1)
+    first_kv = tl.program_id(1) * HEADS  # this program's KV heads: HEADS from here
+    split = tl.program_id(2)
     rows = tl.arange(0, ROWS_P2)
-    kv_of_row = rows // GROUP_P2
-    row_ok = (kv_of_row < KV_HEADS) & (rows % GROUP_P2 < GROUP)
-    head = kv_of_row * GROUP + rows % GROUP_P2
-    cols = tl.arange(0, COLS_P2)
-    col_ok = cols < KV_HEADS * HEAD_DIM
+    kv_of_row = rows // GROUP_P2  # among the program's heads
+    row_ok = (kv_of_row < HEADS) & (rows % GROUP_P2 < GROUP)
+    head = (first_kv + kv_of_row) * GROUP + rows % GROUP_P2
+    cols = tl.arange(0, COLS_P2)  # the program's heads' dims, in the cache's order
+    col_ok = cols < HEADS * HEAD_DIM
     mine = (cols[None, :] // HEAD_DIM == kv_of_row[:, None]) & row_ok[:, None] & col_ok[None, :]  # [rows, cols]
     out_offsets = head[:, None] * stride_oh + (cols % HEAD_DIM)[None, :]
 
@@ -136,6 +152,8 @@ def _decode_rows_kernel(
     l_i = tl.zeros([ROWS_P2], dtype=tl.float32)
     acc = tl.zeros([ROWS_P2, COLS_P2], dtype=tl.float32)
     table_row = block_tables_ptr + program.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + first_kv * HEAD_DIM
+    v_base = v_cache_ptr + first_kv * HEAD_DIM
     for tile_start in range(kv_lo, kv_hi, TILE_N):
         key_pos = tile_start + tl.arange(0, TILE_N)
         key_ok = key_pos < kv_hi
@@ -143,7 +161,7 @@ def _decode_rows_kernel(
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
         kv_mask = key_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_cache_ptr + slot[:, None] + cols[None, :], mask=kv_mask, other=0.0)  # every head's row
+        k = tl.load(k_base + slot[:, None] + cols[None, :], mask=kv_mask, other=0.0)  # the heads' rows at once
         if KV_FP8:
             k = k.to(KV_DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -153,7 +171,7 @@ def _decode_rows_kernel(
         p = tl.exp2(scores - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slot[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] + cols[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             v = v.to(KV_DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
