@@ -3,18 +3,18 @@
 `paged_attention_triton` gives each (query block, KV head) its own program, so a program reads one head's keys:
 `head_dim * element_size` bytes a key (128 at head_dim 64) at a stride of all the heads' bytes (384 with
 smollm2's 3 KV heads). That kernel reaches 98 % of an H100's copy bandwidth on llama3-8b's 256-byte rows, but
-52-62 % on smollm2's 128-byte ones (benchmarks/README.md, "Host work per step"), and decode attention is most of
-that model's decode step. Here one program reads a key's K (and V) for every KV head at once, the whole
-contiguous `num_kv_heads * head_dim` row, as one `[TILE_N, num_kv_heads * head_dim]` tile.
+52-62 % on smollm2's 128-byte ones (benchmarks/README.md, "W1 on one H100 80GB"), and decode attention is most
+of that model's decode step. Here one program reads a key's K (and V) for several adjacent KV heads at once (all
+three of smollm2's), their contiguous `heads * head_dim` elements, as one `[TILE_N, heads * head_dim]` tile.
 
 One dot still gives every query head the scores of its own KV head: the query tile is block-diagonal, row r
 (query head `kv * GROUP + g`, rows ordered KV head by KV head) holding its query in KV head kv's columns and zeros
 in the others. `P . V` then sums every head's values into a row, of which the row keeps only its own head's
-columns when it is stored. The products grow num_kv_heads-fold, which a memory-bound kernel can spend.
+columns when it is stored. The products grow `heads`-fold, which a memory-bound kernel can spend.
 
-`heads_per_program` reads fewer heads a program (a divisor of the KV heads) where all of them would make the tiles
-too wide (llama3-8b's FP8 cache: 8 heads of 128 bytes; two give the 256-byte rows the paged kernel reads at full
-bandwidth in bf16).
+`heads_per_program` (a divisor of the KV heads) defaults to `row_heads`: the fewest heads whose row is 256 bytes,
+as the paged kernel reads llama3-8b's bf16 heads at full bandwidth (two of its FP8 heads), so that the tiles stay
+narrow where more heads would add only products.
 
 Decode-only batches (`max_query_len <= 1`), no per-layer variants (window, soft cap, sinks, key limits); split-KV
 writes the partials `paged_attention_triton` writes, merged by its `merge_splits_kernel`. Off in the engine until
