@@ -205,10 +205,10 @@ def main() -> None:
 
 def use_rows_kernel() -> None:
     """`--rows-kernel`: this process's Triton attention backend sends decode-only steps of layers without
-    variants to `decode_attention_rows` (every KV head of a row in one program), K/V split as the paged kernel
-    would split one KV head's programs."""
+    variants to `decode_attention_rows` (a row's adjacent KV heads in one program, `row_heads` of them), its keys
+    split by the paged kernel's rule for that many programs a row."""
     from batchllm.kernels.attention import choose_num_splits
-    from batchllm.kernels.attention_rows import decode_attention_rows
+    from batchllm.kernels.attention_rows import decode_attention_rows, row_heads
     from batchllm.kernels.kv_write import write_kv_triton
     from batchllm.model.attention.triton_backend import TritonAttentionBackend
     from batchllm.model.layers import batch_invariant
@@ -223,7 +223,9 @@ def use_rows_kernel() -> None:
             return paged(self, layer, query, key, value, metadata)
         write_kv_triton(key, value, layer.k_cache, layer.v_cache, metadata.slot_mapping, layer.k_scale,
                         layer.v_scale)
-        splits = choose_num_splits(metadata.seq_lens.shape[0], 1, 1, metadata.max_seq_len, num_sms)
+        num_kv_heads, head_size = layer.k_cache.shape[2], layer.k_cache.shape[3]
+        programs_per_row = num_kv_heads // row_heads(num_kv_heads, head_size, layer.k_cache.element_size())
+        splits = choose_num_splits(metadata.seq_lens.shape[0], programs_per_row, 1, metadata.max_seq_len, num_sms)
         return decode_attention_rows(query, layer.k_cache, layer.v_cache, metadata, params.scale,
                                      k_scale=layer.k_scale, v_scale=layer.v_scale, num_splits=splits)
 
@@ -252,6 +254,7 @@ def run_processes(args) -> None:
             totals.append(json.loads(record_file.read_text())["systems"]["batchllm"]["total_tok_s"])
     print(f"batchllm total tok/s over {args.processes} processes (hash seeds 0..{args.processes - 1}): "
           + ", ".join(f"{t:,.0f}" for t in totals) + f"; median {statistics.median(totals):,.0f}")
+
 
 if __name__ == "__main__":
     main()
