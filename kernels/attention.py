@@ -211,8 +211,17 @@ def paged_attention_triton(
     paged_attention_kernel[grid](*common, out, out.stride(0), out.stride(1), acc, m, s,
                             acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
                             **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return merge_splits(out, workspace, metadata, num_splits)
+
+
+def merge_splits(out: torch.Tensor, workspace: SplitKVWorkspace, metadata: AttentionMetadata,
+                 num_splits: int) -> torch.Tensor:
+    """Merge the `num_splits` partials a split-KV launch wrote into `workspace` into `out [T, num_heads, head_dim]`
+    (padding rows past the last sequence's tokens become zeros)."""
+    num_tokens, num_heads, head_dim = out.shape
+    acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
     merge_splits_kernel[(num_tokens, num_heads)](
-        out, acc, m, s, metadata.query_start_loc, num_seqs, out.stride(0), out.stride(1),
+        out, acc, m, s, metadata.query_start_loc, metadata.seq_lens.shape[0], out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         NUM_SPLITS=num_splits, NUM_SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
         HEAD_DIM_P2=triton.next_power_of_2(head_dim), num_warps=4,

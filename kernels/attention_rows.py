@@ -17,7 +17,7 @@ as the paged kernel reads llama3-8b's bf16 heads at full bandwidth (two of its F
 narrow where more heads would add only products.
 
 Decode-only batches (`max_query_len <= 1`), no per-layer variants (window, soft cap, sinks, key limits); split-KV
-writes the partials `paged_attention_triton` writes, merged by its `merge_splits_kernel`. Off in the engine until
+writes the partials `paged_attention_triton` writes, merged by its `merge_splits`. Off in the engine until
 an H100 shows it faster (`benchmarks/decode_attention.py --rows-kernel`).
 """
 
@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from batchllm.forward_context import AttentionMetadata
-from batchllm.kernels.attention import SplitKVWorkspace
-from batchllm.kernels.attention_kernels import merge_splits_kernel
+from batchllm.kernels.attention import SplitKVWorkspace, merge_splits
 from batchllm.kernels.reference import FP8_DTYPE
 
 
@@ -87,13 +86,7 @@ def decode_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
     _decode_rows_kernel[grid](*common, acc, m, s, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
                               m.stride(1), **constants, num_warps=num_warps, num_stages=num_stages)
-    merge_splits_kernel[(num_tokens, num_heads)](
-        out, acc, m, s, metadata.query_start_loc, num_seqs, out.stride(0), out.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        NUM_SPLITS=num_splits, NUM_SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        HEAD_DIM_P2=triton.next_power_of_2(head_dim), num_warps=4,
-    )
-    return out
+    return merge_splits(out, workspace, metadata, num_splits)
 
 
 def row_heads(num_kv_heads: int, head_dim: int, element_size: int, min_bytes: int = 256) -> int:
