@@ -12,6 +12,7 @@ import time
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 REQUEST_TIMEOUT_S = 1800  # one request, from its send
 
@@ -104,14 +105,13 @@ def client_process(url: str, prompts: list[list[int]], max_tokens: int, offsets:
 
 def server_histograms(url: str) -> dict[str, float]:
     """The server's own E2E and TTFT histograms' sums and counts (/metrics): cumulative over the rounds."""
-    text = httpx.get(url + "/metrics", timeout=30).text
     wanted = ("batchllm_e2e_request_latency_seconds_sum", "batchllm_e2e_request_latency_seconds_count",
               "batchllm_time_to_first_token_seconds_sum", "batchllm_time_to_first_token_seconds_count")
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.split("{")[0] in wanted:
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    values = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in values:  # summed over the labels (one series per model)
+                values[sample.name] += sample.value
     return values
 
 
