@@ -85,7 +85,7 @@ def launch_shapes(group_p2: int):
 def rows_kernel_shapes(num_kv_heads: int):
     """`--rows-kernel`: decode_attention_rows' key tiles, warps, K/V splits and KV heads a program."""
     heads = [h for h in (1, 2, 4) if num_kv_heads % h == 0 and h < num_kv_heads] + [num_kv_heads]
-    return itertools.product((32, 64), (4, 8), (1, 2), heads)
+    return itertools.product((32, 64), (4, 8), (1, 2, 4), heads)
 
 
 def run_case(case, sweep: bool, uniform: bool, bandwidth: float, rows_kernel: bool = False) -> list[dict]:
