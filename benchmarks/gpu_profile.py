@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step budget (default: LLM's)")
     parser.add_argument("--sync", action="store_true", help="async_scheduling=False (the default is on for CUDA)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: the profiler then sees every kernel of a decode step")
@@ -76,8 +77,9 @@ def main() -> None:
     if args.timeline:
         return run_timeline(args, prompts)
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
-              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None,
-              enforce_eager=args.enforce_eager, deterministic=args.deterministic)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=False if args.sync else None, enforce_eager=args.enforce_eager,
+              deterministic=args.deterministic)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:32], params, use_tqdm=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -255,8 +257,9 @@ def _by_bucket(title: str, steps: list[dict], columns: dict) -> None:
 
 def run_timeline(args, prompts) -> None:
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
-              max_num_seqs=args.max_num_seqs, async_scheduling=False if args.sync else None,
-              enforce_eager=args.enforce_eager, deterministic=args.deterministic)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=False if args.sync else None, enforce_eager=args.enforce_eager,
+              deterministic=args.deterministic)
     # Warm-up on other rows of the workload (up to 64): the timed prompts must not be in the prefix cache.
     n = min(64, args.rows)
     warmup = _prompts(args, args.rows + n)[-n:]
