@@ -162,7 +162,7 @@ class Scheduler(Admission, StepResults):
             self.speculator.plan(self.running)
 
         i = 0
-        running, max_model_len = self.running, self.config.max_model_len
+        running, max_model_len, allocate = self.running, self.config.max_model_len, self.kv_cache.allocate_slots
         pipelined = self.config.num_micro_batches > 1
         max_rows = -(-self.config.max_num_seqs // self.config.num_micro_batches)
         while i < len(running) and budget > 0 and len(scheduled) < max_rows:
@@ -188,7 +188,9 @@ class Scheduler(Admission, StepResults):
                 if not num_new:  # its next image does not fit what is left of this step
                     i += 1
                     continue
-            allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
+            allocation = allocate(request, num_new + request.num_lookahead)  # it fits: no call to preempt
+            if allocation is None:
+                allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
             if mm is not None:
