@@ -132,7 +132,9 @@ class KVCacheManager:
             first_write = request.num_computed_tokens // self.block_size
             num_owned = len(owned)
             if first_write < num_owned and end <= num_owned * self.block_size and owned[first_write].ref_cnt == 1:
-                self._cache_full_blocks(request, owned, end)
+                if min(end, len(request.token_ids)) // self.block_size > self._num_hashed_blocks.get(
+                        request.request_id, 0):  # a block filled since it was last indexed (or caching is off)
+                    self._cache_full_blocks(request, owned, end)
                 return _UNCHANGED
         if owned is None:
             owned = self._blocks[request.request_id] = []
