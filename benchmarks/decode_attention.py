@@ -4,7 +4,6 @@
     python benchmarks/decode_attention.py --sweep 3 --out $OUT  # also every tile / warps / stages / splits
     python benchmarks/decode_attention.py --cases gemma3-12b:bf16:256:8192:1024 gemma3-12b:bf16:256:1024
                                         # a 1,024-token window at 8k context against full attention over 1,024
-    python benchmarks/decode_attention.py --rows-kernel         # also kernels/attention_rows.py's launch shapes
 
 A case is (model shape, KV dtype, rows, context[, window]): `rows` decode queries, each over `context` keys (W1-like
 uniform lengths with `--uniform`), or the last `window` of them (a sliding-window layer), block tables a random
@@ -18,7 +17,6 @@ copy of 2 GiB, bytes read plus written). Each launch shape's output is checked a
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import math
@@ -29,8 +27,7 @@ import torch
 import triton
 
 from batchllm.forward_context import AttentionMetadata
-from batchllm.kernels.attention import SplitKVWorkspace, TileConfig, paged_attention_triton, tile_config
-from batchllm.kernels.attention_rows import decode_attention_rows
+from batchllm.kernels.attention import TileConfig, paged_attention_triton, tile_config
 from batchllm.kernels.reference import FP8_DTYPE
 
 BLOCK_SIZE = 16
@@ -82,45 +79,32 @@ def launch_shapes(group_p2: int):
         yield TileConfig(max(16, group_p2), tile_n, warps, stages), splits
 
 
-def rows_kernel_shapes(num_kv_heads: int):
-    """`--rows-kernel`: decode_attention_rows' key tiles, warps, K/V splits and KV heads a program."""
-    heads = [h for h in (1, 2, 4) if num_kv_heads % h == 0 and h < num_kv_heads] + [num_kv_heads]
-    return itertools.product((32, 64), (4, 8), (1, 2, 4), heads)
-
-
-def run_case(case, sweep: bool, uniform: bool, bandwidth: float, rows_kernel: bool = False) -> list[dict]:
+def run_case(case, sweep: bool, uniform: bool, bandwidth: float) -> list[dict]:
     shape, kv, rows, context, window = case
     query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform, window=window)
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
     scale = query.shape[-1] ** -0.5
     default_tile = tile_config(1, group_p2, query.shape[-1], query.dtype, k_cache.dtype == FP8_DTYPE)
-    candidates = []  # (the record's launch fields, the launch)
-    for tile, splits in launch_shapes(group_p2) if sweep else iter([(None, None)]):
-        candidates.append((dict(kernel="paged", tile=str(tile or default_tile), splits=splits),
-                           functools.partial(paged_attention_triton, query, k_cache, v_cache, metadata, scale,
-                                             num_splits=splits, tile=tile, sliding_window=window)))
-    if rows_kernel and window is None:
-        workspace = SplitKVWorkspace.allocate(rows, query.shape[1], query.shape[2], 4, query.device)
-        for tile_n, warps, splits, heads in rows_kernel_shapes(k_cache.shape[2]):
-            candidates.append((dict(kernel="rows", tile=f"tile_n={tile_n} warps={warps} heads={heads}", splits=splits),
-                               functools.partial(decode_attention_rows, query, k_cache, v_cache, metadata, scale,
-                                                 workspace=workspace, num_splits=splits, tile_n=tile_n,
-                                                 num_warps=warps, heads_per_program=heads)))
     reference = None
     results = []
-    for fields, call in candidates:
+    shapes = launch_shapes(group_p2) if sweep else iter([(None, None)])
+    for tile, splits in shapes:
+        def call():
+            return paged_attention_triton(query, k_cache, v_cache, metadata, scale, num_splits=splits, tile=tile,
+                                          sliding_window=window)
         try:
             out = call()
             torch.cuda.synchronize()
         except Exception as exc:  # a shape that does not compile (out of shared memory / registers)
-            results.append(dict(fields, error=type(exc).__name__))
+            results.append(dict(tile=str(tile), splits=splits, error=type(exc).__name__))
             continue
         if reference is None:
             reference = out.float()
         err = ((out.float() - reference).norm() / reference.norm()).item()
         ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-        results.append(dict(fields, shape=shape, kv=kv, rows=rows, context=context, window=window, ms=ms,
-                            kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
+        results.append(dict(shape=shape, kv=kv, rows=rows, context=context, window=window,
+                            tile=str(tile or default_tile),
+                            splits=splits, ms=ms, kv_bytes=kv_bytes, tb_s=kv_bytes / (ms * 1e-3) / 1e12,
                             floor_share=(kv_bytes / bandwidth) / (ms * 1e-3), rel_err=err))
     return results
 
@@ -132,8 +116,6 @@ def main() -> None:
     parser.add_argument("--uniform", action="store_true", help="context lengths uniform in [0.2, 1.8] x context")
     parser.add_argument("--cases", nargs="*",
                         help="shape:kv:rows:context[:window], e.g. llama3-8b:fp8:256:1500 gemma3-12b:bf16:64:8192:1024")
-    parser.add_argument("--rows-kernel", action="store_true",
-                        help="also time kernels/attention_rows.py (every KV head of a row in one program)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else DEFAULT_CASES
@@ -144,21 +126,15 @@ def main() -> None:
     rows_out = []
     for case in cases:
         start = time.perf_counter()
-        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth, args.rows_kernel)
+        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth)
         rows_out += results
-        timed = [r for r in results if "ms" in r and r["kernel"] == "paged"]
+        timed = [r for r in results if "ms" in r]
         best = min(timed, key=lambda r: r["ms"])
         default = timed[0]
         print(f"{case}: default {default['tile']} {default['ms'] * 1e3:.0f} us ({default['tb_s']:.2f} TB/s, "
               f"{default['floor_share']:.0%} of floor); best {best['tile']} splits={best['splits']} "
               f"{best['ms'] * 1e3:.0f} us ({best['tb_s']:.2f} TB/s); max rel err {max(r['rel_err'] for r in timed):.1e}"
               f"; {time.perf_counter() - start:.0f} s")
-        rows = [r for r in results if "ms" in r and r["kernel"] == "rows"]
-        if rows:
-            fastest = min(rows, key=lambda r: r["ms"])
-            print(f"  rows kernel: best {fastest['tile']} splits={fastest['splits']} {fastest['ms'] * 1e3:.0f} us "
-                  f"({fastest['floor_share']:.0%} of floor, rel err {fastest['rel_err']:.1e}); "
-                  f"{fastest['ms'] / default['ms']:.2f}x the default's time")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         name = f"{time.strftime('%Y-%m-%d')}-decode-attention-{device.split()[1].lower()}.json"

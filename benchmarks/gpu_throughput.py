@@ -129,8 +129,6 @@ def main() -> None:
     parser.add_argument("--admission-policy", choices=["kv_aware", "optimistic"], default="kv_aware",
                         help="batchllm's admission (engine/admission.py): optimistic preempts and recomputes")
     parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): batch-invariant kernels")
-    parser.add_argument("--rows-kernel", action="store_true",
-                        help="decode-only steps through kernels/attention_rows.py (an experiment, not the engine's)")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="the whole run in N fresh processes (PYTHONHASHSEED 0 .. N-1), each its own record, "
@@ -139,8 +137,6 @@ def main() -> None:
     if args.processes > 1:
         run_processes(args)
         return
-    if args.rows_kernel:
-        use_rows_kernel()
 
     workload = WORKLOADS[args.workload]
     rows = args.rows or workload.rows
@@ -189,47 +185,18 @@ def main() -> None:
     _, hw = hardware("cuda" if torch.cuda.is_available() else "cpu")
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "quantization": args.quantization, "deterministic": args.deterministic,
-              "admission_policy": args.admission_policy, "rows_kernel": args.rows_kernel,
+              "admission_policy": args.admission_policy,
               "workload": {"name": args.workload, "rows": rows, "output_tokens": max_tokens,
                            "prompt_tokens": prompt_tokens}, "hardware": hw, "systems": systems}
     card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
     budget = f"-b{args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
     quant = f"-{args.quantization}" if args.quantization else ""
-    mode = (("-deterministic" if args.deterministic else "") + ("-rows-kernel" if args.rows_kernel else "")
-            + ("-optimistic" if args.admission_policy == "optimistic" else ""))
+    mode = ("-deterministic" if args.deterministic else "") + ("-optimistic" if args.admission_policy == "optimistic"
+                                                                else "")
     seed = f"-hashseed{os.environ['PYTHONHASHSEED']}" if "PYTHONHASHSEED" in os.environ else ""
     name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{args.max_num_seqs}"
             f"{budget}{mode}{seed}-{card}.json")
     save_record(name, record, args.out)
-
-
-def use_rows_kernel() -> None:
-    """`--rows-kernel`: this process's Triton attention backend sends decode-only steps of layers without
-    variants to `decode_attention_rows` (a row's adjacent KV heads in one program, `row_heads` of them), its keys
-    split by the paged kernel's rule for that many programs a row."""
-    from batchllm.kernels.attention import choose_num_splits
-    from batchllm.kernels.attention_rows import decode_attention_rows, row_heads
-    from batchllm.kernels.kv_write import write_kv_triton
-    from batchllm.model.attention.triton_backend import TritonAttentionBackend
-    from batchllm.model.layers import batch_invariant
-
-    paged = TritonAttentionBackend.forward
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def forward(self, layer, query, key, value, metadata):
-        params = layer.params
-        if (metadata.max_query_len > 1 or params.sliding_window or params.logit_soft_cap or layer.sinks is not None
-                or batch_invariant.active()):
-            return paged(self, layer, query, key, value, metadata)
-        write_kv_triton(key, value, layer.k_cache, layer.v_cache, metadata.slot_mapping, layer.k_scale,
-                        layer.v_scale)
-        num_kv_heads, head_size = layer.k_cache.shape[2], layer.k_cache.shape[3]
-        programs_per_row = num_kv_heads // row_heads(num_kv_heads, head_size, layer.k_cache.element_size())
-        splits = choose_num_splits(metadata.seq_lens.shape[0], programs_per_row, 1, metadata.max_seq_len, num_sms)
-        return decode_attention_rows(query, layer.k_cache, layer.v_cache, metadata, params.scale,
-                                     k_scale=layer.k_scale, v_scale=layer.v_scale, num_splits=splits)
-
-    TritonAttentionBackend.forward = forward
 
 
 def run_processes(args) -> None:
