@@ -28,7 +28,7 @@ from batchllm.model.layers.rotary import RotaryEmbedding
 from batchllm.model.llama import DecoderStack, HeldElsewhere, LlamaForCausalLM, LlamaSelfAttention
 from batchllm.model.quantization.config import QuantConfig
 from batchllm.model.stages import StagePlan
-from batchllm.model.uploads import to_device
+from batchllm.model.uploads import rows_to_device
 
 
 class GemmaMLP(nn.Module):
@@ -155,6 +155,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """Each image's `mm_tokens_per_image` rows from its processor output (`pixel_values [3, H, W]`); all in
         one tower call."""
         weight = self.vision.vision_tower.embeddings.patch_embedding.weight
-        pixels = torch.stack([torch.as_tensor(image["pixel_values"]) for image in images])
-        pixels = to_device(pixels, weight.device, pixels.dtype)  # queued behind the running step, never waiting
+        # Queued behind the running step, never waiting for it; in the processor's dtype, as the tower takes them.
+        pixels = rows_to_device([torch.as_tensor(image["pixel_values"])[None] for image in images], weight.device)
         return list(self.vision(pixels))

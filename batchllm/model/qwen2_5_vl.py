@@ -15,7 +15,7 @@ import torch
 from batchllm.model.config import ModelConfig
 from batchllm.model.llama import LlamaForCausalLM
 from batchllm.model.quantization.config import QuantConfig
-from batchllm.model.uploads import to_device
+from batchllm.model.uploads import rows_to_device
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
@@ -42,8 +42,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         (`pixel_values [patches, features]`, `image_grid_thw [3]`); all images in one tower call."""
         device, dtype = self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype
         # Queued behind the running step (pinned memory), never waiting for it; the grids stay on the host.
-        pixels = torch.cat([torch.as_tensor(image["pixel_values"]) for image in images])
-        pixels = to_device(pixels, device, pixels.dtype).to(dtype)
+        pixels = rows_to_device([image["pixel_values"] for image in images], device, dtype)
         grids = torch.stack([torch.as_tensor(image["image_grid_thw"]).reshape(3) for image in images])
         rows = self.visual(pixels, grids)
         return list(rows.split([int(grid.prod()) // self.merge**2 for grid in grids]))
