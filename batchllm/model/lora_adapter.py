@@ -3,8 +3,10 @@
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` with tensors named
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`: A is `[r, in]`, B is
 `[out, r]`, and the delta of a module is `scaling * x A^T B^T` with `scaling = lora_alpha / r`
-(`lora_alpha / sqrt(r)` with `use_rslora`). Only what this engine applies exactly is accepted: plain LoRA on
-q/k/v/o/gate/up/down, no bias, no DoRA, no per-module ranks, no `modules_to_save`. A model whose checkpoint fuses
+(`lora_alpha / sqrt(r)` with `use_rslora`); `rank_pattern` / `alpha_pattern` give the modules whose names match a
+pattern (PEFT's rule: the regex matches the name's end, after a dot) their own r / lora_alpha, as PEFT 0.22 writes
+for fused gate/up modules. Only what this engine applies exactly is accepted: plain LoRA on q/k/v/o/gate/up/down,
+no bias, no DoRA, no `modules_to_save`. A model whose checkpoint fuses
 q/k/v or gate/up (Phi-3: `qkv_proj`, `gate_up_proj`) has adapters on the fused modules: one A, and B's rows cut
 into the parts, which is the same delta on each part.
 """
@@ -16,6 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -25,7 +28,8 @@ from batchllm.model.config import ModelConfig
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Groups: the module's name in the base model (what PEFT's patterns match), its layer, the module, the half.
+_KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
 
 class LoRAError(ValueError):
@@ -62,32 +66,36 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
         settings = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise LoRAError(f"{where}: adapter_config.json cannot be read: {exc}") from None
-    rank, scaling = _check_settings(settings, where, max_rank)
+    rank_of, scaling_of = _check_settings(settings, where, max_rank)
     shapes = module_shapes(config)
     for fused, parts in FUSED_MODULES.items():
         shapes[fused] = (sum(shapes[part][0] for part in parts), shapes[parts[0]][1])
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    scalings: dict[tuple[int, str], float] = {}
     for key, tensor in load_file(str(weights_file)).items():
         match = _KEY.match(key)
         if match is None:
             raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A/B weight of a decoder layer's "
                             f"{'/'.join(MODULES)}")
-        layer, module, half = int(match[1]), match[2], match[3]
+        name, layer, module, half = match[1], int(match[2]), match[3], match[4]
         if module not in shapes:
             raise LoRAError(f"{where}: targets {module!r}; LoRA applies to {', '.join((*MODULES, *FUSED_MODULES))} "
                             f"only")
         if layer >= config.num_layers:
             raise LoRAError(f"{where}: has layer {layer}, the model has {config.num_layers} (another architecture?)")
         out_size, in_size = shapes[module]
+        rank = rank_of(name)
         expected = (rank, in_size) if half == "A" else (out_size, rank)
         if tuple(tensor.shape) != expected:
             raise LoRAError(f"{where}: {key} has shape {tuple(tensor.shape)}, the model needs {expected} "
                             f"(another architecture?)")
         halves.setdefault((layer, module), {})[half] = tensor.float()
+        scalings[(layer, module)] = scaling_of(name)
     weights = {}
     for (layer, module), pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} without its other half")
+        scaling = scalings[(layer, module)]
         if module not in FUSED_MODULES:
             weights[(layer, module)] = (pair["A"], pair["B"] * scaling)
             continue
@@ -99,15 +107,16 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
             weights[(layer, part)] = (pair["A"], b * scaling)
     if not weights:
         raise LoRAError(f"{where}: adapter_model.safetensors holds no LoRA weights")
-    return LoRAAdapter(request.lora_name, rank, weights)
+    return LoRAAdapter(request.lora_name, max(a.shape[0] for a, _ in weights.values()), weights)
 
 
-def _check_settings(settings: dict, where: str, max_rank: int) -> tuple[int, float]:
+def _check_settings(settings: dict, where: str, max_rank: int
+                    ) -> tuple[Callable[[str], int], Callable[[str], float]]:
+    """The adapter's rank and scaling of a module, by its name in the base model."""
     if settings.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"{where}: peft_type {settings.get('peft_type')!r} is not LORA")
     refused = {"modules_to_save": "modules_to_save (fully trained copies of modules)",
-               "use_dora": "use_dora (DoRA)", "rank_pattern": "rank_pattern (per-module ranks)",
-               "alpha_pattern": "alpha_pattern (per-module alphas)", "layers_to_transform": "layers_to_transform"}
+               "use_dora": "use_dora (DoRA)", "layers_to_transform": "layers_to_transform"}
     for field, what in refused.items():
         if settings.get(field):
             raise LoRAError(f"{where}: {what} is not supported")
@@ -116,11 +125,27 @@ def _check_settings(settings: dict, where: str, max_rank: int) -> tuple[int, flo
     if settings.get("fan_in_fan_out"):
         raise LoRAError(f"{where}: fan_in_fan_out is not supported")
     rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
-    if not isinstance(rank, int) or rank < 1:
-        raise LoRAError(f"{where}: r must be a positive int, got {rank!r}")
-    if rank > max_rank:
-        raise LoRAError(f"{where}: rank {rank} is above max_lora_rank={max_rank}; raise max_lora_rank")
-    return rank, alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    rank_pattern, alpha_pattern = settings.get("rank_pattern") or {}, settings.get("alpha_pattern") or {}
+    for field, value in (("r", rank), *((f"rank_pattern[{key!r}]", r) for key, r in rank_pattern.items())):
+        if not isinstance(value, int) or value < 1:
+            raise LoRAError(f"{where}: {field} must be a positive int, got {value!r}")
+        if value > max_rank:
+            what = f"rank {value}" if field == "r" else f"{field} = {value}"
+            raise LoRAError(f"{where}: {what} is above max_lora_rank={max_rank}; raise max_lora_rank")
+
+    def rank_of(name: str) -> int:
+        return _by_pattern(rank_pattern, name, rank)
+
+    def scaling_of(name: str) -> float:
+        module_rank, module_alpha = rank_of(name), _by_pattern(alpha_pattern, name, alpha)
+        return module_alpha / (math.sqrt(module_rank) if settings.get("use_rslora") else module_rank)
+
+    return rank_of, scaling_of
+
+
+def _by_pattern(patterns: dict, name: str, default):
+    """PEFT's rule: the first pattern that matches the end of a module's name (after a dot, or all of it)."""
+    return next((value for key, value in patterns.items() if re.match(rf"(.*\.)?({key})$", name)), default)
 
 
 def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int, scale: float,

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
-ADAPTERS = {  # name: (rank, alpha, target modules, rslora)
-    "qv": (8, 16, ["q_proj", "v_proj"], False),
-    "all": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
-    "mlp": (16, 32, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
+ADAPTERS = {  # name: (rank, alpha, target modules, rslora, PEFT's per-module patterns)
+    # v_proj at rank 4 and layer 0's q_proj at alpha 4 (rank_pattern / alpha_pattern, regexes on module names).
+    "qv": (8, 16, ["q_proj", "v_proj"], False,
+           dict(rank_pattern={"v_proj": 4}, alpha_pattern={r"layers\.0\.self_attn\.q_proj": 4})),
+    "all": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True, {}),
+    "mlp": (16, 32, ["o_proj", "gate_proj", "up_proj", "down_proj"], False, {}),
 }
 
 
@@ -21,9 +23,9 @@ def write_adapters(base: Path, root: Path) -> dict[str, Path]:
 
     dirs = {}
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+    for seed, (name, (rank, alpha, targets, rslora, patterns)) in enumerate(ADAPTERS.items()):
         config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+                                 lora_dropout=0.0, task_type="CAUSAL_LM", **patterns)
         model = peft.get_peft_model(model, config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
