@@ -132,8 +132,10 @@ class KVCacheManager:
             first_write = request.num_computed_tokens // self.block_size
             num_owned = len(owned)
             if first_write < num_owned and end <= num_owned * self.block_size and owned[first_write].ref_cnt == 1:
+                # `_cache_full_blocks`' own first test, without the call per row and step: a block filled since
+                # the last indexing (always true once a block is full with caching off, where the call returns).
                 if min(end, len(request.token_ids)) // self.block_size > self._num_hashed_blocks.get(
-                        request.request_id, 0):  # a block filled since it was last indexed (or caching is off)
+                        request.request_id, 0):
                     self._cache_full_blocks(request, owned, end)
                 return _UNCHANGED
         if owned is None:

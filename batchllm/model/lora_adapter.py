@@ -6,9 +6,9 @@ A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` wit
 (`lora_alpha / sqrt(r)` with `use_rslora`); `rank_pattern` / `alpha_pattern` give the modules whose names match a
 pattern (PEFT's rule: the regex matches the name's end, after a dot) their own r / lora_alpha, as PEFT 0.22 writes
 for fused gate/up modules. Only what this engine applies exactly is accepted: plain LoRA on q/k/v/o/gate/up/down,
-no bias, no DoRA, no `modules_to_save`. A model whose checkpoint fuses
-q/k/v or gate/up (Phi-3: `qkv_proj`, `gate_up_proj`) has adapters on the fused modules: one A, and B's rows cut
-into the parts, which is the same delta on each part.
+no bias, no DoRA, no `modules_to_save`. A model whose checkpoint fuses q/k/v or gate/up (Phi-3: `qkv_proj`,
+`gate_up_proj`) has adapters on the fused modules: one A, and B's rows cut into the parts, which is the same delta
+on each part.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
     for fused, parts in FUSED_MODULES.items():
         shapes[fused] = (sum(shapes[part][0] for part in parts), shapes[parts[0]][1])
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    scalings: dict[tuple[int, str], float] = {}
+    names: dict[tuple[int, str], str] = {}  # each module's name in the base model, which the patterns match
     for key, tensor in load_file(str(weights_file)).items():
         match = _KEY.match(key)
         if match is None:
@@ -90,12 +90,12 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_rank: int) -> Lo
             raise LoRAError(f"{where}: {key} has shape {tuple(tensor.shape)}, the model needs {expected} "
                             f"(another architecture?)")
         halves.setdefault((layer, module), {})[half] = tensor.float()
-        scalings[(layer, module)] = scaling_of(name)
+        names[(layer, module)] = name
     weights = {}
     for (layer, module), pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} without its other half")
-        scaling = scalings[(layer, module)]
+        scaling = scaling_of(names[(layer, module)])
         if module not in FUSED_MODULES:
             weights[(layer, module)] = (pair["A"], pair["B"] * scaling)
             continue
