@@ -17,7 +17,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from batchllm.executor.input_batch import StagedBuffer
+from batchllm.executor.staged_buffer import StagedBuffer
 from batchllm.lora.request import LoRARequest
 from batchllm.model.config import ModelConfig
 from batchllm.model.layers.lora import LoRABatch, LoRASlots

@@ -237,13 +237,14 @@ class ModelRunner(StepSampling):
             batch.token_ids, batch.num_scheduled, batch.num_computed, self.requests.block_tables.table,
             batch.table_rows, batch.sample_index, pad_to=None if shape is None else shape[0],
             sample_counts=batch.sample_counts, query_stride=stride,
-            position_shifts=batch.position_shifts)
+            position_shifts=batch.position_shifts,
+            placeholders=(batch.placeholder_slots, batch.placeholder_rows) if batch.placeholder_slots else None)
         if batch.placeholder_slots:
-            self.inputs.fill_placeholders(batch.placeholder_slots, batch.placeholder_rows, self._last_sampled)
+            self.inputs.fill_placeholders(self._last_sampled)
         inputs_embeds = None
         if images:
             inputs_embeds = self.multimodal.inputs_embeds(input_ids, images)
-            host_positions = self.inputs.positions.np[:len(batch.token_ids)]
+            host_positions = self.inputs.step.host["positions"][:len(batch.token_ids)]
             if self.multimodal.uses_mrope:
                 positions = self.multimodal.positions_3d(images, host_positions)
             key_limit = self.multimodal.key_limits(images, host_positions)

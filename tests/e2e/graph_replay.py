@@ -1,5 +1,6 @@
-"""A stand-in for CUDA graphs on the CPU: "replays" run the model eagerly on the runner's input buffers,
-exactly what a captured graph reads, so the layouts the graphs replay are tested where graphs cannot run."""
+"""A stand-in for CUDA graphs on the CPU: "replays" run the model eagerly on the staged arrays of the replayed
+shape (`InputBatch.replay_layout`), exactly what a captured graph reads, so the layouts the graphs replay are
+tested where graphs cannot run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from batchllm.forward_context import AttentionMetadata, set_forward_context
 
 
 class EagerReplay(DecodeGraphs):
-    """A `DecodeGraphs` whose replays run the model eagerly on the runner's input buffers."""
+    """A `DecodeGraphs` whose replays run the model eagerly on the arrays its graph would read."""
 
     def __init__(self, runner) -> None:
         self.model, self.inputs = runner.model, runner.inputs
@@ -18,11 +19,10 @@ class EagerReplay(DecodeGraphs):
 
     def replay(self, size: int, query_len: int = 1):
         self.replayed.append((size, query_len))
-        inputs, n = self.inputs, size * query_len
-        seq_lens = inputs.seq_lens.np[:size]
-        metadata = AttentionMetadata(inputs.slot_mapping.device[:n], inputs.query_start_loc.device[: size + 1],
-                                     inputs.seq_lens.device[:size], inputs.block_tables.device[:size], query_len,
-                                     int(seq_lens.max()), inputs.query_start_loc.np[: size + 1].tolist(),
-                                     seq_lens.tolist())
+        step = self.inputs.replay_layout(size, query_len)
+        host, device = step.host, step.device
+        metadata = AttentionMetadata(device["slot_mapping"], device["query_start_loc"], device["seq_lens"],
+                                     device["block_tables"], query_len, int(host["seq_lens"].max()),
+                                     host["query_start_loc"].tolist(), host["seq_lens"].tolist())
         with set_forward_context(metadata):
-            return self.model(inputs.input_ids.device[:n], inputs.positions.device[:n])
+            return self.model(device["input_ids"], device["positions"])

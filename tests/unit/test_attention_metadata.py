@@ -56,10 +56,29 @@ def test_graph_capture_inputs_are_all_padding() -> None:
 
 
 def test_drafter_rows_get_their_own_tensors() -> None:
-    builder = _inputs().attention
+    inputs = _inputs()
+    builder = inputs.attention
     # Table row 1 drafts at positions 6 and 7 (8 tokens of context), table row 0 at position 3.
     metadata = builder.for_rows(np.array([6, 7, 3]), np.array([2, 1]), np.array([8, 4]), TABLES[[1, 0]])
     assert _fields(metadata) == ([38, 39, 31], [0, 2, 3], [8, 4], [[3, 9, 0], [7, 2, 5]], 2, 8, [0, 2, 3], [8, 4])
     decode = builder.for_decode_rows(np.array([4, 0]), TABLES[[1, 0]])
     assert _fields(decode) == ([36, 28], [0, 1, 2], [5, 1], [[3, 9, 0], [7, 2, 5]], 1, 5, [0, 1, 2], [5, 1])
-    assert metadata.slot_mapping.data_ptr() != builder.slot_mapping.device.data_ptr()
+    assert not inputs.arena.holds(metadata.slot_mapping) and not inputs.arena.holds(decode.block_tables)
+
+
+def test_a_padded_step_is_staged_where_its_graph_reads() -> None:
+    inputs = _inputs()
+    captured = inputs.graph_inputs(batch_size=4, max_seq_len=12)
+    # Two decode rows whose tokens the last step sampled (rows 1 and 0 of its samples), padded to 4 rows.
+    input_ids, positions, metadata, logits = inputs.prepare(
+        [0, 0], np.array([1, 1]), np.array([4, 0]), TABLES, np.array([1, 0]), np.array([0, 1]), pad_to=4,
+        placeholders=([0, 1], [1, 0]))
+    inputs.fill_placeholders(torch.tensor([31, 32]))
+    stepped = (input_ids, positions, metadata.slot_mapping, metadata.query_start_loc, metadata.seq_lens,
+               metadata.block_tables)
+    graph_read = captured[:2] + (captured[2].slot_mapping, captured[2].query_start_loc, captured[2].seq_lens,
+                                 captured[2].block_tables)
+    for step_array, graph_array in zip(stepped, graph_read, strict=True):
+        assert (step_array.data_ptr(), step_array.shape) == (graph_array.data_ptr(), graph_array.shape)
+    assert captured[0].tolist() == [32, 31, 0, 0] and captured[1].tolist() == [4, 0, 0, 0]
+    assert captured[2].seq_lens.tolist() == [5, 1, 1, 1] and logits.tolist() == [0, 1]
