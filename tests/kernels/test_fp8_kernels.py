@@ -38,7 +38,6 @@ from tests.kernels.test_triton_kernels import (  # noqa: E402
     CUDA,
     DECODE_BATCH,
     DEVICE,
-    PAD_TOKENS,
     SMALL_MIXED_BATCH,
     TOLERANCE,
     Batch,
@@ -325,7 +324,8 @@ def check_fp8_attention(batch: Batch, k_scale: float, v_scale: float, num_splits
                                     workspace=workspace, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
     assert result is out
     expected = dequantized.expected(scale)
-    assert torch.equal(out[-PAD_TOKENS:], torch.zeros_like(out[-PAD_TOKENS:])), "padding rows must be zeros"
+    padding = out[batch.metadata.query_start_loc_cpu[-1]:]
+    assert torch.equal(padding, torch.zeros_like(padding)), "padding rows must be zeros"
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[batch.query.dtype])
     # The reference reads FP8 caches the same way.
     got = reference.paged_attention(fp8.query, fp8.k_cache, fp8.v_cache, fp8.metadata, scale, k_scale, v_scale)
@@ -350,9 +350,10 @@ def test_fp8_attention_split_kv() -> None:
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: int) -> None:
     """Decode-only batches over FP8 caches take 128-key tiles (tile_config): one to five of them per sequence here,
-    the last partial, and slices of whole tiles when split."""
+    the last partial, and slices of whole tiles when split; no padding rows, as in an engine's decode step (the
+    grid of one program per sequence)."""
     assert tile_config(1, 8, head_dim, torch.float16, kv_fp8=True).tile_n == 128
-    batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa * head_dim, num_blocks=256)
+    batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa * head_dim, num_blocks=256, pad_tokens=0)
     check_fp8_attention(batch, k_scale=0.05, v_scale=2.0, num_splits=num_splits)
 
 

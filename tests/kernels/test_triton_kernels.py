@@ -80,9 +80,10 @@ class Batch:
 
 
 def make_batch(rows: list[tuple[int, int]], gqa: int, head_dim: int, dtype: torch.dtype, seed: int,
-               num_kv_heads: int = NUM_KV_HEADS, num_blocks: int = NUM_BLOCKS) -> Batch:
+               num_kv_heads: int = NUM_KV_HEADS, num_blocks: int = NUM_BLOCKS, pad_tokens: int = PAD_TOKENS) -> Batch:
     """A cache of NaN except the K/V of every sequence's `seq_len` tokens, in shuffled blocks from the top of
-    the pool; block-table entries past a sequence's last block name a spare block that holds only NaN."""
+    the pool; block-table entries past a sequence's last block name a spare block that holds only NaN. The query
+    has `pad_tokens` rows after the last sequence's tokens (an engine's decode step has none: it pads sequences)."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     query_lens = torch.tensor([q for q, _ in rows])
     seq_lens = torch.tensor([s for _, s in rows])
@@ -107,7 +108,7 @@ def make_batch(rows: list[tuple[int, int]], gqa: int, head_dim: int, dtype: torc
         ).to(dtype)
 
     starts = [0] + query_lens.cumsum(0).tolist()
-    num_tokens = starts[-1] + PAD_TOKENS
+    num_tokens = starts[-1] + pad_tokens
     query = torch.randn(num_tokens, num_kv_heads * gqa, head_dim, generator=gen, device=DEVICE).to(dtype)
     metadata = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=DEVICE),
@@ -129,7 +130,8 @@ def check_attention(batch: Batch, num_splits: int | None, workspace: SplitKVWork
                                     out=out, workspace=workspace, num_splits=num_splits)
     assert result is out
     expected = batch.expected(scale)
-    assert torch.equal(out[-PAD_TOKENS:], torch.zeros_like(out[-PAD_TOKENS:])), "padding rows must be zeros"
+    padding = out[batch.metadata.query_start_loc_cpu[-1]:]
+    assert torch.equal(padding, torch.zeros_like(padding)), "padding rows must be zeros"
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[batch.query.dtype])
 
 
@@ -163,12 +165,15 @@ def test_split_kv_mixed_batch(gqa: int, head_dim: int, dtype: torch.dtype, num_s
 
 @pytest.mark.parametrize(("gqa", "head_dim"), [(1, 64), (3, 64), (4, 128), (8, 128)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: int) -> None:
-    """Decode-only batches of 16-bit queries take the decode key tiles (64 keys at head_dim 64, 32 at 128)."""
+@pytest.mark.parametrize("pad_tokens", [0, PAD_TOKENS])
+def test_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: int, pad_tokens: int) -> None:
+    """Decode-only batches of 16-bit queries take the decode key tiles (64 keys at head_dim 64, 32 at 128); without
+    padding rows (an engine's decode step), the grid of one program per sequence."""
     expected_tile_n = 64 if head_dim == 64 else 32
     group_p2 = 1 << (gqa - 1).bit_length()
     assert tile_config(1, group_p2, head_dim, torch.float16).tile_n == expected_tile_n
-    batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa + head_dim, num_blocks=256)
+    batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa + head_dim, num_blocks=256,
+                       pad_tokens=pad_tokens)
     check_attention(batch, num_splits=num_splits)
 
 
