@@ -1,4 +1,5 @@
-"""A host staging array and its device twin: the persistent buffers the runner fills each step."""
+"""A host staging array and its device twin at a fixed address: the LoRA segments' buffers (lora_slots.py), which the
+decode CUDA graphs read whatever the step's size. The step's own arrays live in one arena (staging_arena.py)."""
 
 from __future__ import annotations
 
