@@ -3,8 +3,10 @@
     python benchmarks/fp8_gemm.py                    # GPU: M 256 .. 4096 over qkv, o, gate_up, down
 
 Per layer and token count M: `torch._scaled_mm` on pre-quantized activations (the GEMM alone), `fp8_linear` (the
-engine's path: per-token activation quantization, then the same GEMM) and a bf16 `x @ w.t()`. Each is timed as 50
-calls replayed from one CUDA graph (no launch gaps); TFLOP/s = 2 M N K over the time.
+engine's path: per-token activation quantization, then the same GEMM) and a bf16 `x @ w.t()`; then the down
+projection with its SiLU-and-mul, unfused (the activation, then `fp8_linear` quantizing it) against the fused
+activation that writes FP8 rows. Each is timed as 50 calls replayed from one CUDA graph (no launch gaps); TFLOP/s =
+2 M N K over the time.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 
 import torch
 
+from batchllm.model.layers.activation import SiluAndMul
 from batchllm.model.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8_per_channel
 
 # (output features, input features) of one decoder layer's linear layers.
@@ -63,6 +66,15 @@ def main() -> None:
     for m, (mm, linear, bf16, tflop) in totals.items():
         print(f"one layer, M={m}: scaled_mm {mm:.0f} us ({tflop / mm:.0f} TF/s), fp8_linear {linear:.0f} us "
               f"({tflop / linear:.0f}), bf16 {bf16:.0f} us ({tflop / bf16:.0f})")
+    # The down projection with the activation before it: SiLU-and-mul, then fp8_linear quantizing its output, against
+    # the fused SiLU-and-mul that writes FP8 rows (what LlamaMLP runs for an FP8 down projection).
+    n, k = LLAMA3_8B["down"]
+    q_weight, w_scale = quantize_fp8_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    for m in args.tokens:
+        gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        unfused = graph_time_us(lambda: fp8_linear(SiluAndMul()(gate_up), q_weight, w_scale, None))
+        fused = graph_time_us(lambda: fp8_linear(SiluAndMul.quantized(gate_up), q_weight, w_scale, None))
+        print(f"activation + down, M={m}: unfused {unfused:.1f} us, fused {fused:.1f} us ({unfused / fused:.2f}x)")
 
 
 if __name__ == "__main__":

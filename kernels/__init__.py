@@ -21,7 +21,7 @@ import torch
 from batchllm.kernels import moe_reference, reference
 
 __all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "fused_moe", "int_matmul", "quantize_fp8_per_token",
-           "rms_norm", "silu_and_mul", "triton_enabled"]
+           "rms_norm", "silu_and_mul", "silu_and_mul_fp8", "triton_enabled"]
 
 
 def rms_norm(
@@ -47,6 +47,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use_triton(gate_up):
         return _triton().silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_per_token(silu_and_mul(gate_up))` for rows `[T, 2 * d]`: `(q [T, d] float8_e4m3fn, scale
+    [T, 1] float32)`, the 16-bit product never written on the GPU."""
+    if _use_triton(gate_up):
+        return _triton().silu_and_mul_fp8(gate_up)
+    return reference.quantize_fp8_per_token(reference.silu_and_mul(gate_up))
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -106,7 +114,7 @@ def triton_enabled() -> bool:
 @functools.cache
 def _triton() -> SimpleNamespace:
     """The Triton implementations, imported on first use (importing them imports and initialises Triton)."""
-    from batchllm.kernels.activation import silu_and_mul_triton
+    from batchllm.kernels.activation import silu_and_mul_fp8_triton, silu_and_mul_triton
     from batchllm.kernels.fp8 import quantize_fp8_per_token_triton
     from batchllm.kernels.int_gemm import int_matmul_triton
     from batchllm.kernels.lora import add_lora_triton
@@ -119,5 +127,5 @@ def _triton() -> SimpleNamespace:
         rms_norm=rms_norm_triton, apply_rotary=apply_rotary_triton, silu_and_mul=silu_and_mul_triton,
         apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
         quantize_fp8_per_token=quantize_fp8_per_token_triton, int_matmul=int_matmul_triton,
-        fused_moe=fused_moe_triton,
+        fused_moe=fused_moe_triton, silu_and_mul_fp8=silu_and_mul_fp8_triton,
     )

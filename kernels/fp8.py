@@ -36,11 +36,22 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, stride_x, width, fp8_max, min_scal
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+    scale = fp8_scale(amax, fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < width
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -fp8_max, fp8_max)
-        tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * width + cols, to_fp8(x, scale, fp8_max, q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_scale(amax, fp8_max, min_scale):
+    """A row's scale from the running maxima of its blocks' |x| (every kernel that quantizes rows shares it)."""
+    return tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+
+
+@triton.jit
+def to_fp8(x, scale, fp8_max, fp8_dtype: tl.constexpr):
+    """Float32 values of a row → FP8 at the row's scale, saturating at ±448."""
+    return tl.clamp(x / scale, -fp8_max, fp8_max).to(fp8_dtype)

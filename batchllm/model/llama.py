@@ -72,7 +72,11 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        gate_up = self.gate_up_proj(hidden)
+        down = self.down_proj
+        if down.quant_method.takes_fp8_rows and down.lora is None:  # an adapter's delta reads the 16-bit input
+            return down(self.act.quantized(gate_up))
+        return down(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -30,6 +30,7 @@ from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
 
 pytest.importorskip("triton")
 
+from batchllm.kernels.activation import silu_and_mul_fp8_triton, silu_and_mul_triton  # noqa: E402
 from batchllm.kernels.attention import SplitKVWorkspace, paged_attention_triton, tile_config  # noqa: E402
 from batchllm.kernels.fp8 import quantize_fp8_per_token_triton  # noqa: E402
 from batchllm.kernels.kv_write import write_kv_triton  # noqa: E402
@@ -205,6 +206,47 @@ def test_quantize_fp8_per_token_of_no_rows() -> None:
         q, scale = quantize(x)
         assert q.shape == (0, 64) and q.dtype == FP8
         assert scale.shape == (0, 1) and scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_fp8_quantizes_the_product_per_token(dtype: torch.dtype) -> None:
+    """The fused SiLU-and-mul of an FP8 down projection: the product of the SiLU-and-mul kernel quantized per token
+    (by torch, and on the GPU bit for bit by the quantization kernel it replaces), and against torch's own
+    `F.silu(gate) * up` quantized by hand."""
+    d = 1024 + 300  # two column blocks, the second ragged
+    gen = torch.Generator().manual_seed(22)
+    gate_up = (torch.randn(6, 2 * d, generator=gen) * 3).to(dtype)
+    gate_up[1] = 0  # a zero row: the floor scale
+    gate_up[2, d + 5] = 2000  # one product far above the rest: saturates at ±448, the rest small
+    gate_up[3, :d] = -30  # SiLU of large negative gates: tiny products
+    gate_up[4, d - 3], gate_up[4, 2 * d - 3] = 40, 9  # the row's largest product in its ragged second block
+    # Rows of a wider tensor whose extra columns are NaN: the kernel must respect the row stride.
+    wide = torch.full((6, 2 * d + 7), float("nan"), dtype=dtype)
+    wide[:, :2 * d] = gate_up
+    x = wide[:, :2 * d].to(DEVICE)
+    product = silu_and_mul_triton(x)
+    kernel_bits, kernel_scale = expected_per_token(product.cpu())
+    torch_bits, torch_scale = expected_per_token(torch.nn.functional.silu(gate_up[:, :d]) * gate_up[:, d:])
+    if CUDA:
+        unfused_q, unfused_scale = quantize_fp8_per_token_triton(product)
+    # On the CPU the dispatcher runs the reference (torch's product); the kernel's product there is the interpreter's,
+    # which rounds float32 to bfloat16 a few ulps off torch: only its float32 rows meet torch's.
+    for fused, triton_path in ((silu_and_mul_fp8_triton, True), (kernels.silu_and_mul_fp8, CUDA)):
+        q, scale = fused(x)
+        bits = q.view(torch.uint8).cpu()
+        assert q.dtype == FP8 and q.shape == (6, d) and scale.shape == (6, 1)
+        if triton_path:
+            assert_same_scales(scale, kernel_scale, fused.__name__)
+            assert_same_codes(bits, kernel_bits, kernel_scale, fused.__name__)
+        if not triton_path or dtype == torch.float32 or CUDA:
+            assert_same_scales(scale, torch_scale, fused.__name__)
+            assert_same_codes(bits, torch_bits, torch_scale, fused.__name__)
+        if CUDA:
+            assert torch.equal(q.view(torch.uint8), unfused_q.view(torch.uint8)) and torch.equal(scale, unfused_scale)
+    assert scale[1].item() == pytest.approx(1e-12) and (bits[1] == 0).all()
+    assert bits[2, 5].item() & 0x7F == MAX_CODE and bits[4, d - 3].item() & 0x7F == MAX_CODE
+    empty_q, empty_scale = silu_and_mul_fp8_triton(x[:0])
+    assert empty_q.shape == (0, d) and empty_scale.shape == (0, 1)
 
 
 # ---- Per-channel weight quantization (CPU only: it runs at load time) ----------------------------------------
@@ -392,6 +434,17 @@ def test_gpu_quantize_fp8_per_token_at_llama3_8b_sizes(width: int, num_rows: int
     assert torch.equal(dispatched.view(torch.uint8), q.view(torch.uint8)) and torch.equal(dispatched_scale, scale)
     if num_rows > 1:
         assert (q[1].view(torch.uint8) == 0).all()
+
+
+@gpu_test
+@pytest.mark.parametrize("num_rows", [1, 512, 4096])
+def test_gpu_silu_and_mul_fp8_at_llama3_8b_sizes(num_rows: int) -> None:
+    """Bit for bit the activation kernel then the quantization kernel, at llama3-8b's intermediate width."""
+    gen = torch.Generator(DEVICE).manual_seed(num_rows)
+    gate_up = (torch.randn(num_rows, 2 * 14336, generator=gen, device=DEVICE) * 3).to(torch.bfloat16)
+    q, scale = kernels.silu_and_mul_fp8(gate_up)
+    unfused_q, unfused_scale = quantize_fp8_per_token_triton(silu_and_mul_triton(gate_up))
+    assert torch.equal(q.view(torch.uint8), unfused_q.view(torch.uint8)) and torch.equal(scale, unfused_scale)
 
 
 @gpu_test

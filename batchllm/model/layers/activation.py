@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchllm import kernels
+from batchllm.model.quantization.fp8 import Fp8Rows
 
 
 class SiluAndMul(nn.Module):
@@ -14,6 +15,14 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
+
+    @staticmethod
+    def quantized(gate_up: torch.Tensor) -> Fp8Rows:
+        """The product quantized per token for an FP8 down projection, exactly as `fp8_linear` would quantize
+        `forward`'s output; on the GPU one kernel, which never writes the 16-bit product."""
+        d = gate_up.shape[-1] // 2
+        q, scale = kernels.silu_and_mul_fp8(gate_up.reshape(-1, 2 * d))
+        return Fp8Rows(q, scale, gate_up.dtype, (*gate_up.shape[:-1], d))
 
 
 class GeluTanhAndMul(nn.Module):

@@ -27,6 +27,7 @@ from batchllm.distributed.parallel_state import all_reduce, get_tp, kv_heads_per
 from batchllm.model.checkpoint_tensor import copy_checked
 from batchllm.model.layers.lora import LoRASlots
 from batchllm.model.quantization.config import QuantConfig
+from batchllm.model.quantization.fp8 import Fp8Rows
 from batchllm.model.quantization.method import loadable
 from batchllm.model.quantization.registry import linear_method
 
@@ -79,7 +80,8 @@ class RowLinear(_Linear):
         super().__init__(_divide(input_size, get_tp().size, "input features"), output_size, bias, quant_config,
                          input_size, {None: output_size})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """`x`: FP8 rows where the method `takes_fp8_rows` and no adapter reads the input (`LlamaMLP`)."""
         partial = self.quant_method.apply(self, x, None)
         if self.lora is not None:
             self.lora.add_delta(x, partial)  # a partial sum too: it joins the all-reduce

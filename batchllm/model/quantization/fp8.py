@@ -19,6 +19,8 @@ HF's model in float64 for that reason).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -46,21 +48,36 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block_shape
     return weight.float() * scales[:, :cols]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+@dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """Activations `[..., K]` of `dtype` already quantized per token, as `fp8_linear` would quantize them: `q
+    [T, K]` float8_e4m3fn and `scale [T, 1]` float32 (`kernels.silu_and_mul_fp8` writes them so, for a down
+    projection). `shape` is the activations' own."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b` for an FP8 `weight [out, in]` with per-row `weight_scale [out]`; the output is in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    q, x_scale = kernels.quantize_fp8_per_token(rows)
-    if x.is_cuda:
+    if isinstance(x, Fp8Rows):
+        (q, x_scale), dtype, shape = (x.q, x.scale), x.dtype, x.shape
+    else:
+        q, x_scale = kernels.quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+        dtype, shape = x.dtype, x.shape
+    if q.is_cuda:
         # weight.t() is column-major, the layout the FP8 GEMM wants for its second operand.
-        out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+        out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
     else:
         # In float64 the sum is exact (a product of two E4M3 values is a multiple of 2**-18 below 2**18, so a sum
         # of up to 2**17 of them fits 53 bits): the CPU result depends on the operands only, not on the batch.
-        out = (F.linear(q.double(), weight.double()) * x_scale.double() * weight_scale.double()).to(x.dtype)
+        out = (F.linear(q.double(), weight.double()) * x_scale.double() * weight_scale.double()).to(dtype)
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*shape[:-1], weight.shape[0])
 
 
 def check_fp8_device(device: torch.device, what: str) -> None:
@@ -74,4 +91,4 @@ def check_fp8_device(device: torch.device, what: str) -> None:
                          f"Supported here: quantization=None and kv_cache_dtype='auto'.")
 
 
-__all__ = ["FP8_DTYPE", "check_fp8_device", "dequantize_blocks", "fp8_linear", "quantize_fp8_per_channel"]
+__all__ = ["FP8_DTYPE", "Fp8Rows", "check_fp8_device", "dequantize_blocks", "fp8_linear", "quantize_fp8_per_channel"]

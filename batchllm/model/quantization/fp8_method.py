@@ -22,6 +22,7 @@ from batchllm.model.quantization.unquantized import check_shape
 class Fp8LinearMethod(QuantMethod):
     # Scales are consumed by `fp8_weight`; a static `input_scale` is not used (activations are scaled per token).
     companion_tensors = ("weight_scale", "weight_scale_inv", "input_scale")
+    takes_fp8_rows = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, full_input_size: int,
                        full_output_sizes: Mapping[Hashable, int]) -> None:

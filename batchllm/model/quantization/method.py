@@ -47,6 +47,8 @@ class QuantMethod(ABC):
     # Last names of the checkpoint tensor that stands for a layer's whole weight, and of those read with it.
     weight_tensors: ClassVar[tuple[str, ...]] = ("weight",)
     companion_tensors: ClassVar[tuple[str, ...]] = ()
+    # `apply` also takes activations already quantized per token (`fp8.Fp8Rows`), which the layer before may write.
+    takes_fp8_rows: ClassVar[bool] = False
 
     def __init__(self, config: QuantConfig | None) -> None:
         self.config = config
