@@ -16,6 +16,9 @@ from batchllm.executor.attention_metadata import AttentionMetadataBuilder
 from batchllm.executor.staging_arena import ArraySpec, StagedLayout, StagingArena, arena_bytes
 from batchllm.forward_context import AttentionMetadata
 
+# Layouts kept for reuse; past this many all are dropped.
+MAX_CACHED_LAYOUTS = 512
+
 
 class InputBatch:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
@@ -26,8 +29,21 @@ class InputBatch:
         largest = self._specs(max_num_seqs, max_num_tokens, max_num_seqs, max(max_num_seqs, max_num_tokens))
         self.arena = StagingArena(arena_bytes(list(largest)), device)
         self.step: StagedLayout | None = None  # the arrays of the step last prepared
+        # Layouts by (rows, tokens, placeholders, samples): a decode step's sizes repeat, a mixed step's rarely.
+        self._layouts: dict[tuple[int, int, int, int], StagedLayout] = {}
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
         self._copied = None if device.type == "cpu" else torch.cuda.Event()
+
+    def _layout(self, num_seqs: int, num_tokens: int, num_placeholders: int, num_samples: int) -> StagedLayout:
+        """The arena's views for a step of these sizes, made once per sizes (past MAX_CACHED_LAYOUTS all are
+        dropped)."""
+        sizes = (num_seqs, num_tokens, num_placeholders, num_samples)
+        layout = self._layouts.get(sizes)
+        if layout is None:
+            if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[sizes] = self.arena.layout(self._specs(*sizes))
+        return layout
 
     def _specs(self, num_seqs: int, num_tokens: int, num_placeholders: int, num_samples: int
                ) -> tuple[ArraySpec, ...]:
@@ -66,7 +82,7 @@ class InputBatch:
         final_seqs = max(num_seqs, pad_to or 0)
         final_tokens = num_tokens if pad_to is None and query_stride is None else final_seqs * query_len
         slots, rows = placeholders or ((), ())
-        step = self.step = self.arena.layout(self._specs(final_seqs, final_tokens, len(slots), num_samples))
+        step = self.step = self._layout(final_seqs, final_tokens, len(slots), num_samples)
         host = step.host
         positions = host["positions"]
         seq_of_token = self.attention.stage(step, num_scheduled, num_computed, block_tables, block_rows,
@@ -155,4 +171,4 @@ class InputBatch:
     def replay_layout(self, batch_size: int, query_len: int = 1) -> StagedLayout:
         """The arrays of a step of `batch_size` rows of `query_len` tokens each: where its CUDA graph reads them
         (a step's placeholders and logits indices, staged after them, are not read there)."""
-        return self.arena.layout(self._specs(batch_size, batch_size * query_len, 0, 0))
+        return self._layout(batch_size, batch_size * query_len, 0, 0)

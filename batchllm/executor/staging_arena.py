@@ -16,8 +16,6 @@ import torch
 
 # Every array starts on this boundary: what a Triton kernel's pointer specialisation and vector loads expect.
 ALIGNMENT = 256
-# Layouts kept for reuse: a decode step's shapes repeat, a mixed step's rarely; past this many all are dropped.
-MAX_CACHED_LAYOUTS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +54,9 @@ class StagingArena:
         self.host = torch.zeros(capacity, dtype=torch.uint8, pin_memory=pin)
         self.device = self.host if device.type == "cpu" else torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._host_np = self.host.numpy()
-        self._layouts: dict[tuple[ArraySpec, ...], StagedLayout] = {}
 
     def layout(self, specs: tuple[ArraySpec, ...]) -> StagedLayout:
-        """Views of these arrays laid out back to back from the arena's start."""
-        cached = self._layouts.get(specs)
-        if cached is not None:
-            return cached
+        """Views of these arrays laid out back to back from the arena's start (new views: the caller keeps them)."""
         host, device, offset = {}, {}, 0
         for spec in specs:
             size = _nbytes(spec)
@@ -71,10 +65,7 @@ class StagingArena:
             host[spec.name] = self._host_np[offset:offset + size].view(_numpy_dtype(spec.dtype)).reshape(spec.shape)
             device[spec.name] = self.device[offset:offset + size].view(spec.dtype).view(spec.shape)
             offset = _round_up(offset + size)
-        if len(self._layouts) >= MAX_CACHED_LAYOUTS:
-            self._layouts.clear()
-        layout = self._layouts[specs] = StagedLayout(host, device, offset)
-        return layout
+        return StagedLayout(host, device, offset)
 
     def upload(self, layout: StagedLayout) -> None:
         """Copy the layout's bytes host → device (asynchronous on CUDA)."""

@@ -82,3 +82,4 @@ def test_a_padded_step_is_staged_where_its_graph_reads() -> None:
         assert (step_array.data_ptr(), step_array.shape) == (graph_array.data_ptr(), graph_array.shape)
     assert captured[0].tolist() == [32, 31, 0, 0] and captured[1].tolist() == [4, 0, 0, 0]
     assert captured[2].seq_lens.tolist() == [5, 1, 1, 1] and logits.tolist() == [0, 1]
+    assert inputs.replay_layout(4) is inputs.replay_layout(4)  # a repeated shape reuses its views

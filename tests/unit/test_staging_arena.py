@@ -21,7 +21,7 @@ def test_arrays_sit_back_to_back_on_aligned_offsets() -> None:
     layout.host["tables"][1] = range(5)
     assert layout.device["tables"].tolist() == [[0] * 5, [0, 1, 2, 3, 4]]
     assert layout.device["tables"].dtype == torch.int32 and arena.holds(layout.device["lens"])
-    assert arena.layout(specs) is layout  # a repeated shape reuses its views
+    assert arena.layout(specs).device["tables"].data_ptr() == layout.device["tables"].data_ptr()  # sizes decide
 
 
 def test_a_step_larger_than_the_arena_is_refused() -> None:
