@@ -17,9 +17,10 @@ The grid is therefore `num_tokens // BLOCK_Q + num_seqs + 1` programs long (the 
 covering the padding rows), sized by host shapes only. A `(num_seqs, cdiv(max_query_len, BLOCK_Q))` grid
 would launch hundreds of thousands of idle programs for a batch of one long prefill and many decode rows.
 A decode-only batch (`max_query_len == 1` and as many tokens as sequences, which the host knows: a decode CUDA
-graph's step, padded rows included) takes that grid instead, one program per sequence and KV head: the search is
-a chain of dependent loads that a short-context decode program would otherwise wait on first, and a fifth of the
-general grid's programs there have no query block and exit.
+graph's step, padded rows included) takes that grid instead, one program per sequence and KV head, the heads of
+a sequence adjacent in launch order (they read the same cache blocks, where a token's heads lie side by side): the
+search is a chain of dependent loads that a short-context decode program would otherwise wait on first, and a
+fifth of the general grid's programs there have no query block and exit.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one of NUM_SPLITS equal slices of its
 query block's keys and writes its unnormalised partial `(max, sum, acc)`; a second kernel merges the slices.
@@ -194,9 +195,12 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
-        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode,
+        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads,
     )
-    grid = (num_seqs if decode else num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
+    if decode:
+        grid = (num_seqs * num_kv_heads, 1, num_splits)
+    else:
+        grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
     common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
               num_seqs, num_tokens, scale * k_scale * math.log2(math.e), v_scale, query.stride(0), query.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),

@@ -39,21 +39,24 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_KEY_LIMIT: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
-    """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or `(num_seqs, ...)` with DECODE;
-    see attention.py's docstring."""
+    """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or
+    `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
-    q_block_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     if DECODE:
-        # Every sequence one query token: program i is sequence i, without the search's chain of loads.
-        seq = q_block_id
+        # Every sequence one query token: program i is KV head i % NUM_KV_HEADS of sequence i // NUM_KV_HEADS,
+        # without the search's chain of loads. A token's heads lie side by side in a cache block, so the programs
+        # that read one block's bytes run together.
+        seq = tl.program_id(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
         q_start = tl.load(query_start_loc_ptr + seq)
         q_block = 0
     else:
+        q_block_id = tl.program_id(0)
+        kv_head = tl.program_id(1)
         seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_block = q_block_id - (q_start // BLOCK_Q + seq)
