@@ -196,6 +196,7 @@ def paged_attention_triton(
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
         HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads,
+        PREFETCH=tile.prefetch,
     )
     if decode:
         grid = (num_seqs * num_kv_heads, 1, num_splits)
@@ -242,12 +243,15 @@ def merge_splits(out: torch.Tensor, workspace: SplitKVWorkspace, metadata: Atten
 @dataclass(frozen=True, slots=True)
 class TileConfig:
     """A launch shape of `paged_attention_kernel`: `block_m` tile rows (query tokens x group heads), `tile_n` keys
-    per K/V tile, warps, and software-pipelining stages of the key loop."""
+    per K/V tile, warps, software-pipelining stages of the key loop, and whether the loop prefetches the next tile
+    into registers itself."""
 
     block_m: int
     tile_n: int
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
+    # Load the next key tile into registers before this one's math (the loop's own double buffer).
+    prefetch: bool = False
 
 
 def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: torch.dtype = torch.bfloat16,

@@ -27,6 +27,7 @@ from batchllm.kernels.activation import silu_and_mul_triton  # noqa: E402
 from batchllm.kernels.attention import (  # noqa: E402
     MAX_SPLITS,
     SplitKVWorkspace,
+    TileConfig,
     choose_num_splits,
     paged_attention_triton,
     tile_config,
@@ -123,11 +124,12 @@ def make_batch(rows: list[tuple[int, int]], gqa: int, head_dim: int, dtype: torc
     return Batch(query, k_cache, v_cache, metadata)
 
 
-def check_attention(batch: Batch, num_splits: int | None, workspace: SplitKVWorkspace | None = None) -> None:
+def check_attention(batch: Batch, num_splits: int | None, workspace: SplitKVWorkspace | None = None,
+                    tile: TileConfig | None = None) -> None:
     scale = batch.query.shape[-1] ** -0.5
     out = torch.full_like(batch.query, float("nan"))
     result = paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale,
-                                    out=out, workspace=workspace, num_splits=num_splits)
+                                    out=out, workspace=workspace, num_splits=num_splits, tile=tile)
     assert result is out
     expected = batch.expected(scale)
     padding = out[batch.metadata.query_start_loc_cpu[-1]:]
@@ -175,6 +177,15 @@ def test_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: i
     batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa + head_dim, num_blocks=256,
                        pad_tokens=pad_tokens)
     check_attention(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(("rows", "block_m"), [(DECODE_BATCH, 16), (MIXED_BATCH, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_key_loop_that_prefetches_the_next_tile(rows: list[tuple[int, int]], block_m: int, num_splits: int) -> None:
+    """TileConfig.prefetch: the next key tile is loaded before this one's math, the last prefetch falling past
+    the keys (masked, never read: the pool around them is NaN); loops of zero to five tiles, split or not."""
+    batch = make_batch(rows, 4, 64, torch.float16, seed=num_splits, num_blocks=256, pad_tokens=0)
+    check_attention(batch, num_splits=num_splits, tile=TileConfig(block_m, 64, 4, prefetch=True))
 
 
 def test_split_kv_decode_batch_with_a_reused_poisoned_workspace() -> None:
