@@ -21,7 +21,7 @@ import torch
 from batchllm.kernels import moe_reference, reference
 
 __all__ = ["add_lora_", "apply_rotary", "apply_token_bitmask_", "fused_moe", "int_matmul", "quantize_fp8_per_token",
-           "rms_norm", "silu_and_mul", "silu_and_mul_fp8", "triton_enabled"]
+           "rms_norm", "rms_norm_fp8", "silu_and_mul", "silu_and_mul_fp8", "triton_enabled"]
 
 
 def rms_norm(
@@ -31,6 +31,18 @@ def rms_norm(
     if _use_triton(x):
         return _triton().rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`rms_norm`'s output quantized per token for an FP8 linear layer: `(q [T, H] float8_e4m3fn, scale [T, 1]
+    float32, x + residual or None)`, the 16-bit output never written on the GPU."""
+    if _use_triton(x):
+        return _triton().rms_norm_fp8(x, weight, eps, residual)
+    out = reference.rms_norm(x, weight, eps, residual)
+    normed, new_residual = out if residual is not None else (out, None)
+    return (*reference.quantize_fp8_per_token(normed.reshape(-1, x.shape[-1])), new_residual)
 
 
 def apply_rotary(
@@ -119,7 +131,7 @@ def _triton() -> SimpleNamespace:
     from batchllm.kernels.int_gemm import int_matmul_triton
     from batchllm.kernels.lora import add_lora_triton
     from batchllm.kernels.moe import fused_moe_triton
-    from batchllm.kernels.rmsnorm import rms_norm_triton
+    from batchllm.kernels.rmsnorm import rms_norm_fp8_triton, rms_norm_triton
     from batchllm.kernels.rotary import apply_rotary_triton
     from batchllm.kernels.token_bitmask import apply_token_bitmask_triton
 
@@ -128,4 +140,5 @@ def _triton() -> SimpleNamespace:
         apply_token_bitmask_=apply_token_bitmask_triton, add_lora_=add_lora_triton,
         quantize_fp8_per_token=quantize_fp8_per_token_triton, int_matmul=int_matmul_triton,
         fused_moe=fused_moe_triton, silu_and_mul_fp8=silu_and_mul_fp8_triton,
+        rms_norm_fp8=rms_norm_fp8_triton,
     )

@@ -20,7 +20,7 @@ from batchllm.model.layers.attention import Attention
 from batchllm.model.layers.embedding import LMHead, VocabEmbedding, compute_logits
 from batchllm.model.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from batchllm.model.layers.mrotary import MRotaryEmbedding
-from batchllm.model.layers.norm import RMSNorm
+from batchllm.model.layers.norm import RMSNorm, normalize_for
 from batchllm.model.layers.rotary import RotaryEmbedding
 from batchllm.model.quantization.config import QuantConfig
 from batchllm.model.stages import StagePlan
@@ -74,9 +74,7 @@ class LlamaMLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
         down = self.down_proj
-        if down.quant_method.takes_fp8_rows and down.lora is None:  # an adapter's delta reads the 16-bit input
-            return down(self.act.quantized(gate_up))
-        return down(self.act(gate_up))
+        return down(self.act.quantized(gate_up) if down.takes_fp8_rows else self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,16 +87,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def _mlp_input(self) -> nn.Module | None:
+        """The layer that reads the MLP's input; none for a MoE block, whose router reads it in 16 bits."""
+        return self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(mlp output, residual stream)`; the next norm adds them, saving a separate add."""
+        # Each norm's output has one reader, an FP8 linear layer of which takes it quantized by the norm.
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, normalize_for(self.self_attn.qkv_proj, self.input_layernorm, hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = normalize_for(self.self_attn.qkv_proj, self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = normalize_for(self._mlp_input, self.post_attention_layernorm, hidden, residual)
         return self.mlp(hidden), residual
 
 

@@ -34,6 +34,7 @@ from batchllm.kernels.activation import silu_and_mul_fp8_triton, silu_and_mul_tr
 from batchllm.kernels.attention import SplitKVWorkspace, TileConfig, paged_attention_triton, tile_config  # noqa: E402
 from batchllm.kernels.fp8 import quantize_fp8_per_token_triton  # noqa: E402
 from batchllm.kernels.kv_write import write_kv_triton  # noqa: E402
+from batchllm.kernels.rmsnorm import rms_norm_fp8_triton, rms_norm_triton  # noqa: E402
 from tests.kernels.test_triton_kernels import (  # noqa: E402
     BLOCK_SIZE,
     CUDA,
@@ -249,6 +250,56 @@ def test_silu_and_mul_fp8_quantizes_the_product_per_token(dtype: torch.dtype) ->
     assert empty_q.shape == (0, d) and empty_scale.shape == (0, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_quantizes_the_norm_per_token(dtype: torch.dtype, with_residual: bool) -> None:
+    """The fused norm before an FP8 qkv or gate_up projection: the norm kernel's output quantized per token by this
+    file's encoder (and on the GPU bit for bit by the quantization kernel it replaces), the residual stream the
+    norm kernel's own; the dispatcher (on the CPU the reference norm and quantizer) likewise against the reference
+    norm."""
+    hidden = 300  # not a power of two: the row's block is masked
+    gen = torch.Generator().manual_seed(23)
+    rows = (torch.randn(5, hidden, generator=gen) * 2).to(dtype)
+    residual = (torch.randn(5, hidden, generator=gen) * 2).to(dtype) if with_residual else None
+    rows[1] = 0 if residual is None else -residual[1]  # a zero row (after the add): the floor scale
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    weight[7] = 300.0  # one output far above the rest: its row's scale is set by it, the rest small
+    # Rows of a wider tensor whose extra columns are NaN: the kernel must respect the row stride.
+    wide = torch.full((5, hidden + 9), float("nan"), dtype=dtype)
+    wide[:, :hidden] = rows
+    x = wide[:, :hidden].to(DEVICE)
+    res = None if residual is None else residual.to(DEVICE)
+    eps = 1e-5
+    unfused = rms_norm_triton(x, weight.to(DEVICE), eps, res)
+    normed, new_residual = unfused if res is not None else (unfused, None)
+    kernel_bits, kernel_scale = expected_per_token(normed.cpu())
+    torch_out = reference.rms_norm(rows, weight, eps, residual)
+    torch_normed, torch_residual = torch_out if residual is not None else (torch_out, None)
+    torch_bits, torch_scale = expected_per_token(torch_normed)
+    for fused, triton_path in ((rms_norm_fp8_triton, True), (kernels.rms_norm_fp8, CUDA)):
+        q, scale, fused_residual = fused(x, weight.to(DEVICE), eps, res)
+        bits = q.view(torch.uint8).cpu()
+        assert q.dtype == FP8 and q.shape == (5, hidden) and scale.shape == (5, 1)
+        if triton_path:
+            assert_same_scales(scale, kernel_scale, fused.__name__)
+            assert_same_codes(bits, kernel_bits, kernel_scale, fused.__name__)
+            assert (fused_residual is None) == (res is None)
+            if res is not None:
+                assert torch.equal(fused_residual, new_residual)
+        if not triton_path:  # the norm's float32 sum and rsqrt are the kernel's own: the kernel meets its output above
+            assert_same_scales(scale, torch_scale, fused.__name__)
+            assert_same_codes(bits, torch_bits, torch_scale, fused.__name__)
+            if res is not None:
+                assert torch.equal(fused_residual.cpu(), torch_residual)
+        if CUDA:
+            unfused_q, unfused_scale = quantize_fp8_per_token_triton(normed)
+            assert torch.equal(q.view(torch.uint8), unfused_q.view(torch.uint8)) and torch.equal(scale, unfused_scale)
+    assert scale[1].item() == pytest.approx(1e-12) and (bits[1] == 0).all()
+    assert (bits[[0, 2, 3, 4], 7] & 0x7F == MAX_CODE).all()  # the zero row aside
+    empty_q, empty_scale, _ = rms_norm_fp8_triton(x[:0], weight.to(DEVICE), eps, None if res is None else res[:0])
+    assert empty_q.shape == (0, hidden) and empty_scale.shape == (0, 1)
+
+
 # ---- Per-channel weight quantization (CPU only: it runs at load time) ----------------------------------------
 
 
@@ -454,6 +505,20 @@ def test_gpu_silu_and_mul_fp8_at_llama3_8b_sizes(num_rows: int) -> None:
     q, scale = kernels.silu_and_mul_fp8(gate_up)
     unfused_q, unfused_scale = quantize_fp8_per_token_triton(silu_and_mul_triton(gate_up))
     assert torch.equal(q.view(torch.uint8), unfused_q.view(torch.uint8)) and torch.equal(scale, unfused_scale)
+
+
+@gpu_test
+@pytest.mark.parametrize("num_rows", [1, 512, 4096])
+def test_gpu_rms_norm_fp8_at_llama3_8b_sizes(num_rows: int) -> None:
+    """Bit for bit the norm kernel then the quantization kernel, at llama3-8b's hidden size."""
+    gen = torch.Generator(DEVICE).manual_seed(num_rows)
+    x, residual = (torch.randn(2, num_rows, 4096, generator=gen, device=DEVICE) * 3).to(torch.bfloat16)
+    weight = (torch.rand(4096, generator=gen, device=DEVICE) + 0.5).to(torch.bfloat16)
+    q, scale, new_residual = kernels.rms_norm_fp8(x, weight, 1e-5, residual)
+    normed, unfused_residual = rms_norm_triton(x, weight, 1e-5, residual)
+    unfused_q, unfused_scale = quantize_fp8_per_token_triton(normed)
+    assert torch.equal(q.view(torch.uint8), unfused_q.view(torch.uint8)) and torch.equal(scale, unfused_scale)
+    assert torch.equal(new_residual, unfused_residual)
 
 
 @gpu_test

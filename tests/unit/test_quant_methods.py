@@ -13,8 +13,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from batchllm.model.layers.linear import MergedColumnLinear, RowLinear
+from batchllm.model.layers.norm import GemmaRMSNorm, RMSNorm, normalize_for
 from batchllm.model.loader import load_checkpoint_weights
 from batchllm.model.quantization.config import QuantConfig
+from batchllm.model.quantization.fp8 import Fp8Rows
 from batchllm.model.quantization.registry import LINEAR_METHODS
 from batchllm.model.quantization.unquantized import UnquantizedLinearMethod
 
@@ -55,3 +57,42 @@ def test_a_method_registered_outside_the_layers_changes_their_output(tmp_path, m
     unquantized = TinyMLP(None)
     load_checkpoint_weights(unquantized, tmp_path, SimpleNamespace(tie_word_embeddings=False, architecture="TinyMLP"))
     assert unquantized.gate_up_proj(x).tolist() == [[3.5, 1.0]]
+
+
+class NoDelta:
+    """An adapter whose delta is zero: what matters is that one reads the layer's 16-bit input."""
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        assert isinstance(x, torch.Tensor), "an adapter was given FP8 rows"
+
+
+@pytest.mark.parametrize("norm_class", [RMSNorm, GemmaRMSNorm])
+def test_a_norm_hands_an_fp8_reader_its_output_quantized(norm_class):
+    """`normalize_for`: an FP8 linear layer reading a norm gets the norm's output as FP8 rows (on the GPU one fused
+    kernel), and computes from them exactly what it computes from the 16-bit output (which fp8_linear quantizes per
+    token itself); with an adapter, or an unquantized reader, the norm's 16-bit output (and residual) as before."""
+    gen = torch.Generator().manual_seed(5)
+    fp8_reader = MergedColumnLinear(64, [24, 24], bias=True, quant_config=QuantConfig("fp8"))
+    plain_reader = MergedColumnLinear(64, [24, 24], bias=True, quant_config=None)
+    for name, value in fp8_reader.quant_method.quantize_weight(torch.randn(48, 64, generator=gen)).items():
+        getattr(fp8_reader, name).data = value
+    fp8_reader.bias.data = torch.randn(48, generator=gen)
+    norm = norm_class(64, 1e-6)
+    norm.weight.data = torch.rand(64, generator=gen) + 0.5
+    x, residual = torch.randn(2, 5, 64, generator=gen).to(torch.bfloat16)
+    norm.to(torch.bfloat16)
+
+    rows = normalize_for(fp8_reader, norm, x)
+    assert isinstance(rows, Fp8Rows) and rows.shape == (5, 64) and rows.dtype == torch.bfloat16
+    assert torch.equal(fp8_reader(rows), fp8_reader(norm(x)))
+    rows, new_residual = normalize_for(fp8_reader, norm, x, residual)
+    expected, expected_residual = norm(x, residual)
+    assert isinstance(rows, Fp8Rows) and torch.equal(new_residual, expected_residual)
+    assert torch.equal(fp8_reader(rows), fp8_reader(expected))
+
+    fp8_reader.lora = NoDelta()
+    assert torch.equal(normalize_for(fp8_reader, norm, x), norm(x))
+    assert torch.equal(fp8_reader(normalize_for(fp8_reader, norm, x)), fp8_reader(norm(x)))
+    for reader in (plain_reader, None):
+        out, out_residual = normalize_for(reader, norm, x, residual)
+        assert torch.equal(out, expected) and torch.equal(out_residual, expected_residual)

@@ -49,7 +49,14 @@ class _Linear(nn.Module):
                              {shard: (size,) for shard, size in full_output_sizes.items()}) if bias else None
         self.lora: LoRASlots | None = None  # set when the engine runs adapters (`executor/lora_slots.py`)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether `forward` may be given FP8 rows (`Fp8Rows`) for `x`: the method takes them and no adapter's
+        delta reads the 16-bit input."""
+        return self.quant_method.takes_fp8_rows and self.lora is None
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """`x`: FP8 rows where `takes_fp8_rows` (the norm or activation before may write them)."""
         out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
             self.lora.add_delta(x, out)
@@ -81,7 +88,7 @@ class RowLinear(_Linear):
                          input_size, {None: output_size})
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        """`x`: FP8 rows where the method `takes_fp8_rows` and no adapter reads the input (`LlamaMLP`)."""
+        """`x`: FP8 rows where `takes_fp8_rows`."""
         partial = self.quant_method.apply(self, x, None)
         if self.lora is not None:
             self.lora.add_delta(x, partial)  # a partial sum too: it joins the all-reduce

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from batchllm import kernels
+from batchllm.model.quantization.fp8 import Fp8Rows
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +42,19 @@ class RMSNorm(nn.Module):
         """
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
+    @overload
+    def quantized(self, x: torch.Tensor, residual: None = None) -> Fp8Rows: ...
+
+    @overload
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[Fp8Rows, torch.Tensor]: ...
+
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Fp8Rows | tuple[Fp8Rows, torch.Tensor]:
+        """`forward` for an FP8 linear layer that alone reads the norm: its output quantized per token exactly as
+        `fp8_linear` would quantize it; on the GPU one kernel, which never writes the 16-bit output."""
+        q, scale, new_residual = kernels.rms_norm_fp8(x, self.weight, self.eps, residual)
+        rows = Fp8Rows(q, scale, torch.promote_types(self.weight.dtype, x.dtype), tuple(x.shape))
+        return rows if new_residual is None else (rows, new_residual)
+
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm, numerically HF's `Gemma2RMSNorm` / `Gemma3RMSNorm`: the weight is stored as an offset
@@ -64,3 +78,19 @@ class GemmaRMSNorm(RMSNorm):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Fp8Rows | tuple[Fp8Rows, torch.Tensor]:
+        """As `RMSNorm.quantized`, unfused: the fused kernel multiplies in Llama's order."""
+        out = self(x, residual)
+        normed, new_residual = out if residual is not None else (out, None)
+        q, scale = kernels.quantize_fp8_per_token(normed.reshape(-1, x.shape[-1]))
+        rows = Fp8Rows(q, scale, normed.dtype, tuple(x.shape))
+        return rows if new_residual is None else (rows, new_residual)
+
+
+def normalize_for(reader: nn.Module | None, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """`norm(x[, residual])` for `reader`, the one layer that reads its output: quantized to FP8 rows
+    (`RMSNorm.quantized`) where the reader takes them (`takes_fp8_rows`: an FP8 linear layer without an adapter)."""
+    if isinstance(norm, RMSNorm) and getattr(reader, "takes_fp8_rows", False):
+        return norm.quantized(x, residual)
+    return norm(x) if residual is None else norm(x, residual)
