@@ -48,7 +48,8 @@ class RMSNorm(nn.Module):
     @overload
     def quantized(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[Fp8Rows, torch.Tensor]: ...
 
-    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Fp8Rows | tuple[Fp8Rows, torch.Tensor]:
+    def quantized(self, x: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> Fp8Rows | tuple[Fp8Rows, torch.Tensor]:
         """`forward` for an FP8 linear layer that alone reads the norm: its output quantized per token exactly as
         `fp8_linear` would quantize it; on the GPU one kernel, which never writes the 16-bit output."""
         q, scale, new_residual = kernels.rms_norm_fp8(x, self.weight, self.eps, residual)
@@ -79,7 +80,8 @@ class GemmaRMSNorm(RMSNorm):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
-    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Fp8Rows | tuple[Fp8Rows, torch.Tensor]:
+    def quantized(self, x: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> Fp8Rows | tuple[Fp8Rows, torch.Tensor]:
         """As `RMSNorm.quantized`, unfused: the fused kernel multiplies in Llama's order."""
         out = self(x, residual)
         normed, new_residual = out if residual is not None else (out, None)
