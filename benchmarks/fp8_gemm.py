@@ -5,7 +5,7 @@
 Per layer and token count M: `torch._scaled_mm` on pre-quantized activations (the GEMM alone), `fp8_linear` (the
 engine's path: per-token activation quantization, then the same GEMM) and a bf16 `x @ w.t()`; then the down
 projection with its SiLU-and-mul, unfused (the activation, then `fp8_linear` quantizing it) against the fused
-activation that writes FP8 rows. Each is timed as 50 calls replayed from one CUDA graph (no launch gaps); TFLOP/s =
+activation that writes FP8 rows, and the qkv projection with its RMSNorm the same way. Each is timed as 50 calls replayed from one CUDA graph (no launch gaps); TFLOP/s =
 2 M N K over the time.
 """
 
@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from batchllm.model.layers.activation import SiluAndMul
+from batchllm.model.layers.norm import RMSNorm
 from batchllm.model.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8_per_channel
 
 # (output features, input features) of one decoder layer's linear layers.
@@ -75,6 +76,16 @@ def main() -> None:
         unfused = graph_time_us(lambda: fp8_linear(SiluAndMul()(gate_up), q_weight, w_scale, None))
         fused = graph_time_us(lambda: fp8_linear(SiluAndMul.quantized(gate_up), q_weight, w_scale, None))
         print(f"activation + down, M={m}: unfused {unfused:.1f} us, fused {fused:.1f} us ({unfused / fused:.2f}x)")
+    # The qkv projection with the norm before it (residual add included): the norm, then fp8_linear quantizing its
+    # output, against the norm that writes FP8 rows (what LlamaDecoderLayer runs for an FP8 qkv or gate_up).
+    n, k = LLAMA3_8B["qkv"]
+    q_weight, w_scale = quantize_fp8_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    norm = RMSNorm(k).to("cuda", torch.bfloat16)
+    for m in args.tokens:
+        x, residual = torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16)
+        unfused = graph_time_us(lambda: fp8_linear(norm(x, residual)[0], q_weight, w_scale, None))
+        fused = graph_time_us(lambda: fp8_linear(norm.quantized(x, residual)[0], q_weight, w_scale, None))
+        print(f"norm + qkv, M={m}: unfused {unfused:.1f} us, fused {fused:.1f} us ({unfused / fused:.2f}x)")
 
 
 if __name__ == "__main__":
