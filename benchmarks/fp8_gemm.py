@@ -5,8 +5,8 @@
 Per layer and token count M: `torch._scaled_mm` on pre-quantized activations (the GEMM alone), `fp8_linear` (the
 engine's path: per-token activation quantization, then the same GEMM) and a bf16 `x @ w.t()`; then the down
 projection with its SiLU-and-mul, unfused (the activation, then `fp8_linear` quantizing it) against the fused
-activation that writes FP8 rows, and the qkv projection with its RMSNorm the same way. Each is timed as 50 calls replayed from one CUDA graph (no launch gaps); TFLOP/s =
-2 M N K over the time.
+activation that writes FP8 rows, and the qkv projection with its RMSNorm the same way. Each is timed as 50 calls
+replayed from one CUDA graph (no launch gaps); TFLOP/s = 2 M N K over the time.
 """
 
 from __future__ import annotations
