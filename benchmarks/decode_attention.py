@@ -3,6 +3,7 @@
     python benchmarks/decode_attention.py                       # GPU: the default cases, default launch shape
     python benchmarks/decode_attention.py --sweep 3 --out $OUT  # also every tile / warps / stages / splits
     python benchmarks/decode_attention.py --sweep 2 --sweep-prefetch  # tiles with and without TileConfig.prefetch
+    python benchmarks/decode_attention.py --cases llama3-8b:fp8:512:192 --mixed 63:128  # a chunked-prefill step
     python benchmarks/decode_attention.py --cases gemma3-12b:bf16:256:8192:1024 gemma3-12b:bf16:256:1024
                                         # a 1,024-token window at 8k context against full attention over 1,024
 
@@ -73,6 +74,49 @@ def make_case(shape: str, kv: str, rows: int, context: int, uniform: bool, seed:
     return query, k_cache, v_cache, metadata, kv_bytes
 
 
+def run_mixed(case, prefills: int, prompt_len: int, uniform: bool) -> dict:
+    """The case's decode rows in one launch with `prefills` fresh prompts of `prompt_len` tokens after them (a chunked
+    prefill step's batch, whose decode rows take the prefill tile), against the two parts launched alone."""
+    shape, kv, rows, context, _ = case
+    heads, kv_heads, head_dim = HEADS[shape]
+    gen = torch.Generator().manual_seed(1)
+    decode_lens = (torch.randint(context // 5, 2 * context - context // 5, (rows,), generator=gen) if uniform
+                   else torch.full((rows,), context))
+    seq_lens = torch.cat([decode_lens, torch.full((prefills,), prompt_len)])
+    query_lens = torch.cat([torch.ones(rows, dtype=torch.long), torch.full((prefills,), prompt_len)])
+    blocks_per_seq = math.ceil(int(seq_lens.max()) / BLOCK_SIZE)
+    num_seqs = rows + prefills
+    tables = torch.randperm(num_seqs * blocks_per_seq, generator=gen).view(num_seqs, blocks_per_seq)
+    cache_shape = (num_seqs * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(cache_shape, device="cuda", dtype=torch.bfloat16)
+    if kv == "fp8":
+        k_cache, v_cache = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)])
+    query = torch.randn(int(starts[-1]), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def metadata(first: int, last: int) -> AttentionMetadata:
+        qsl = starts[first : last + 1] - starts[first]
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device="cuda"),
+            query_start_loc=qsl.to(torch.int32).cuda(), seq_lens=seq_lens[first:last].to(torch.int32).cuda(),
+            block_tables=tables[first:last].to(torch.int32).cuda(), max_query_len=int(query_lens[first:last].max()),
+            max_seq_len=int(seq_lens[first:last].max()), query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens[first:last].tolist())
+
+    scale = head_dim**-0.5
+    times = {}
+    for name, first, last in (("mixed", 0, num_seqs), ("decode", 0, rows), ("prefill", rows, num_seqs)):
+        part, meta = query[int(starts[first]) : int(starts[last])], metadata(first, last)
+        times[name] = triton.testing.do_bench(
+            lambda part=part, meta=meta: paged_attention_triton(part, k_cache, v_cache, meta, scale),
+            warmup=25, rep=100, return_mode="median") * 1e3
+    print(f"{case} + {prefills} prompts x {prompt_len}: mixed {times['mixed']:.0f} us; decode rows alone "
+          f"{times['decode']:.0f} + prompts alone {times['prefill']:.0f} = {times['decode'] + times['prefill']:.0f} us")
+    return dict(shape=shape, kv=kv, rows=rows, context=context, prefills=prefills, prompt_len=prompt_len,
+                mixed_us=times["mixed"], decode_us=times["decode"], prefill_us=times["prefill"])
+
+
 def launch_shapes(group_p2: int, prefetch_only: bool = False):
     """None (the library's choice) first, then the sweep: tile rows stay at the decode minimum. `prefetch_only`:
     the key loops that prefetch the next tile themselves, against the same tiles with Triton's pipelining."""
@@ -124,6 +168,8 @@ def main() -> None:
     parser.add_argument("--uniform", action="store_true", help="context lengths uniform in [0.2, 1.8] x context")
     parser.add_argument("--cases", nargs="*",
                         help="shape:kv:rows:context[:window], e.g. llama3-8b:fp8:256:1500 gemma3-12b:bf16:64:8192:1024")
+    parser.add_argument("--mixed", metavar="P:L",
+                        help="also time each case's decode rows with P fresh prompts of L tokens in one launch")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else DEFAULT_CASES
@@ -148,6 +194,9 @@ def main() -> None:
                 mine = min((r for r in timed[1:] if f"prefetch={prefetch}" in r["tile"]), key=lambda r: r["ms"])
                 print(f"  best with prefetch={prefetch}: {mine['tile']} {mine['ms'] * 1e3:.0f} us "
                       f"({mine['floor_share']:.0%} of floor)")
+    if args.mixed:
+        prefills, prompt_len = (int(v) for v in args.mixed.split(":"))
+        rows_out += [run_mixed(case, prefills, prompt_len, args.uniform) for case in cases]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         name = f"{time.strftime('%Y-%m-%d')}-decode-attention-{device.split()[1].lower()}.json"
