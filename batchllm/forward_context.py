@@ -48,6 +48,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None
     groups: list[AttentionMetadata] | None = None
     key_limit: torch.Tensor | None = None  # [num_tokens] int32; None: causal
+    # How many leading sequences are decode rows (one query token each) in a batch with longer queries after them:
+    # the Triton backend launches them apart, with its decode kernel. 0: none, or not counted.
+    num_decodes: int = 0
 
     def set_key_limit(self, key_limit: torch.Tensor | None) -> AttentionMetadata:
         """Set `key_limit` here and on every group's metadata, which a hybrid KV cache's layers read instead."""

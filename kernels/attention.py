@@ -20,7 +20,9 @@ A decode-only batch (`max_query_len == 1` and as many tokens as sequences, which
 graph's step, padded rows included) takes that grid instead, one program per sequence and KV head, the heads of
 a sequence adjacent in launch order (they read the same cache blocks, where a token's heads lie side by side): the
 search is a chain of dependent loads that a short-context decode program would otherwise wait on first, and a
-fifth of the general grid's programs there have no query block and exit.
+fifth of the general grid's programs there have no query block and exit. A chunked-prefill step's leading decode
+rows (`AttentionMetadata.num_decodes`, counted on the host) take that grid and the decode tile in a launch of their
+own; the general grid then starts after their tokens (`token_offset`), over views of the sequence arrays.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one of NUM_SPLITS equal slices of its
 query block's keys and writes its unnormalised partial `(max, sum, acc)`; a second kernel merges the slices.
@@ -155,7 +157,7 @@ def paged_attention_triton(
     pass, so `tile` and `num_splits` > 1 are refused with it.
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     num_seqs = metadata.seq_lens.shape[0]
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = 1.0  # the scales belong to FP8 caches; a model-dtype cache holds the values themselves
@@ -180,49 +182,81 @@ def paged_attention_triton(
     if workspace is not None:
         num_splits = min(num_splits, workspace.max_splits)
 
-    group = num_heads // num_kv_heads
-    group_p2 = triton.next_power_of_2(group)
+    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
     if invariant:
-        tile = invariant_tile(group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
-    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, k_cache.dtype == FP8_DTYPE)
-    block_q = tile.block_m // group_p2
+        tile = invariant_tile(group_p2, head_dim, query.dtype, kv_fp8)
+    launch = functools.partial(
+        _launch, query, k_cache, v_cache, out, metadata, num_tokens,
+        # Scores are kept in log2 units, so the cap is too: cap * tanh(s / cap) scales with s.
+        (scale * k_scale * math.log2(math.e), v_scale, sliding_window or 0,
+         (logit_soft_cap or 0.0) * math.log2(math.e), sinks if sinks is not None else query),
+        dict(USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None,
+             USE_SINKS=sinks is not None))
+    decodes = metadata.num_decodes
+    if num_splits == 1 and not invariant and 0 < decodes < num_seqs:
+        # A chunked-prefill step: its leading decode rows go apart to the decode grid and tile (in the prefill tile
+        # each would fill one of the tile's rows, after a search for its sequence), the rest after them.
+        launch(0, decodes, True, tile or tile_config(1, group_p2, head_dim, query.dtype, kv_fp8))
+        launch(decodes, num_seqs, False, tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype,
+                                                             kv_fp8))
+        return out
+    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, kv_fp8)
     # A decode-only batch (one query token a sequence, no padding rows) maps programs to sequences directly.
     decode = metadata.max_query_len == 1 and num_tokens == num_seqs
-    constants = dict(
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile.tile_n, NUM_SPLITS=num_splits,
-        # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
-        KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
-        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads,
-        PREFETCH=tile.prefetch,
-    )
-    if decode:
-        grid = (num_seqs * num_kv_heads, 1, num_splits)
-    else:
-        grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_splits)
-    common = (query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-              num_seqs, num_tokens, scale * k_scale * math.log2(math.e), v_scale, query.stride(0), query.stride(1),
-              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
-              # Scores are kept in log2 units, so the cap is too: cap * tanh(s / cap) scales with s.
-              sliding_window or 0, (logit_soft_cap or 0.0) * math.log2(math.e),
-              sinks if sinks is not None else query,
-              metadata.key_limit if metadata.key_limit is not None else metadata.seq_lens)
     if num_splits == 1:
-        paged_attention_kernel[grid](*common, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
-                                **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        launch(0, num_seqs, decode, tile)
         return out
-
     if workspace is None:
         workspace = SplitKVWorkspace.allocate(num_tokens, num_heads, head_dim, num_splits, query.device)
     elif workspace.max_num_tokens < num_tokens:
         raise ValueError(f"workspace holds {workspace.max_num_tokens} tokens, the batch has {num_tokens}")
-    acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
-    paged_attention_kernel[grid](*common, out, out.stride(0), out.stride(1), acc, m, s,
-                            acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-                            **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    launch(0, num_seqs, decode, tile, num_splits, workspace)
     return merge_splits(out, workspace, metadata, num_splits)
+
+
+def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            metadata: AttentionMetadata, num_tokens: int, variant_args: tuple, variant_constants: dict,
+            first_seq: int, end_seq: int, decode: bool, tile: TileConfig, num_splits: int = 1,
+            workspace: SplitKVWorkspace | None = None) -> None:
+    """One `paged_attention_kernel` launch over sequences `[first_seq, end_seq)`, whose query tokens start at token
+    `first_seq` (the sequences before them are decode rows, one token each); the padding rows after the last
+    sequence are the last launch's. Split-KV partials go to `workspace`."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    block_q = tile.block_m // group_p2
+    num_seqs = end_seq - first_seq
+    constants = dict(
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile.tile_n, NUM_SPLITS=num_splits,
+        # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
+        KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
+        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads,
+        PREFETCH=tile.prefetch, **variant_constants,
+    )
+    if decode:
+        grid = (num_seqs * num_kv_heads, 1, num_splits)
+    else:
+        grid = ((num_tokens - first_seq) // block_q + num_seqs + 1, num_kv_heads, num_splits)
+    qk_scale, v_scale, sliding_window, soft_cap, sinks = variant_args
+    # Views from `first_seq` on: the kernel reads sequence i's entries at index i.
+    qsl, seq_lens, tables = (metadata.query_start_loc[first_seq:], metadata.seq_lens[first_seq:],
+                             metadata.block_tables[first_seq:]) if first_seq else (
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_tables)
+    if workspace is None:
+        partials = (out, out, out, 0, 0, 0, 0, 0)
+    else:
+        acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
+        partials = (acc, m, s, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
+    paged_attention_kernel[grid](
+        query, k_cache, v_cache, qsl, seq_lens, tables, num_seqs, num_tokens, first_seq, qk_scale, v_scale,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        sliding_window, soft_cap, sinks, metadata.key_limit if metadata.key_limit is not None else metadata.seq_lens,
+        out, out.stride(0), out.stride(1), *partials,
+        **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def merge_splits(out: torch.Tensor, workspace: SplitKVWorkspace, metadata: AttentionMetadata,

@@ -6,14 +6,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
-    """The largest i in [0, num_seqs] whose first query block `query_start_loc[i] // BLOCK_Q + i` is <= q_block_id."""
+def _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, token_offset, BLOCK_Q: tl.constexpr):
+    """The largest i in [0, num_seqs] whose first query block `(query_start_loc[i] - token_offset) // BLOCK_Q + i` is
+    <= q_block_id."""
     # Tensors from the start: an int argument equal to 1 arrives as a constant, which cannot be loop-carried.
     lo = tl.zeros([], dtype=tl.int32)
     hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        starts_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_id
+        starts_before = (tl.load(query_start_loc_ptr + mid) - token_offset) // BLOCK_Q + mid <= q_block_id
         lo = tl.where(starts_before, mid, lo)
         hi = tl.where(starts_before, hi, mid - 1)
     return lo
@@ -46,7 +47,7 @@ def _load_kv_tile(table_row, k_cache_ptr, v_cache_ptr, tile_start, kv_hi, kv_hea
 @triton.jit
 def paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, qk_scale, v_scale,
+    num_seqs, num_tokens, token_offset, qk_scale, v_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     sliding_window, soft_cap, sinks_ptr, key_limit_ptr,
     out_ptr, stride_ot, stride_oh,
@@ -57,8 +58,9 @@ def paged_attention_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_KEY_LIMIT: tl.constexpr,
     DECODE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Grid `(num_tokens // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or
-    `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring."""
+    """Grid `((num_tokens - token_offset) // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or
+    `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring. `token_offset`: the query
+    tokens before the first sequence's (the decode rows launched apart); the sequences' arrays start at it."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     split = tl.program_id(2)
 
@@ -73,9 +75,9 @@ def paged_attention_kernel(
     else:
         q_block_id = tl.program_id(0)
         kv_head = tl.program_id(1)
-        seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q)
+        seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, token_offset, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
-        q_block = q_block_id - (q_start // BLOCK_Q + seq)
+        q_block = q_block_id - ((q_start - token_offset) // BLOCK_Q + seq)
     # Row r of the tile is query token r // GROUP_P2 of the block, query head kv_head * GROUP + r % GROUP_P2.
     rows = tl.arange(0, BLOCK_M)
     q_index = q_block * BLOCK_Q + rows // GROUP_P2  # within this sequence's query tokens

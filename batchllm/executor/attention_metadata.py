@@ -111,6 +111,7 @@ class AttentionMetadataBuilder:
             max_seq_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
             query_start_loc_cpu=cu.tolist() if self.host_copies else None,
             seq_lens_cpu=seq_lens.tolist() if self.host_copies else None,
+            num_decodes=_leading_decodes(cu) if max_query_len > 1 else 0,
         )
         if self.num_groups > 1:
             num_seqs = len(seq_lens)
@@ -157,3 +158,9 @@ def _slots(tables: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_s
     """Each token's flat cache slot: the block its row's table holds at its position, and the offset in it."""
     blocks = tables[owner, positions // block_size].astype(np.int64)
     return np.add(blocks * block_size, positions % block_size, out=out)
+
+
+def _leading_decodes(query_start_loc: np.ndarray) -> int:
+    """How many sequences from the first have one query token each."""
+    longer = np.flatnonzero(np.diff(query_start_loc) != 1)
+    return int(longer[0]) if len(longer) else len(query_start_loc) - 1

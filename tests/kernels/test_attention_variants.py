@@ -85,10 +85,12 @@ def test_all_variants_in_float16_with_gqa_4() -> None:
     check_variant(batch, batch, variant_options("window-soft_cap-sinks", batch.query.shape[1]), num_splits=1)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_all_variants_on_fp8_caches(num_splits: int) -> None:
+@pytest.mark.parametrize(("num_splits", "num_decodes"), [(1, 0), (3, 0), (1, 1)])
+def test_all_variants_on_fp8_caches(num_splits: int, num_decodes: int) -> None:
+    """With `num_decodes` the batch's leading decode row is launched apart (the decode grid), the rest after it."""
     batch = make_batch(VARIANT_BATCH, 2, 32, torch.float32, seed=6, num_blocks=128)
     fp8, dequantized = to_fp8_batch(batch, k_scale=0.05, v_scale=2.0)
+    fp8.metadata.num_decodes = num_decodes
     check_variant(fp8, dequantized, variant_options("window-soft_cap-sinks", batch.query.shape[1]), num_splits,
                   k_scale=0.05, v_scale=2.0)
 

@@ -179,6 +179,24 @@ def test_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: i
     check_attention(batch, num_splits=num_splits)
 
 
+@pytest.mark.parametrize(("gqa", "head_dim", "dtype"),
+                         [(1, 64, torch.float32), (3, 96, torch.float32), (4, 128, torch.float16),
+                          (8, 64, torch.float16)])
+@pytest.mark.parametrize("pad_tokens", [0, PAD_TOKENS])
+def test_mixed_batch_with_its_decode_rows_launched_apart(gqa: int, head_dim: int, dtype: torch.dtype,
+                                                         pad_tokens: int) -> None:
+    """A chunked-prefill step's leading decode rows (`metadata.num_decodes`) go to the decode grid in a launch of
+    their own and the rest to the general grid from their tokens on; also with a count short of the leading rows
+    (decode rows then left to the general grid, as when a prefill chunk sits among the running rows)."""
+    # More decode tokens than a prefill query block holds (16 / gqa tokens at most), so the general grid's numbering
+    # must start after them.
+    rows = [(1, 1 + 13 * i) for i in range(20)] + [(7, 70), (1, 40), (13, 13), (0, 20), (40, 100)]
+    for num_decodes in (20, 3):
+        batch = make_batch(rows, gqa, head_dim, dtype, seed=num_decodes + gqa, num_blocks=512, pad_tokens=pad_tokens)
+        batch.metadata.num_decodes = num_decodes
+        check_attention(batch, num_splits=None)
+
+
 @pytest.mark.parametrize(("rows", "block_m"), [(DECODE_BATCH, 16), (MIXED_BATCH, 64)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_key_loop_that_prefetches_the_next_tile(rows: list[tuple[int, int]], block_m: int, num_splits: int) -> None:

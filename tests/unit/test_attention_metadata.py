@@ -38,6 +38,16 @@ def test_a_step_of_a_prefill_chunk_and_a_decode_row() -> None:
     assert input_ids.tolist() == [11, 12, 13, 14] and logits.tolist() == [2, 3]
 
 
+def test_a_mixed_step_counts_its_leading_decode_rows() -> None:
+    """`num_decodes`: the decode rows before the first longer query, which the Triton backend launches apart."""
+    inputs = _inputs()
+    tables = np.array([[7, 2, 5], [3, 9, 0], [1, 4, 6], [8, 10, 11]], dtype=np.int32)
+    for num_scheduled, expected in (([1, 1, 3, 1], 2), ([3, 1, 1, 1], 0), ([1, 1, 1, 1], 0), ([2, 2, 2, 2], 0)):
+        *_, metadata, _ = inputs.prepare(list(range(sum(num_scheduled))), np.array(num_scheduled),
+                                         np.array([2, 2, 2, 2]), tables, np.arange(4), np.arange(4))
+        assert metadata.num_decodes == expected, num_scheduled
+
+
 def test_a_decode_step_padded_to_a_graph_size() -> None:
     inputs = _inputs()
     _, positions, metadata, _ = inputs.prepare(
