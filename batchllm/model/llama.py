@@ -96,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(mlp output, residual stream)`; the next norm adds them, saving a separate add."""
-        # Each norm's output has one reader, an FP8 linear layer of which takes it quantized by the norm.
+        # Each norm's output has one reader; an FP8 linear layer takes it quantized by the norm (normalize_for).
         if residual is None:
             residual, hidden = hidden, normalize_for(self.self_attn.qkv_proj, self.input_layernorm, hidden)
         else:
