@@ -2,7 +2,7 @@
 
     python benchmarks/decode_attention.py                       # GPU: the default cases, default launch shape
     python benchmarks/decode_attention.py --sweep 3 --out $OUT  # also every tile / warps / stages / splits
-    python benchmarks/decode_attention.py --sweep 2 --sweep-prefetch  # tiles with and without TileConfig.prefetch
+    python benchmarks/decode_attention.py --sweep 2 --sweep-registers  # the decode tiles under register caps
     python benchmarks/decode_attention.py --cases llama3-8b:fp8:512:192 --mixed 63:128  # a chunked-prefill step
     python benchmarks/decode_attention.py --cases gemma3-12b:bf16:256:8192:1024 gemma3-12b:bf16:256:1024
                                         # a 1,024-token window at 8k context against full attention over 1,024
@@ -117,19 +117,19 @@ def run_mixed(case, prefills: int, prompt_len: int, uniform: bool) -> dict:
                 mixed_us=times["mixed"], decode_us=times["decode"], prefill_us=times["prefill"])
 
 
-def launch_shapes(group_p2: int, prefetch_only: bool = False):
-    """None (the library's choice) first, then the sweep: tile rows stay at the decode minimum. `prefetch_only`:
-    the key loops that prefetch the next tile themselves, against the same tiles with Triton's pipelining."""
+def launch_shapes(group_p2: int, register_caps: bool = False):
+    """None (the library's choice) first, then the sweep: tile rows stay at the decode minimum. `register_caps`: the
+    decode tiles under register caps (TileConfig.max_registers), which trade spills for programs an SM."""
     yield None, None
-    if prefetch_only:
-        for tile_n, warps, stages, prefetch in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (False, True)):
-            yield TileConfig(max(16, group_p2), tile_n, warps, stages, prefetch), None
+    if register_caps:
+        for tile_n, warps, stages, cap in itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (None, 128, 96, 64)):
+            yield TileConfig(max(16, group_p2), tile_n, warps, stages, cap), None
         return
     for tile_n, warps, stages, splits in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4), (None, 2)):
         yield TileConfig(max(16, group_p2), tile_n, warps, stages), splits
 
 
-def run_case(case, sweep: bool, uniform: bool, bandwidth: float, prefetch_only: bool = False) -> list[dict]:
+def run_case(case, sweep: bool, uniform: bool, bandwidth: float, register_caps: bool = False) -> list[dict]:
     shape, kv, rows, context, window = case
     query, k_cache, v_cache, metadata, kv_bytes = make_case(shape, kv, rows, context, uniform, window=window)
     group_p2 = triton.next_power_of_2(query.shape[1] // k_cache.shape[2])
@@ -137,7 +137,7 @@ def run_case(case, sweep: bool, uniform: bool, bandwidth: float, prefetch_only: 
     default_tile = tile_config(1, group_p2, query.shape[-1], query.dtype, k_cache.dtype == FP8_DTYPE)
     reference = None
     results = []
-    shapes = launch_shapes(group_p2, prefetch_only) if sweep else iter([(None, None)])
+    shapes = launch_shapes(group_p2, register_caps) if sweep else iter([(None, None)])
     for tile, splits in shapes:
         def call():
             return paged_attention_triton(query, k_cache, v_cache, metadata, scale, num_splits=splits, tile=tile,
@@ -163,8 +163,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time every launch shape on the first N cases")
-    parser.add_argument("--sweep-prefetch", action="store_true",
-                        help="the sweep compares key loops that prefetch the next tile (TileConfig.prefetch) instead")
+    parser.add_argument("--sweep-registers", action="store_true",
+                        help="the sweep times the decode tiles under register caps (TileConfig.max_registers) instead")
     parser.add_argument("--uniform", action="store_true", help="context lengths uniform in [0.2, 1.8] x context")
     parser.add_argument("--cases", nargs="*",
                         help="shape:kv:rows:context[:window], e.g. llama3-8b:fp8:256:1500 gemma3-12b:bf16:64:8192:1024")
@@ -180,7 +180,7 @@ def main() -> None:
     rows_out = []
     for case in cases:
         start = time.perf_counter()
-        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth, args.sweep_prefetch)
+        results = run_case(case, cases.index(case) < args.sweep, args.uniform, bandwidth, args.sweep_registers)
         rows_out += results
         timed = [r for r in results if "ms" in r]
         best = min(timed, key=lambda r: r["ms"])
@@ -189,10 +189,13 @@ def main() -> None:
               f"{default['floor_share']:.0%} of floor); best {best['tile']} splits={best['splits']} "
               f"{best['ms'] * 1e3:.0f} us ({best['tb_s']:.2f} TB/s); max rel err {max(r['rel_err'] for r in timed):.1e}"
               f"; {time.perf_counter() - start:.0f} s")
-        if args.sweep_prefetch and len(timed) > 1:
-            for prefetch in (False, True):
-                mine = min((r for r in timed[1:] if f"prefetch={prefetch}" in r["tile"]), key=lambda r: r["ms"])
-                print(f"  best with prefetch={prefetch}: {mine['tile']} {mine['ms'] * 1e3:.0f} us "
+        if args.sweep_registers and len(timed) > 1:
+            for cap in (None, 128, 96, 64):
+                mine = min((r for r in timed[1:] if f"max_registers={cap})" in r["tile"]), key=lambda r: r["ms"],
+                           default=None)
+                if mine is None:  # none compiled
+                    continue
+                print(f"  best with max_registers={cap}: {mine['tile']} {mine['ms'] * 1e3:.0f} us "
                       f"({mine['floor_share']:.0%} of floor)")
     if args.mixed:
         prefills, prompt_len = (int(v) for v in args.mixed.split(":"))

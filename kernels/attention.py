@@ -234,9 +234,10 @@ def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o
         # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
-        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads,
-        PREFETCH=tile.prefetch, **variant_constants,
+        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads, **variant_constants,
     )
+    if tile.max_registers is not None:
+        constants["maxnreg"] = tile.max_registers  # a launch option, beside the constants
     if decode:
         grid = (num_seqs * num_kv_heads, 1, num_splits)
     else:
@@ -277,15 +278,15 @@ def merge_splits(out: torch.Tensor, workspace: SplitKVWorkspace, metadata: Atten
 @dataclass(frozen=True, slots=True)
 class TileConfig:
     """A launch shape of `paged_attention_kernel`: `block_m` tile rows (query tokens x group heads), `tile_n` keys
-    per K/V tile, warps, software-pipelining stages of the key loop, and whether the loop prefetches the next tile
-    into registers itself."""
+    per K/V tile, warps, software-pipelining stages of the key loop, and a register cap."""
 
     block_m: int
     tile_n: int
     num_warps: int
     num_stages: int = 3  # Triton's default on NVIDIA GPUs
-    # Load the next key tile into registers before this one's math (the loop's own double buffer).
-    prefetch: bool = False
+    # A cap on registers a thread (the compiler spills past it): None lets it take up to 255, which on sm_90 holds the
+    # FP8 decode tile to two programs an SM (benchmarks/kernel_resources.py).
+    max_registers: int | None = None
 
 
 def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: torch.dtype = torch.bfloat16,

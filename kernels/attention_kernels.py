@@ -29,22 +29,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_kv_tile(table_row, k_cache_ptr, v_cache_ptr, tile_start, kv_hi, kv_head, stride_cb, stride_cs, stride_ch,
-                  dims, dim_ok, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """The K and V rows `[TILE_N, HEAD_DIM_P2]` of keys `tile_start ..`, as they lie in the cache; keys at or past
-    `kv_hi` load as 0 without touching memory (their slots and table entries may hold anything, and a NaN times a
-    zero softmax weight is still NaN)."""
-    key_pos = tile_start + tl.arange(0, TILE_N)
-    key_ok = key_pos < kv_hi
-    block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=mask, other=0.0)
-    return k, v
-
-
-@triton.jit
 def paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, num_tokens, token_offset, qk_scale, v_scale,
@@ -56,7 +40,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_KEY_LIMIT: tl.constexpr,
-    DECODE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PREFETCH: tl.constexpr,
+    DECODE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Grid `((num_tokens - token_offset) // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or
     `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring. `token_offset`: the query
@@ -140,35 +124,22 @@ def paged_attention_kernel(
         l_i = tl.where(has_sink, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PREFETCH:
-        k_next, v_next = _load_kv_tile(table_row, k_cache_ptr, v_cache_ptr, kv_lo, kv_hi, kv_head, stride_cb,
-                                       stride_cs, stride_ch, dims, dim_ok, BLOCK_SIZE, TILE_N)
     for tile_start in range(kv_lo, kv_hi, TILE_N):
         key_pos = tile_start + tl.arange(0, TILE_N)
         key_ok = key_pos < kv_hi
-        if PREFETCH:
-            # The next tile's bytes are requested before this tile's math, so their latency hides behind it:
-            # register loads (FP8 tiles are converted in registers) are not pipelined by num_stages.
-            k, v = k_next, v_next
-            k_next, v_next = _load_kv_tile(table_row, k_cache_ptr, v_cache_ptr, tile_start + TILE_N, kv_hi, kv_head,
-                                           stride_cb, stride_cs, stride_ch, dims, dim_ok, BLOCK_SIZE, TILE_N)
-            k_t = tl.trans(k.to(KV_DOT_DTYPE)) if KV_FP8 else tl.trans(k)
-        else:
-            # Masked keys load as 0, not from the cache: their slots (and table entries) may hold anything,
-            # and a NaN times a zero softmax weight is still NaN.
-            block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            if KV_FP8:
-                # Loaded the way it lies in memory (head dims contiguous), converted, then transposed: a byte-wide
-                # tile loaded transposed would be converted in a layout that wastes most of each load.
-                k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                            other=0.0)
-                k_t = tl.trans(k.to(KV_DOT_DTYPE))
-            else:
-                k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
-                              other=0.0)
-            v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+        # Masked keys load as 0, not from the cache: their slots (and table entries) may hold anything,
+        # and a NaN times a zero softmax weight is still NaN.
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        if KV_FP8:
+            # Loaded the way it lies in memory (head dims contiguous), converted, then transposed: a byte-wide
+            # tile loaded transposed would be converted in a layout that wastes most of each load.
+            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
                         other=0.0)
+            k_t = tl.trans(k.to(KV_DOT_DTYPE))
+        else:
+            k_t = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None],
+                          other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap * _tanh(scores / soft_cap)
@@ -182,6 +153,7 @@ def paged_attention_kernel(
         p = tl.exp2(scores - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         if KV_FP8:
             v = v.to(KV_DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -31,7 +31,7 @@ from batchllm.model.quantization.fp8 import quantize_fp8_per_channel
 pytest.importorskip("triton")
 
 from batchllm.kernels.activation import silu_and_mul_fp8_triton, silu_and_mul_triton  # noqa: E402
-from batchllm.kernels.attention import SplitKVWorkspace, TileConfig, paged_attention_triton, tile_config  # noqa: E402
+from batchllm.kernels.attention import SplitKVWorkspace, paged_attention_triton, tile_config  # noqa: E402
 from batchllm.kernels.fp8 import quantize_fp8_per_token_triton  # noqa: E402
 from batchllm.kernels.kv_write import write_kv_triton  # noqa: E402
 from batchllm.kernels.rmsnorm import rms_norm_fp8_triton, rms_norm_triton  # noqa: E402
@@ -408,14 +408,13 @@ def to_fp8_batch(batch: Batch, k_scale: float, v_scale: float) -> tuple[Batch, B
 
 
 def check_fp8_attention(batch: Batch, k_scale: float, v_scale: float, num_splits: int | None,
-                        workspace: SplitKVWorkspace | None = None, tile: TileConfig | None = None) -> None:
+                        workspace: SplitKVWorkspace | None = None) -> None:
     fp8, dequantized = to_fp8_batch(batch, k_scale, v_scale)
     assert (fp8.k_cache.view(torch.uint8) == FP8_NAN_BYTE).float().mean() > 0.5, "unused slots must be NaN"
     scale = batch.query.shape[-1] ** -0.5
     out = torch.full_like(batch.query, float("nan"))
     result = paged_attention_triton(fp8.query, fp8.k_cache, fp8.v_cache, fp8.metadata, scale, out=out,
-                                    workspace=workspace, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
-                                    tile=tile)
+                                    workspace=workspace, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
     assert result is out
     expected = dequantized.expected(scale)
     padding = out[batch.metadata.query_start_loc_cpu[-1]:]
@@ -449,14 +448,6 @@ def test_fp8_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_split
     assert tile_config(1, 8, head_dim, torch.float16, kv_fp8=True).tile_n == 128
     batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa * head_dim, num_blocks=256, pad_tokens=0)
     check_fp8_attention(batch, k_scale=0.05, v_scale=2.0, num_splits=num_splits)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_decode_key_loop_that_prefetches_the_next_tile(num_splits: int) -> None:
-    """TileConfig.prefetch over FP8 caches: the byte-wide tiles are loaded a tile ahead and converted when used."""
-    batch = make_batch(DECODE_BATCH, 4, 128, torch.float16, seed=num_splits, num_blocks=256, pad_tokens=0)
-    check_fp8_attention(batch, k_scale=0.05, v_scale=2.0, num_splits=num_splits,
-                        tile=TileConfig(16, 128, 4, prefetch=True))
 
 
 def test_attention_ignores_scales_for_model_dtype_caches() -> None:

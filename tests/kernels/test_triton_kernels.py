@@ -23,6 +23,7 @@ from batchllm.kernels import reference
 
 pytest.importorskip("triton")
 
+from batchllm.kernels import attention as attention_module  # noqa: E402
 from batchllm.kernels.activation import silu_and_mul_triton  # noqa: E402
 from batchllm.kernels.attention import (  # noqa: E402
     MAX_SPLITS,
@@ -198,12 +199,22 @@ def test_mixed_batch_with_its_decode_rows_launched_apart(gqa: int, head_dim: int
 
 
 @pytest.mark.parametrize(("rows", "block_m"), [(DECODE_BATCH, 16), (MIXED_BATCH, 64)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_key_loop_that_prefetches_the_next_tile(rows: list[tuple[int, int]], block_m: int, num_splits: int) -> None:
-    """TileConfig.prefetch: the next key tile is loaded before this one's math, the last prefetch falling past
-    the keys (masked, never read: the pool around them is NaN); loops of zero to five tiles, split or not."""
-    batch = make_batch(rows, 4, 64, torch.float16, seed=num_splits, num_blocks=256, pad_tokens=0)
-    check_attention(batch, num_splits=num_splits, tile=TileConfig(block_m, 64, 4, prefetch=True))
+def test_a_register_cap_is_a_launch_option(rows: list[tuple[int, int]], block_m: int, monkeypatch) -> None:
+    """TileConfig.max_registers reaches every launch as Triton's `maxnreg` (the interpreter ignores it; on the GPU
+    the compiler spills past it) and leaves the result as it is."""
+    kernel, seen = attention_module.paged_attention_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs.get("maxnreg"))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention_module, "paged_attention_kernel", Recorder())
+    batch = make_batch(rows, 4, 64, torch.float16, seed=block_m, num_blocks=256, pad_tokens=0)
+    check_attention(batch, num_splits=1, tile=TileConfig(block_m, 64, 4, max_registers=96))
+    assert seen == [96]
 
 
 def test_split_kv_decode_batch_with_a_reused_poisoned_workspace() -> None:
