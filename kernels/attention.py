@@ -22,7 +22,7 @@ a sequence adjacent in launch order (they read the same cache blocks, where a to
 search is a chain of dependent loads that a short-context decode program would otherwise wait on first, and a
 fifth of the general grid's programs there have no query block and exit. A chunked-prefill step's leading decode
 rows (`AttentionMetadata.num_decodes`, counted on the host) take that grid and the decode tile in a launch of their
-own; the general grid then starts after their tokens (`token_offset`), over views of the sequence arrays.
+own; the general grid then starts after them (`token_offset`: as many tokens as sequences).
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one of NUM_SPLITS equal slices of its
 query block's keys and writes its unnormalised partial `(max, sum, acc)`; a second kernel merges the slices.
@@ -243,18 +243,15 @@ def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o
     else:
         grid = ((num_tokens - first_seq) // block_q + num_seqs + 1, num_kv_heads, num_splits)
     qk_scale, v_scale, sliding_window, soft_cap, sinks = variant_args
-    # Views from `first_seq` on: the kernel reads sequence i's entries at index i.
-    qsl, seq_lens, tables = (metadata.query_start_loc[first_seq:], metadata.seq_lens[first_seq:],
-                             metadata.block_tables[first_seq:]) if first_seq else (
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_tables)
     if workspace is None:
         partials = (out, out, out, 0, 0, 0, 0, 0)
     else:
         acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
         partials = (acc, m, s, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
     paged_attention_kernel[grid](
-        query, k_cache, v_cache, qsl, seq_lens, tables, num_seqs, num_tokens, first_seq, qk_scale, v_scale,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, num_seqs,
+        num_tokens, first_seq, qk_scale, v_scale, query.stride(0), query.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
         sliding_window, soft_cap, sinks, metadata.key_limit if metadata.key_limit is not None else metadata.seq_lens,
         out, out.stride(0), out.stride(1), *partials,
         **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)

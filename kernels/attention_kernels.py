@@ -43,8 +43,9 @@ def paged_attention_kernel(
     DECODE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Grid `((num_tokens - token_offset) // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or
-    `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring. `token_offset`: the query
-    tokens before the first sequence's (the decode rows launched apart); the sequences' arrays start at it."""
+    `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring. `token_offset`: the decode
+    rows launched apart before the first sequence, one query token each (their entries in the sequence arrays come
+    first)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     split = tl.program_id(2)
 
@@ -57,6 +58,10 @@ def paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + seq)
         q_block = 0
     else:
+        # The sequences start after the `token_offset` decode rows launched apart, one token each.
+        query_start_loc_ptr += token_offset
+        seq_lens_ptr += token_offset
+        block_tables_ptr += token_offset * stride_bt
         q_block_id = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, token_offset, BLOCK_Q)
