@@ -11,6 +11,7 @@ blocks, so a block's key loop must run past its last row. Without a GPU the kern
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -211,3 +212,21 @@ def test_triton_kernel_with_key_limit_is_batch_invariant() -> None:
     out_alone = paged_attention_triton(batch.query[:first], batch.k_cache, batch.v_cache, alone, scale,
                                        invariant=True)
     assert torch.equal(out_alone, out[:first])
+
+
+@pytest.mark.parametrize("name", ["plain", "window-soft_cap-sinks"])
+def test_triton_kernel_honours_key_limit_with_decode_rows_launched_apart(name: str, monkeypatch) -> None:
+    """An image prefill step of a running batch: its leading decode rows (`num_decodes`) go to the decode grid, which
+    reads their key limits at their own tokens; the rows after them to the general grid."""
+    pytest.importorskip("triton")
+    from batchllm.kernels.attention import paged_attention_triton
+
+    monkeypatch.setattr(sys.modules[__name__], "ROWS", [Row(1, 25), Row(1, 3), Row(1, 50), *ROWS])
+    batch = make_batch(2, seed=12)
+    batch.metadata.num_decodes = 3
+    options = options_for(name, batch.query.shape[1])
+    scale = HEAD_DIM**-0.5
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale, out=out, **options)
+    assert torch.equal(out[-PAD_TOKENS:], torch.zeros_like(out[-PAD_TOKENS:])), "padding rows must be zeros"
+    torch.testing.assert_close(out.double(), expected_attention(batch, scale, **options), atol=2e-5, rtol=2e-5)
