@@ -65,7 +65,8 @@ def _launch(rows: torch.Tensor, residual_rows: torch.Tensor, weight: torch.Tenso
     )
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16,
+              torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
