@@ -369,6 +369,16 @@ def test_gpu_mixed_batch_8k_tokens(gqa: int, head_dim: int, dtype: torch.dtype) 
 
 
 @gpu_test
+def test_gpu_w7_shaped_prefill_step_with_its_decode_rows_launched_apart() -> None:
+    """A W7 prefill step at llama3-8b's heads: 512 decode rows (64-320 keys) launched apart, then 56 prompts of 128."""
+    rows = [(1, 64 + (i * 37) % 257) for i in range(512)] + [(128, 128)] * 56
+    batch = make_batch(rows, gqa=4, head_dim=128, dtype=torch.bfloat16, seed=15, num_kv_heads=8, num_blocks=40_000,
+                       pad_tokens=0)
+    batch.metadata.num_decodes = 512
+    check_attention(batch, num_splits=None)
+
+
+@gpu_test
 def test_gpu_small_decode_batch_long_context_splits() -> None:
     rows = [(1, 16_000), (1, 9_000), (1, 12_345), (1, 300)]
     batch = make_batch(rows, gqa=4, head_dim=128, dtype=torch.bfloat16, seed=13, num_kv_heads=8, num_blocks=8_000)
