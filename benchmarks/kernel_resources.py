@@ -1,6 +1,6 @@
 """What a launch shape of the paged attention kernel costs an SM, without a GPU: registers, spills, shared memory.
 
-    python benchmarks/kernel_resources.py                      # llama3-8b's decode tiles, FP8 and bf16 K/V
+    python benchmarks/kernel_resources.py                      # llama3-8b's decode and prefill tiles, FP8 and bf16
     python benchmarks/kernel_resources.py --caps 128 96 64     # also under register caps (TileConfig.max_registers)
 
 Compiles `paged_attention_kernel` ahead of time for sm_90 (Triton's own compiler and the `ptxas` it ships; no device
@@ -86,16 +86,17 @@ def main() -> None:
     group_p2 = triton.next_power_of_2(args.group)
     print(f"{'kv':5} {'tile':>12} {'cap':>5} {'regs':>5} {'spill B':>8} {'smem KB':>8} {'programs/SM':>12} "
           f"{'warps/SM':>9}")
-    shapes = itertools.product((True, False), ((16, 128, 4, 3), (16, 64, 4, 3), (16, 32, 4, 3), (16, 32, 2, 3)),
-                               (None, *args.caps))
-    for kv_fp8, (block_m, tile_n, warps, stages), cap in shapes:
+    # The decode tiles, then the prefill tile (tile_config's for batches with prefill tokens), on the general grid.
+    tiles = ((16, 128, 4, 3), (16, 64, 4, 3), (16, 32, 4, 3), (16, 32, 2, 3), (max(64, group_p2), 32, 8, 3))
+    for kv_fp8, (block_m, tile_n, warps, stages), cap in itertools.product((True, False), tiles, (None, *args.caps)):
+        decode = block_m // group_p2 * group_p2 <= 16
         constants = dict(
             BLOCK_SIZE=16, GROUP=args.group, GROUP_P2=group_p2, BLOCK_Q=block_m // group_p2, HEAD_DIM=args.head_dim,
             HEAD_DIM_P2=triton.next_power_of_2(args.head_dim), TILE_N=tile_n, NUM_SPLITS=1, DOT_PRECISION="tf32",
             KV_FP8=kv_fp8, KV_DOT_DTYPE=tl.float16, USE_WINDOW=False, USE_SOFT_CAP=False, USE_SINKS=False,
-            HAS_KEY_LIMIT=False, DECODE=True, NUM_KV_HEADS=8)
+            HAS_KEY_LIMIT=False, DECODE=decode, NUM_KV_HEADS=8)
         r = resources(constants, kv_fp8, warps, stages, cap)
-        print(f"{'fp8' if kv_fp8 else 'bf16':5} {f'{tile_n}x{warps}w{stages}s':>12} {cap or '-':>5} "
+        print(f"{'fp8' if kv_fp8 else 'bf16':5} {f'{block_m}r{tile_n}x{warps}w{stages}s':>12} {cap or '-':>5} "
               f"{r['registers']:5d} {r['spill_bytes']:8d} {r['shared'] / 1024:8.1f} {r['programs_per_sm']:12d} "
               f"{r['warps_per_sm']:9d}")
 
