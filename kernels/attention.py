@@ -182,17 +182,51 @@ def paged_attention_triton(
     if workspace is not None:
         num_splits = min(num_splits, workspace.max_splits)
 
-    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if invariant:
         tile = invariant_tile(group_p2, head_dim, query.dtype, kv_fp8)
-    launch = functools.partial(
-        _launch, query, k_cache, v_cache, out, metadata, num_tokens,
-        # Scores are kept in log2 units, so the cap is too: cap * tanh(s / cap) scales with s.
-        (scale * k_scale * math.log2(math.e), v_scale, sliding_window or 0,
-         (logit_soft_cap or 0.0) * math.log2(math.e), sinks if sinks is not None else query),
-        dict(USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None,
-             USE_SINKS=sinks is not None))
+    constants = dict(
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), NUM_KV_HEADS=num_kv_heads,
+        # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
+        KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logit_soft_cap is not None, USE_SINKS=sinks is not None,
+        HAS_KEY_LIMIT=metadata.key_limit is not None,
+    )
+    scalars = (scale * k_scale * math.log2(math.e), v_scale, query.stride(0), query.stride(1), k_cache.stride(0),
+               k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
+               # Scores are kept in log2 units, so the cap is too: cap * tanh(s / cap) scales with s.
+               sliding_window or 0, (logit_soft_cap or 0.0) * math.log2(math.e), sinks if sinks is not None else query,
+               metadata.key_limit if metadata.key_limit is not None else metadata.seq_lens,
+               out, out.stride(0), out.stride(1))
+
+    def launch(first_seq: int, end_seq: int, decode: bool, tile: TileConfig, num_splits: int = 1,
+               workspace: SplitKVWorkspace | None = None) -> None:
+        """One launch over sequences `[first_seq, end_seq)`, whose query tokens start at token `first_seq` (the
+        sequences before them are decode rows, one token each); the padding rows after the last sequence are the
+        last launch's. Split-KV partials go to `workspace`."""
+        block_q = tile.block_m // group_p2
+        num_launched = end_seq - first_seq
+        if decode:
+            grid = (num_launched * num_kv_heads, 1, num_splits)
+        else:
+            grid = ((num_tokens - first_seq) // block_q + num_launched + 1, num_kv_heads, num_splits)
+        if workspace is None:
+            partials = (out, out, out, 0, 0, 0, 0, 0)
+        else:
+            acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
+            partials = (acc, m, s, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
+        # maxnreg is a launch option, beside the constants.
+        cap = {} if tile.max_registers is None else dict(maxnreg=tile.max_registers)
+        paged_attention_kernel[grid](
+            query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            num_launched, num_tokens, first_seq, *scalars, *partials, **constants, BLOCK_Q=block_q,
+            TILE_N=tile.tile_n, NUM_SPLITS=num_splits, DECODE=decode, num_warps=tile.num_warps,
+            num_stages=tile.num_stages, **cap)
+
     decodes = metadata.num_decodes
     if num_splits == 1 and not invariant and 0 < decodes < num_seqs:
         # A chunked-prefill step: its leading decode rows go apart to the decode grid and tile (in the prefill tile
@@ -213,48 +247,6 @@ def paged_attention_triton(
         raise ValueError(f"workspace holds {workspace.max_num_tokens} tokens, the batch has {num_tokens}")
     launch(0, num_seqs, decode, tile, num_splits, workspace)
     return merge_splits(out, workspace, metadata, num_splits)
-
-
-def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            metadata: AttentionMetadata, num_tokens: int, variant_args: tuple, variant_constants: dict,
-            first_seq: int, end_seq: int, decode: bool, tile: TileConfig, num_splits: int = 1,
-            workspace: SplitKVWorkspace | None = None) -> None:
-    """One `paged_attention_kernel` launch over sequences `[first_seq, end_seq)`, whose query tokens start at token
-    `first_seq` (the sequences before them are decode rows, one token each); the padding rows after the last
-    sequence are the last launch's. Split-KV partials go to `workspace`."""
-    _, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    group_p2 = triton.next_power_of_2(group)
-    block_q = tile.block_m // group_p2
-    num_seqs = end_seq - first_seq
-    constants = dict(
-        BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), TILE_N=tile.tile_n, NUM_SPLITS=num_splits,
-        # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=k_cache.dtype == FP8_DTYPE,
-        KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,
-        HAS_KEY_LIMIT=metadata.key_limit is not None, DECODE=decode, NUM_KV_HEADS=num_kv_heads, **variant_constants,
-    )
-    if tile.max_registers is not None:
-        constants["maxnreg"] = tile.max_registers  # a launch option, beside the constants
-    if decode:
-        grid = (num_seqs * num_kv_heads, 1, num_splits)
-    else:
-        grid = ((num_tokens - first_seq) // block_q + num_seqs + 1, num_kv_heads, num_splits)
-    qk_scale, v_scale, sliding_window, soft_cap, sinks = variant_args
-    if workspace is None:
-        partials = (out, out, out, 0, 0, 0, 0, 0)
-    else:
-        acc, m, s = workspace.partial_acc, workspace.partial_max, workspace.partial_sum
-        partials = (acc, m, s, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1))
-    paged_attention_kernel[grid](
-        query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, num_seqs,
-        num_tokens, first_seq, qk_scale, v_scale, query.stride(0), query.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
-        sliding_window, soft_cap, sinks, metadata.key_limit if metadata.key_limit is not None else metadata.seq_lens,
-        out, out.stride(0), out.stride(1), *partials,
-        **constants, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def merge_splits(out: torch.Tensor, workspace: SplitKVWorkspace, metadata: AttentionMetadata,
