@@ -90,7 +90,8 @@ class GemmaRMSNorm(RMSNorm):
         return rows if new_residual is None else (rows, new_residual)
 
 
-def normalize_for(reader: nn.Module | None, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
+def normalize_for(reader: nn.Module | None, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
+                  ) -> torch.Tensor | Fp8Rows | tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """`norm(x[, residual])` for `reader`, the one layer that reads its output: quantized to FP8 rows
     (`RMSNorm.quantized`) where the reader takes them (`takes_fp8_rows`: an FP8 linear layer without an adapter)."""
     if isinstance(norm, RMSNorm) and getattr(reader, "takes_fp8_rows", False):

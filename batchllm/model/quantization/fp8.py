@@ -51,8 +51,8 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block_shape
 @dataclass(frozen=True, slots=True)
 class Fp8Rows:
     """Activations `[..., K]` of `dtype` already quantized per token, as `fp8_linear` would quantize them: `q
-    [T, K]` float8_e4m3fn and `scale [T, 1]` float32 (`kernels.silu_and_mul_fp8` writes them so, for a down
-    projection). `shape` is the activations' own."""
+    [T, K]` float8_e4m3fn and `scale [T, 1]` float32 (`kernels.silu_and_mul_fp8` writes them for a down projection,
+    `kernels.rms_norm_fp8` for a qkv or gate_up one). `shape` is the activations' own."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -64,7 +64,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b` for an FP8 `weight [out, in]` with per-row `weight_scale [out]`; the output is in x's dtype."""
     if isinstance(x, Fp8Rows):
-        (q, x_scale), dtype, shape = (x.q, x.scale), x.dtype, x.shape
+        q, x_scale, dtype, shape = x.q, x.scale, x.dtype, x.shape
     else:
         q, x_scale = kernels.quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
         dtype, shape = x.dtype, x.shape
