@@ -34,9 +34,12 @@ class CacheConfig:
         return int(self.swap_space * (1 << 30))
 
 
+DEFAULT_MAX_NUM_SEQS = 256  # where no calibration chooses (executor/calibration.py): the CPU, a hand-built config
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0  # resolved from the model config and the KV pool size
     max_loras: int = 0  # distinct adapters among the running requests (device slots); 0: no LoRA

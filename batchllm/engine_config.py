@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchllm.config import GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig
+from batchllm.config import DEFAULT_MAX_NUM_SEQS, GENERATE_STEP_BUDGET, CacheConfig, SchedulerConfig
 from batchllm.engine.prefill_decode_build import Layout, parse_layout
 from batchllm.engine.speculative.config import SpeculativeConfig, parse_speculative_config
 from batchllm.engine.structured.manager import check_backend
@@ -23,7 +23,7 @@ from batchllm.reasoning import check_reasoning_parser
 
 # `LLM(...)`'s keywords and their defaults; `LLM.__init__` spells the same ones (tests/unit/test_engine_config.py).
 DEFAULTS: dict[str, Any] = dict(
-    model=None, device="auto", dtype="auto", max_model_len=None, block_size=16, max_num_seqs=256,
+    model=None, device="auto", dtype="auto", max_model_len=None, block_size=16, max_num_seqs=None,
     max_num_batched_tokens=None, gpu_memory_utilization=0.9, num_kv_blocks=None, kv_cache_memory_bytes=None,
     enable_prefix_caching=True, reorder_by_prefix=True, seed=0, load_format="auto", enforce_eager=False,
     tokenizer=None, skip_tokenizer_init=False, trust_remote_code=False, tensor_parallel_size=1,
@@ -124,11 +124,19 @@ class EngineConfig:
     what the model directory says (sentence-transformers' modules.json), else the last token, normalized. See
     batchllm/entrypoints/pooling.py.
 
+    `max_num_seqs`: the sequences one step runs, at most. None (default): 256 on the CPU; generating on CUDA, the
+    engine times a few decode steps when it starts (128 to 1,024 rows, each at 1,024 keys, as many as the KV pool
+    holds) and takes the smallest batch within 10 % of the best one's tokens a second
+    (batchllm/executor/calibration.py); `LLM.max_num_seqs` says what it chose. Give a number to fix it.
+
     `max_num_batched_tokens`: the tokens one step computes, at most. None (default): 8192 when generating, where a
     step's length delays every running row's next token; 32768 on a pooling task, where no row waits for a next
     token and larger steps spread the host's per-step work over more tokens (1.35-1.8x the rows/s of 8192 for a
-    135M model on an H200, benchmarks/README.md "Embeddings"). Generating on CUDA with a model under 1B parameters,
-    up to 32768 as well (`batchllm.config.default_step_budget`): its steps are too short to hide their launches.
+    135M model on an H200, benchmarks/README.md "Embeddings"). Generating on CUDA, the engine times a prefill step
+    of 8,192, 16,384 and 32,768 tokens when it starts and takes the smallest within 5 % of the best one's tokens a
+    second (`LLM.max_num_batched_tokens`); without that timing (disaggregated engines), 8192, or up to 32768 for a
+    model under 1B parameters (`batchllm.config.default_step_budget`): its steps are too short to hide their
+    launches.
 
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
@@ -186,9 +194,11 @@ class EngineConfig:
 
     model: ModelOptions
     cache: CacheConfig
-    # `max_num_batched_tokens` is the user's, or 8192 until `resolve_engine` sizes it (`step_budget_given`).
+    # `max_num_batched_tokens` is the user's, or 8192 until `resolve_engine` sizes it (`step_budget_given`);
+    # `max_num_seqs` the user's, or 256 until a GPU engine times its steps (`batch_size_given`).
     scheduler: SchedulerConfig
     step_budget_given: bool
+    batch_size_given: bool
     async_scheduling: bool  # resolved: None became "on for CUDA"
     reorder_by_prefix: bool
     parallel: ParallelConfig
@@ -220,7 +230,9 @@ class EngineConfig:
             raise ValueError(f"LLM argument enable_expert_parallel must be True or False, "
                              f"got {a['enable_expert_parallel']!r}")
         budget = a["max_num_batched_tokens"]
-        scheduler = SchedulerConfig(a["max_num_seqs"], GENERATE_STEP_BUDGET if budget is None else budget,
+        batch = a["max_num_seqs"]
+        scheduler = SchedulerConfig(DEFAULT_MAX_NUM_SEQS if batch is None else batch,
+                                    GENERATE_STEP_BUDGET if budget is None else budget,
                                     max_loras=a["max_loras"] if a["enable_lora"] else 0,
                                     preemption_mode=a["preemption_mode"], num_micro_batches=pp,
                                     admission_policy=a["admission_policy"])
@@ -253,7 +265,7 @@ class EngineConfig:
                 raise ValueError(f"LLM argument disaggregated does not work with {conflicts[0]} yet")
         model = ModelOptions(a["model"], a["tokenizer"], a["skip_tokenizer_init"], a["trust_remote_code"], device,
                              dtype, max_model_len, a["seed"], a["load_format"], a["enforce_eager"])
-        return cls(model, cache, scheduler, budget is not None,
+        return cls(model, cache, scheduler, budget is not None, batch is not None,
                    device.startswith("cuda") if a["async_scheduling"] is None else a["async_scheduling"],
                    a["reorder_by_prefix"], ParallelConfig(tp, pp, a["enable_expert_parallel"]),
                    LoRAConfig(a["enable_lora"], a["max_loras"], a["max_lora_rank"]), spec,

@@ -27,18 +27,16 @@ import numpy as np
 import pyarrow as pa
 
 import batchllm
+from batchllm.config import DEFAULT_MAX_NUM_SEQS
 from batchllm.connectors.constraints import parsed_text
 from batchllm.connectors.engine_cache import get_llm
 from batchllm.connectors.options import MapOptions, resolve_options
 from batchllm.connectors.results import output_schema
-from batchllm.engine_config import DEFAULTS
 
 # resolve_options' named options; any other keyword that is not an engine option is a sampling field.
 _MAP_OPTIONS = ("prompt_column", "messages_column", "prompt_template", "chat", "sampling_params",
                 "output_column", "truncate", "schema_column", "parse_json", "image_column")
 _ENGINE_OPTIONS = ("model", "engine_kwargs")
-# LLM(...)'s default max_num_seqs: the most sequences the engine runs at once.
-DEFAULT_MAX_NUM_SEQS = DEFAULTS["max_num_seqs"]
 
 
 class LLMPredictor:
@@ -86,7 +84,7 @@ def generate(ds: ray.data.Dataset, *, concurrency: int = 1, batch_size: int | No
     `model=` / `engine_kwargs=`). `concurrency` replicas each hold one engine; each gets
     `num_gpus_per_replica` GPUs (default: `engine_kwargs["tensor_parallel_size"]` times
     `engine_kwargs["pipeline_parallel_size"]`, each 1 when absent, when the cluster has GPUs, else none).
-    `batch_size` rows go to a replica at a time (default: 4 × max_num_seqs).
+    `batch_size` rows go to a replica at a time (default: 4 × max_num_seqs, 4 × 256 where the engine chooses its own).
     """
     check_options(options)
     _check_count("concurrency", concurrency)

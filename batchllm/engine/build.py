@@ -10,6 +10,7 @@ built: the config and the engine layer do without them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,15 @@ from batchllm.engine.structured.manager import StructuredOutputManager
 from batchllm.engine_config import EngineConfig
 from batchllm.pooling_params import PoolingParams
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ResolvedEngine:
     """An `EngineConfig` checked against its checkpoint: everything an engine needs but its weights."""
 
-    config: EngineConfig  # `scheduler.max_num_batched_tokens` is final here
+    # `scheduler.max_num_batched_tokens` is final here, but where a GPU engine times its steps (`build_engine`).
+    config: EngineConfig
     model_path: Path
     hf_config: dict[str, Any]
     model_config: Any  # batchllm.model.config.ModelConfig
@@ -119,6 +123,15 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     parallel = config.parallel
     runner = build_executor(runner_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     scheduler_config.max_model_len = runner.max_model_len
+    if runner.calibration is not None:  # the step sizes the runner chose by timing steps
+        calibration = runner.calibration
+        logger.info("%s", calibration.describe())
+        scheduler_config.max_num_seqs = calibration.max_num_seqs or scheduler_config.max_num_seqs
+        scheduler_config.max_num_batched_tokens = (calibration.max_num_batched_tokens
+                                                   or scheduler_config.max_num_batched_tokens)
+        chosen = dataclasses.replace(config.scheduler, max_num_seqs=scheduler_config.max_num_seqs,
+                                     max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
+        resolved = dataclasses.replace(resolved, config=config.replace(scheduler=chosen))
     if runner_config.kv_layout is not None:
         kv_cache = HybridKVCacheManager(runner.num_blocks, config.cache.block_size, runner_config.kv_layout,
                                         config.cache.enable_prefix_caching, runner.num_host_blocks)
@@ -159,7 +172,22 @@ def _runner_config(resolved: ResolvedEngine) -> Any:
         max_loras=config.scheduler.max_loras, max_lora_rank=config.lora.max_lora_rank,
         quantization=config.quantization.quantization, kv_cache_dtype=resolved.kv_cache_dtype,
         speculative=config.speculative, kv_layout=hybrid_kv_layout(config, resolved.model_config),
-        enable_expert_parallel=config.parallel.enable_expert_parallel, deterministic=config.deterministic)
+        enable_expert_parallel=config.parallel.enable_expert_parallel, deterministic=config.deterministic,
+        calibration=_calibration_plan(config))
+
+
+def _calibration_plan(config: EngineConfig) -> Any:
+    """What a GPU engine generating text sizes by timing its steps (executor/calibration.py): the sizes the user
+    left unset. None elsewhere: the CPU, pooling tasks (no decode), disaggregated engines (their buffer between
+    them is sized from the scheduler config before either starts)."""
+    from batchllm.executor.calibration import BATCH_SIZES, STEP_BUDGETS, CalibrationPlan
+
+    if (not config.model.device.startswith("cuda") or config.pooling.task != "generate"
+            or config.kv_transfer.disaggregated is not None
+            or (config.batch_size_given and config.step_budget_given)):
+        return None
+    return CalibrationPlan(batch_sizes=() if config.batch_size_given else BATCH_SIZES,
+                           step_budgets=() if config.step_budget_given else STEP_BUDGETS)
 
 
 def hybrid_kv_layout(config: EngineConfig, model_config: Any) -> KVGroupLayout | None:

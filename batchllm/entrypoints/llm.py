@@ -47,7 +47,7 @@ class LLM(PoolingCalls):
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, block_size: int = 16, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  enable_prefix_caching: bool = True, reorder_by_prefix: bool = True, seed: int = 0,
@@ -122,7 +122,13 @@ class LLM(PoolingCalls):
 
     @property
     def max_num_seqs(self) -> int:
-        return self.config.scheduler.max_num_seqs
+        """The sequences a step runs at most: the user's, or what the engine chose (calibrated on CUDA)."""
+        return self.engine.scheduler.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The tokens a step computes at most: the user's, or what the engine chose."""
+        return self.engine.scheduler.config.max_num_batched_tokens
 
     @property
     def stats(self) -> EngineStats:

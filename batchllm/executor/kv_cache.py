@@ -82,6 +82,13 @@ def allocate_kv_cache(model: torch.nn.Module, config: ModelConfig, num_blocks: i
     return KVCache(tensor)
 
 
+def release_kv_cache(model: torch.nn.Module) -> None:
+    """Unbind the attention layers from their pool, so that dropping the pool frees it (a throwaway one)."""
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            layer.k_cache = layer.v_cache = torch.empty(0)
+
+
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A pool of zeros. Slots no token has written are still read: a key masked out of a query's softmax enters
     `p @ V` as 0 x its value, NaN where recycled memory held a NaN bit pattern (a verification step's inert tokens

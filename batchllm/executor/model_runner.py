@@ -14,6 +14,7 @@ graph, a pipeline stage or eagerly), the drafter sees the step, and its rows are
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from batchllm.distributed.parallel_state import all_reduce_min, get_ep, get_pp, 
 from batchllm.engine.interfaces import AwaitingGrammar, ModelRunnerOutput, SchedulerOutput
 from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.engine.speculative.config import SpeculativeConfig
+from batchllm.executor.calibration import Calibration, CalibrationPlan, calibrate_batch_size, calibrate_step_budget
 from batchllm.executor.cuda_graphs import DecodeGraphs
 from batchllm.executor.drafter import build_drafter
 from batchllm.executor.drafter_base import ObservedStep
@@ -78,6 +80,8 @@ class RunnerConfig:
     enable_expert_parallel: bool = False
     # Batch-invariant numerics: each step runs inside `batch_invariant_mode` (model/layers/batch_invariant.py).
     deterministic: bool = False
+    # The step sizes to choose by timing steps (calibration.py); None: the scheduler config's sizes stand.
+    calibration: CalibrationPlan | None = None
 
 
 class ModelRunner(StepSampling):
@@ -102,6 +106,15 @@ class ModelRunner(StepSampling):
                                                    quantization=config.quantization)
         self.model.eval()
         self.pp = get_pp()
+        plan = config.calibration
+        prefill_ms: dict[int, float] = {}
+        if plan is not None and plan.step_budgets:  # before anything sized by the budget: profiling, LoRA slots
+            budget, prefill_ms = calibrate_step_budget(
+                self.model, self.model_config, plan, self.block_size,
+                config.max_model_len or self.model_config.max_model_len, device, self.kv_dtype)
+            self._resize(max_num_batched_tokens=all_reduce_min(budget))
+        if plan is not None and plan.batch_sizes:  # profiling sizes the logits for the largest candidate
+            self._resize(max_num_seqs=plan.batch_sizes[-1])
         self.stage_link = StageLink(self.model_config.hidden_size, self.dtype, device) if self.pp.size > 1 else None
         # Adapter slots are allocated before the KV pool is sized from what memory is left.
         self.lora = (LoRASlotManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
@@ -139,6 +152,14 @@ class ModelRunner(StepSampling):
         self.host_block_bytes = 0 if self.host_kv is None else self.host_kv.bytes_per_block
         self.kv_connectors = build_kv_connector_workers(self.host_kv, config.kv_link, self.kv_cache.tensor, device)
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, num_blocks)
+        decode_ms: dict[int, float] = {}
+        if plan is not None and plan.batch_sizes:
+            rows, decode_ms = calibrate_batch_size(self.model, self.model_config, plan, num_blocks, self.block_size,
+                                                   self.num_kv_groups, self.max_model_len, device)
+            self._resize(max_num_seqs=all_reduce_min(rows))
+        self.calibration = None if plan is None else Calibration(
+            self.scheduler_config.max_num_seqs if plan.batch_sizes else None,
+            self.scheduler_config.max_num_batched_tokens if plan.step_budgets else None, decode_ms, prefill_ms)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.inputs = InputBatch(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_num_seqs,
@@ -170,6 +191,9 @@ class ModelRunner(StepSampling):
         max_query_len = 1 if spec is None or self.lora is not None else 1 + spec.num_speculative_tokens
         return DecodeGraphs(self.model, self.inputs, self.scheduler_config.max_num_seqs, self.max_model_len,
                             None if self.lora is None else self.lora.step_batch, max_query_len)
+
+    def _resize(self, **sizes: int) -> None:
+        self.scheduler_config = dataclasses.replace(self.scheduler_config, **sizes)
 
     def _resolve_max_model_len(self, requested: int | None, num_blocks: int) -> int:
         model_limit = self.model_config.max_model_len

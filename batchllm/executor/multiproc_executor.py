@@ -47,7 +47,7 @@ class MultiprocExecutor:
         ready: WorkerReady = self._group.call(None, first=True)
         self.num_blocks, self.max_model_len, self.block_size = ready.num_blocks, ready.max_model_len, ready.block_size
         self.max_verify_rows, self.num_host_blocks = ready.max_verify_rows, ready.num_host_blocks
-        self.host_block_bytes = ready.host_block_bytes
+        self.host_block_bytes, self.calibration = ready.host_block_bytes, ready.calibration
 
     @property
     def worker_pids(self) -> list[int]:

@@ -38,43 +38,65 @@ def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_le
 def profile_peak_memory(model: torch.nn.Module, model_config: ModelConfig, config: SchedulerConfig, block_size: int,
                         device: torch.device, dtype: torch.dtype, utilization: float) -> int:
     lengths = profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, model_config.max_model_len)
-    num_seqs, num_tokens = len(lengths), int(lengths.sum())
     num_blocks = int(sum(-(-int(length) // block_size) for length in lengths))
     cache = allocate_kv_cache(model, model_config, num_blocks, block_size, device, dtype)
-    inputs = InputBatch(num_tokens, num_seqs, num_blocks, block_size, device)
-    tables = np.zeros((num_seqs, num_blocks), dtype=np.int32)
-    next_block = 0
-    for row, length in enumerate(lengths):
-        count = -(-int(length) // block_size)
-        tables[row, :count] = np.arange(next_block, next_block + count, dtype=np.int32)
-        next_block += count
     # Memory an earlier engine of this process freed is still reserved by the caching allocator, in segments
     # the one large KV allocation cannot reuse: hand it back first.
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    input_ids, positions, metadata, logits_indices = inputs.prepare(
-        [0] * num_tokens, lengths, np.zeros(num_seqs, dtype=np.int64), tables, np.arange(num_seqs), np.arange(num_seqs))
-    pp = get_pp()
-    with set_forward_context(metadata):
-        if pp.is_first:
-            hidden = model(input_ids, positions)
-        else:  # a later pipeline stage continues from the previous stage's hidden states and residual
-            hidden = model(input_ids, positions, tuple(torch.zeros(num_tokens, model_config.hidden_size, dtype=dtype,
-                                                                   device=device) for _ in range(2)))
-    logits = None
-    if pp.is_last and getattr(model, "score", None) is None:  # a classifier has no LM head: its head is tiny
-        logits = model.compute_logits(hidden[logits_indices])  # None on tensor-parallel ranks other than 0
-    if logits is not None:
-        torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
+    step = DummyStep(model, model_config, lengths, np.zeros(len(lengths), dtype=np.int64), num_blocks, block_size,
+                     device)
+    step.run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    del cache, inputs, hidden, logits
+    del cache, step
     torch.cuda.empty_cache()
 
     free, total = torch.cuda.mem_get_info()
     used_by_others = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
     return max(0, int(total * utilization) - peak - used_by_others)
+
+
+class DummyStep:
+    """A step of placeholder tokens, staged once and run as often as asked: row i computes `lengths[i]` tokens
+    after `computed[i]` cached ones, in blocks of its own (consecutive ids, wrapping past `num_blocks`), and
+    yields logits for its last token, which are then sampled greedily. Profiling measures its memory,
+    calibration (calibration.py) its time. A hybrid KV cache's `num_groups` groups share each row's table."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, lengths: np.ndarray, computed: np.ndarray,
+                 num_blocks: int, block_size: int, device: torch.device, num_groups: int = 1) -> None:
+        self.model, self.hidden_size, self.device = model, model_config.hidden_size, device
+        # A later pipeline stage's input: hidden states in the activations' dtype, that of the norms' weights.
+        self.dtype = next(p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16,
+                                                                              torch.float32))
+        num_seqs, num_tokens = len(lengths), int(lengths.sum())
+        blocks = -(-(lengths + computed) // block_size)
+        max_blocks = int(blocks.max())
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        first = np.concatenate(([0], np.cumsum(blocks)[:-1]))
+        for row in range(num_seqs):
+            tables[row, :blocks[row]] = (first[row] + np.arange(blocks[row])) % num_blocks
+        self.inputs = InputBatch(num_tokens, num_seqs, max_blocks, block_size, device, num_groups)
+        self.input_ids, self.positions, self.metadata, self.logits_indices = self.inputs.prepare(
+            [0] * num_tokens, lengths, computed, np.tile(tables, (1, num_groups)), np.arange(num_seqs),
+            np.arange(num_seqs))
+        self.num_tokens = num_tokens
+
+    def run(self) -> None:
+        pp = get_pp()
+        with set_forward_context(self.metadata):
+            if pp.is_first:
+                hidden = self.model(self.input_ids, self.positions)
+            else:  # a later pipeline stage continues from the previous stage's hidden states and residual
+                hidden = self.model(self.input_ids, self.positions, tuple(
+                    torch.zeros(self.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+                    for _ in range(2)))
+        logits = None
+        if pp.is_last and getattr(self.model, "score", None) is None:  # a classifier has no LM head: tiny
+            logits = self.model.compute_logits(hidden[self.logits_indices])  # None on TP ranks other than 0
+        if logits is not None:
+            torch.softmax(logits, dim=-1).argmax(-1)  # the sampler's largest temporaries are of this size
 
 
 @torch.inference_mode()

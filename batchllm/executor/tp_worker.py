@@ -49,6 +49,7 @@ class WorkerReady:
     max_verify_rows: int | None
     num_host_blocks: int
     host_block_bytes: int
+    calibration: Any  # Calibration | None: the step sizes the ranks chose by timing (executor/calibration.py)
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -69,7 +70,7 @@ def worker_main(args: WorkerArgs) -> None:
         if replies is not None:
             replies.put(WorkerReady(runner.num_blocks, runner.max_model_len, runner.block_size,
                                     runner.max_verify_rows, runner.num_host_blocks,
-                                    runner.host_block_bytes))
+                                    runner.host_block_bytes, runner.calibration))
         # The rank lives for its runner: what exists now stays, so full collections need not scan it (host_gc.py).
         gc.collect()
         gc.freeze()

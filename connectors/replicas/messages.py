@@ -60,6 +60,7 @@ class Ready:
     replica: int
     pid: int
     max_model_len: int
+    max_num_seqs: int  # the engine's, which a GPU engine may choose itself (executor/calibration.py)
 
 
 @dataclass(slots=True)

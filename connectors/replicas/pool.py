@@ -58,7 +58,7 @@ from batchllm.connectors.replicas.process import (
     shutdown_replicas,
     start_replica,
 )
-from batchllm.connectors.replicas.replica import ReplicaSpec
+from batchllm.connectors.replicas.replica import ReplicaSpec, default_chunk_rows, default_in_flight
 from batchllm.engine_config import EngineConfig
 from batchllm.entrypoints.admission_order import admission_order
 from batchllm.lora.registry import AdapterRegistry
@@ -90,7 +90,8 @@ class ReplicaPool:
 
     `max_in_flight_per_replica`: prompts each engine admits at once (default: its max_num_seqs plus one
     chunk, so a chunk waits while a batch runs). `chunk_rows`: rows handed out at a time (default: a
-    quarter of max_num_seqs, 8 to 256).
+    quarter of max_num_seqs, 8 to 256). A GPU engine chooses its own max_num_seqs when the options leave it unset
+    (executor/calibration.py): the defaults follow the smallest replica's once all are built.
     """
 
     def __init__(self, size: int, model: str | Path | None = None, engine_kwargs: Mapping[str, Any] | None = None,
@@ -104,9 +105,8 @@ class ReplicaPool:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {size!r}")
         kwargs = dict(engine_kwargs or {})
         config = EngineConfig.from_kwargs(model=model, **kwargs)  # every replica's checks, made once, here
-        max_num_seqs = self.max_num_seqs = config.scheduler.max_num_seqs
-        self.max_in_flight_per_replica = max_in_flight_per_replica or max_num_seqs + default_chunk_rows(max_num_seqs)
-        self.chunk_rows = min(chunk_rows or default_chunk_rows(max_num_seqs), self.max_in_flight_per_replica)
+        self._given_sizes = (max_in_flight_per_replica, chunk_rows)
+        self._size_by(config.scheduler.max_num_seqs)
         self.reorder_by_prefix = config.reorder_by_prefix and config.cache.enable_prefix_caching
         self.model_path = resolve_model_path(model)  # converts the default model once, here, not in every replica
         # As an LLM reports them (job manifests pin them); the replicas check them against the checkpoint.
@@ -150,6 +150,12 @@ class ReplicaPool:
         except BaseException:
             self.close(ABORT_SECONDS)
             raise
+
+    def _size_by(self, max_num_seqs: int) -> None:
+        in_flight, chunk_rows = self._given_sizes
+        self.max_num_seqs = max_num_seqs
+        self.max_in_flight_per_replica = in_flight or default_in_flight(max_num_seqs)
+        self.chunk_rows = min(chunk_rows or default_chunk_rows(max_num_seqs), self.max_in_flight_per_replica)
 
     @property
     def size(self) -> int:
@@ -357,16 +363,17 @@ class ReplicaPool:
 
     def _start(self, index: int, placement: Placement, engine_kwargs: dict[str, Any]) -> ReplicaProcess:
         spec = ReplicaSpec(index, str(self.model_path), engine_kwargs, placement.num_threads,
-                           self.max_in_flight_per_replica, os.getpid())
+                           self._given_sizes[0], os.getpid())
         return start_replica(spec, placement)
 
     def _wait_until_ready(self) -> None:
-        lengths = []
+        lengths, batches = [], []
         while not all(r.ready for r in self._replicas):
             for replica, message in replica_events(self._replicas):
                 if isinstance(message, Ready):
                     replica.ready = True
                     lengths.append(message.max_model_len)
+                    batches.append(message.max_num_seqs)
                 elif isinstance(message, BuildFailed):
                     raise build_error(message)
                 elif isinstance(message, WantWork):
@@ -378,7 +385,4 @@ class ReplicaPool:
                 elif message is None:
                     self._lost(replica)
         self.max_model_len = min(lengths)  # prompts are fitted in the parent: they must fit every replica
-
-
-def default_chunk_rows(max_num_seqs: int) -> int:
-    return max(8, min(256, max_num_seqs // 4))
+        self._size_by(min(batches))

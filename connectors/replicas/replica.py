@@ -45,8 +45,18 @@ class ReplicaSpec:
     model: str
     engine_kwargs: dict[str, Any]
     num_threads: int | None  # torch threads for a CPU replica; None leaves torch's default (GPU replicas)
-    max_in_flight: int  # prompts admitted into this replica's engine at once
+    max_in_flight: int | None  # prompts admitted into this replica's engine at once; None: `default_in_flight`
     parent_pid: int
+
+
+def default_chunk_rows(max_num_seqs: int) -> int:
+    """Rows handed to a replica at a time: a quarter of its engine's batch, 8 to 256."""
+    return max(8, min(256, max_num_seqs // 4))
+
+
+def default_in_flight(max_num_seqs: int) -> int:
+    """Prompts in a replica's engine at once: its batch plus one chunk, so a chunk waits while a batch runs."""
+    return max_num_seqs + default_chunk_rows(max_num_seqs)
 
 
 def replica_main(spec: ReplicaSpec, tasks: Connection, results: Connection) -> None:
@@ -60,7 +70,7 @@ def replica_main(spec: ReplicaSpec, tasks: Connection, results: Connection) -> N
     except Exception as exc:
         outbox.send(BuildFailed(spec.index, picklable_error(exc), traceback.format_exc()))
         outbox.exit(1)
-    outbox.send(Ready(spec.index, os.getpid(), llm.max_model_len))
+    outbox.send(Ready(spec.index, os.getpid(), llm.max_model_len, llm.max_num_seqs))
     try:
         _serve(llm, spec, inbox, outbox)
     except Exception:
@@ -131,7 +141,8 @@ def _serve(llm: Any, spec: ReplicaSpec, inbox: Inbox, outbox: Outbox) -> None:
                     os._exit(EXIT_PARENT_GONE)
                 take(message)
 
-    for seq, output in llm.stream(source(), max_in_flight=spec.max_in_flight):
+    max_in_flight = spec.max_in_flight or default_in_flight(llm.max_num_seqs)
+    for seq, output in llm.stream(source(), max_in_flight=max_in_flight):
         state.in_flight -= 1
         state.done += 1
         output.prompt_token_ids = []  # the parent holds them: do not send them back

@@ -54,7 +54,7 @@ def test_help_shows_the_default_of_every_flag(capsys, monkeypatch):
     entries = {m[1]: " ".join(m[2].split()) for m in entry.finditer(options)}
     assert [flag for flag, text in entries.items() if flag != "-h" and "(default: " not in text] == []
     expected = {"--max-tokens": "256", "--temperature": "0.0", "--top-p": "1.0", "--n": "1", "--seed": "None",
-                "--skip-special-tokens": "True", "--load-format": "auto", "--max-num-seqs": "256",
+                "--skip-special-tokens": "True", "--load-format": "auto", "--max-num-seqs": "None",
                 "--rows-per-shard": "5000", "--truncate": "None", "--output-column": "generated_text"}
     assert {flag: re.search(r"\(default: (\S+)\)", entries[flag])[1] for flag in expected} == expected
     for flag in ("--system-prompt", "--stop-token-ids", "--no-skip-special-tokens", "--load-format"):

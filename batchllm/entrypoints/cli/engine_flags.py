@@ -30,6 +30,10 @@ OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError)
 ENGINE_DEFAULTS = DEFAULTS  # LLM(...)'s keywords and defaults, as EngineConfig.from_kwargs applies them
 ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length)",
+               "max_num_seqs": "sequences a step runs at most (None: 256 on the CPU; on a GPU, chosen by timing a "
+                               "few decode steps at start)",
+               "max_num_batched_tokens": "tokens a step computes at most (None: on a GPU, chosen by timing prefill "
+                                         "steps at start; else 8192, more for a small model or a pooling task)",
                "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank",
                "num_kv_blocks": "KV-cache blocks on the device (None: sized from free memory)",
                "swap_space": "GiB of host memory for KV blocks: the prefix cache's host tier, and swap space for "
