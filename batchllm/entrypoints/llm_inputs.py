@@ -14,11 +14,11 @@ Prompt = str | list[int]
 
 def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):  # a dict: one prompt with images (entrypoints/multimodal_prompts.py)
-        return [prompts]
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
-    return prompts
+    return [plain_prompt(prompt, index) for index, prompt in enumerate(prompts)]
 
 
 def broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -77,6 +77,7 @@ def encode_requests(requests: Iterable[tuple | None], tokenizer: Any, check_lora
         if _is_prepared(prompt):  # a row whose images a door already decoded and processed, off this thread
             yield key, prompt.text, prompt.token_ids, params, lora, (prompt.mm, prompt.error)
             continue
+        prompt = plain_prompt(prompt, index)
         if isinstance(prompt, dict):
             if prepare_images is None:
                 raise ValueError(f"prompt {index} has images: this engine takes text and token ids only")
@@ -90,3 +91,42 @@ def _is_prepared(prompt: Any) -> bool:
     # A PreparedRow can only exist once its module (which needs Pillow) is imported: never import it to type-check.
     module = sys.modules.get("batchllm.entrypoints.multimodal_prompts")
     return module is not None and isinstance(prompt, module.PreparedRow)
+
+
+def prompt_images(prompt: dict[str, Any], index: int) -> list[Any]:
+    """A prompt dict's images (vLLM's shape, multimodal_prompts.py); a ValueError naming the row for a malformed one."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"prompt {index}: unknown key {unknown[0]!r} (a prompt dict takes 'prompt' or "
+                         f"'prompt_token_ids', and 'multi_modal_data')")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"prompt {index}: multi_modal_data must be a dict with the key 'image', got {data!r:.80}")
+    images = data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def prompt_content(prompt: dict[str, Any], index: int) -> tuple[str | None, list[int] | None]:
+    """A prompt dict's (text, token ids), one of them None."""
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
+        return None, ids
+    text = prompt.get("prompt")
+    if isinstance(text, str):
+        return text, None
+    if isinstance(text, list) and all(isinstance(t, int) for t in text):
+        return None, text
+    raise ValueError(f"prompt {index}: 'prompt' must be a str or a list of token ids, got {type(text).__name__}")
+
+
+def plain_prompt(prompt: Any, index: int) -> Any:
+    """A prompt dict without images (vLLM's `{"prompt": ...}` or `{"prompt_token_ids": [...]}`, which any model
+    takes) as the text or token ids it holds; anything else as it is."""
+    if not isinstance(prompt, dict) or prompt_images(prompt, index):
+        return prompt
+    text, token_ids = prompt_content(prompt, index)
+    return text if token_ids is None else token_ids

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchllm.entrypoints.llm_inputs import prompt_content, prompt_images
 from batchllm.model.config import ModelConfig
 from batchllm.multimodal.image_cache import ProcessedImages
 from batchllm.multimodal.inputs import MultiModalPrompt
@@ -46,20 +47,20 @@ class MultiModalPrompts:
         """Each row's `(text, token ids)` as given (one of them None); a malformed dict, or images for a text-only
         model, is a ValueError naming its row: the caller's mistake, which fails the whole call before it runs."""
         for index, prompt in prompts.items():
-            if _images_of(prompt, index) and self.processor is None:
+            if prompt_images(prompt, index) and self.processor is None:
                 raise ValueError(f"prompt {index} has images, but {self.architecture} takes text only")
-            if _images_of(prompt, index) and self.refusal is not None:
+            if prompt_images(prompt, index) and self.refusal is not None:
                 raise ValueError(f"prompt {index} has images: {self.refusal}")
-        return {index: _prompt_of(prompt, index) for index, prompt in prompts.items()}
+        return {index: prompt_content(prompt, index) for index, prompt in prompts.items()}
 
     def prepare(self, prompts: dict[int, dict[str, Any]], add_special_tokens: bool = True) -> dict[int, PreparedRow]:
         """Rows `index → prompt dict` (checked by `check`) → engine rows; an image that does not load or fit, or a
         prompt whose placeholders do not match its images, fails that row alone."""
-        sources: dict[int, list[Any]] = {index: _images_of(prompt, index) for index, prompt in prompts.items()}
+        sources: dict[int, list[Any]] = {index: prompt_images(prompt, index) for index, prompt in prompts.items()}
         loaded = iter(self.images.get([source for images in sources.values() for source in images]))
         rows: dict[int, PreparedRow] = {}
         for index, prompt in prompts.items():
-            text, token_ids = _prompt_of(prompt, index)
+            text, token_ids = prompt_content(prompt, index)
             images = [next(loaded) for _ in sources[index]]
             failed = next((image for image in images if isinstance(image, MediaError)), None)
             if failed is not None:
@@ -74,30 +75,3 @@ class MultiModalPrompts:
             rows[index] = PreparedRow(text, ids, mm if mm.images else None)
         return rows
 
-
-def _images_of(prompt: dict[str, Any], index: int) -> list[Any]:
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
-    if unknown:
-        raise ValueError(f"prompt {index}: unknown key {unknown[0]!r} (a prompt dict takes 'prompt' or "
-                         f"'prompt_token_ids', and 'multi_modal_data')")
-    data = prompt.get("multi_modal_data") or {}
-    if not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError(f"prompt {index}: multi_modal_data must be a dict with the key 'image', got {data!r:.80}")
-    images = data.get("image")
-    if images is None:
-        return []
-    return list(images) if isinstance(images, (list, tuple)) else [images]
-
-
-def _prompt_of(prompt: dict[str, Any], index: int) -> tuple[str | None, list[int] | None]:
-    if "prompt_token_ids" in prompt:
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
-        return None, ids
-    text = prompt.get("prompt")
-    if isinstance(text, str):
-        return text, None
-    if isinstance(text, list) and all(isinstance(t, int) for t in text):
-        return None, text
-    raise ValueError(f"prompt {index}: 'prompt' must be a str or a list of token ids, got {type(text).__name__}")

@@ -174,3 +174,21 @@ def test_prefix_aware_admission_order(llm):
         assert llm.admission_order(rows) == [0, 1, 2, 3]
     finally:
         llm.reorder_by_prefix = True
+
+
+def test_vllm_prompt_dicts_without_images_work_on_a_text_model(llm, tokenizer, hf_continuation):
+    """vLLM's `{"prompt": text}` and `{"prompt_token_ids": ids}` (TextPrompt, TokensPrompt) are plain prompts on a
+    model without a vision tower, through `generate` and `stream`; images for it, or a key no prompt dict has, are
+    a ValueError naming the row."""
+    tokens, _ = hf_continuation
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = tokenizer(PROMPT)["input_ids"]
+    outputs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}, {"prompt": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens[:8]] * 3
+    assert outputs[0].prompt == PROMPT and outputs[1].prompt_token_ids == ids
+    streamed = dict(llm.stream([("a", {"prompt": PROMPT}, params), ("b", {"prompt_token_ids": ids}, params)]))
+    assert [streamed[key].outputs[0].token_ids for key in "ab"] == [tokens[:8]] * 2
+    with pytest.raises(ValueError, match="prompt 1 has images, but LlamaForCausalLM takes text only"):
+        llm.generate([PROMPT, {"prompt": PROMPT, "multi_modal_data": {"image": b"x"}}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: unknown key 'text'"):
+        llm.generate([{"text": PROMPT}], params, use_tqdm=False)
