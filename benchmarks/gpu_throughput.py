@@ -26,7 +26,16 @@ from pathlib import Path
 
 import torch
 from shapes import SHAPES, head_dim, hf_config, make_shape_dir, num_params
-from throughput import WORKLOADS, _plain, continuous_batching_attn, git_sha, hardware, make_prompts, save_record
+from throughput import (
+    WORKLOADS,
+    _plain,
+    continuous_batching_attn,
+    git_sha,
+    hardware,
+    make_prompts,
+    save_record,
+    size_or_auto,
+)
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from batchllm import LLM, SamplingParams
@@ -63,6 +72,7 @@ def run_batchllm(directory, prompts, max_tokens: int, args, async_scheduling: bo
               "peak_kv_blocks": stats.peak_used_blocks, "preemptions": stats.num_preemptions,
               "recomputed_tokens": stats.num_recomputed_tokens,
               "admission_policy": llm.config.scheduler.admission_policy,
+              "max_num_seqs": llm.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
               "steps": stats.num_steps, "async_scheduling": llm.engine.async_scheduling,
               "token_ids": [c.token_ids for c in completions] if args.also_sync else None}
     del llm, outs
@@ -119,9 +129,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int)
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--peer", choices=["generate_batch", "none"], default="generate_batch")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="default: the engine's (by model size)")
+    parser.add_argument("--max-num-seqs", type=size_or_auto, default=256, help="a number, or auto: the engine's")
+    parser.add_argument("--max-num-batched-tokens", type=size_or_auto, default=None,
+                        help="default (or auto): the engine's")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", default=None, help="batchllm's (fp8, mxfp4, ...); the peer stays bf16")
     parser.add_argument("--also-sync", action="store_true",
@@ -194,7 +204,7 @@ def main() -> None:
     mode = ("-deterministic" if args.deterministic else "") + ("-optimistic" if args.admission_policy == "optimistic"
                                                                 else "")
     seed = f"-hashseed{os.environ['PYTHONHASHSEED']}" if "PYTHONHASHSEED" in os.environ else ""
-    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{args.max_num_seqs}"
+    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{args.max_num_seqs or 'auto'}"
             f"{budget}{mode}{seed}-{card}.json")
     save_record(name, record, args.out)
 

@@ -30,7 +30,7 @@ import json
 import torch
 from gpu_throughput import run_batchllm
 from shapes import SHAPES, make_shape_dir
-from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record
+from throughput import WORKLOADS, git_sha, hardware, make_prompts, save_record, size_or_auto
 
 CONFIGS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
            "kv": {"kv_cache_dtype": "fp8"}, "w4": {"quantization": "gptq"},
@@ -58,7 +58,8 @@ def throughput(args) -> dict:
         print(f"{name:8} load {figures['load_s']:6.1f} s  gen {figures['generate_s']:7.2f} s  "
               f"out {figures['output_tok_s']:9.1f} tok/s  total {figures['total_tok_s']:9.1f} tok/s  "
               f"KV {figures['peak_kv_blocks']}/{figures['num_kv_blocks']}  preempt {figures['preemptions']}  "
-              f"recomputed {figures['recomputed_tokens']}  steps {figures['steps']}", flush=True)
+              f"recomputed {figures['recomputed_tokens']}  steps {figures['steps']}  seqs {figures['max_num_seqs']}  "
+              f"step tokens {figures['max_num_batched_tokens']}", flush=True)
     base = systems.get("bf16")
     if base:
         for name, figures in systems.items():
@@ -174,8 +175,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int)
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["bf16", "fp8", "fp8-kv"])
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=size_or_auto, default=256, help="a number, or auto: the engine's")
+    parser.add_argument("--max-num-batched-tokens", type=size_or_auto, default=8192,
+                        help="a number, or auto: the engine's")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--admission-policies", nargs="+", choices=["kv_aware", "optimistic"], default=["kv_aware"],
                         help="each configuration under each admission policy (engine/admission.py)")
@@ -192,7 +194,7 @@ def main() -> None:
     card, hw = hardware("cuda")
     record = {"date": datetime.date.today().isoformat(), "git_sha": git_sha(), "shape": args.shape,
               "hardware": hw, **figures}
-    kind = "quality" if args.quality else f"{args.workload}-seqs{args.max_num_seqs}"
+    kind = "quality" if args.quality else f"{args.workload}-seqs{args.max_num_seqs or 'auto'}"
     save_record(f"{record['date']}-quant-{kind}-{args.shape}-{card}{args.tag}.json", record, args.out)
 
 

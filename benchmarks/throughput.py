@@ -58,6 +58,11 @@ WORKLOADS = {
 }
 
 
+def size_or_auto(value: str) -> int | None:
+    """An engine size flag: a number, or `auto` (None: the engine chooses; on a GPU by timing steps)."""
+    return None if value == "auto" else int(value)
+
+
 def make_prompts(w: Workload, rows: int, vocab_size: int) -> list[list[int]]:
     rng = random.Random(w.seed)
 
