@@ -204,7 +204,8 @@ def main() -> None:
     mode = ("-deterministic" if args.deterministic else "") + ("-optimistic" if args.admission_policy == "optimistic"
                                                                 else "")
     seed = f"-hashseed{os.environ['PYTHONHASHSEED']}" if "PYTHONHASHSEED" in os.environ else ""
-    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{args.max_num_seqs or 'auto'}"
+    seqs = args.max_num_seqs or "auto"
+    name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{seqs}"
             f"{budget}{mode}{seed}-{card}.json")
     save_record(name, record, args.out)
 
