@@ -26,6 +26,7 @@ import argparse
 import datetime
 import itertools
 import json
+import logging
 
 import torch
 from gpu_throughput import run_batchllm
@@ -169,6 +170,8 @@ def unfused_state_dict(model, hf_dict: dict) -> dict:
 
 
 def main() -> None:
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("batchllm.engine.build").setLevel(logging.INFO)  # the calibrated step sizes and their times
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W5")
