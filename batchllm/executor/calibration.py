@@ -11,7 +11,8 @@ every row's latency, CUDA graphs and activation memory, and is worth it only whi
 
 - The step budget (the prefill chunk) first, before the KV pool is sized (profiling depends on it): a step of
   prompts of `prompt_len` tokens at each of `step_budgets`, eagerly (prefill steps run eagerly), on a throwaway
-  cache. A candidate the card has no memory for ends the ladder.
+  cache. A candidate the card has no memory for ends the ladder (on one GPU; under model parallelism it is an
+  error, as the first candidate's is).
 - Then the batch, on the real pool: a decode step of rows attending to `context` keys each, for each of
   `batch_sizes` whose K/V the pool holds at that context (always the smallest), timed eagerly, logits and greedy
   sampling included. The pool size bounds the candidates; KV-aware admission (engine/admission.py) still bounds
@@ -20,8 +21,8 @@ every row's latency, CUDA graphs and activation memory, and is worth it only whi
 Eager decode times include the host's launches, which the CUDA graphs later hide: for a small model, whose eager
 step is launch-bound, every candidate costs about the same and the largest wins, which is also where graphs want
 it (more rows per step of host work). Under tensor or pipeline parallelism every rank times its own part and the
-ranks take the smallest choice. Everything measured is in `Calibration`, which the engine logs and `LLM.stats`
-does not change. The CPU does not calibrate: its defaults (256 rows, 8,192 tokens) stand.
+ranks take the smallest choice. What was measured and chosen is a `Calibration`, which the engine logs at INFO
+(`batchllm.engine.build`). The CPU does not calibrate: its defaults (256 rows, 8,192 tokens) stand.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchllm.distributed.parallel_state import get_pp, get_tp
 from batchllm.executor.kv_cache import allocate_kv_cache, release_kv_cache
 from batchllm.executor.profiling import DummyStep
 from batchllm.model.config import ModelConfig
@@ -140,7 +142,8 @@ def calibrate_step_budget(model: torch.nn.Module, model_config: ModelConfig, pla
             step_ms[budget] = time_step(step, plan.repeats, _synchronizer(device))
             del step
         except torch.OutOfMemoryError:
-            if not step_ms:
+            # Under model parallelism a rank that gives up alone would leave the others in a collective.
+            if not step_ms or get_tp().size > 1 or get_pp().size > 1:
                 raise
             logger.info("calibration: no memory for a %d-token step; the ladder ends at %d", budget, max(step_ms))
             break
