@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from batchllm.engine.build import _calibration_plan
 from batchllm.engine_config import EngineConfig
@@ -99,3 +100,18 @@ def test_a_calibrated_engine_runs_the_sizes_it_chose_and_matches_hf(tiny_llama_d
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     assert llm.stats.max_running == 4 and llm.stats.max_step_tokens <= 128
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_tokens(tiny_llama_dir, prompts, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_engine_calibrates_by_default_and_matches_fixed_sizes(tiny_llama_dir):
+    """On CUDA, sizes left unset are chosen from the ladders by timing, and the engine then generates what an engine
+    given those sizes generates, greedy tokens equal to HF transformers'."""
+    from batchllm import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    assert llm.max_num_seqs in BATCH_SIZES and llm.max_num_batched_tokens in STEP_BUDGETS
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert ours == hf_greedy_tokens(tiny_llama_dir, prompts, 6)
