@@ -104,14 +104,16 @@ def test_a_calibrated_engine_runs_the_sizes_it_chose_and_matches_hf(tiny_llama_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gpu_engine_calibrates_by_default_and_matches_fixed_sizes(tiny_llama_dir):
-    """On CUDA, sizes left unset are chosen from the ladders by timing, and the engine then generates what an engine
-    given those sizes generates, greedy tokens equal to HF transformers'."""
+def test_a_gpu_engine_calibrates_by_default_and_matches_hf(tmp_path):
+    """On CUDA, sizes left unset are chosen from the ladders by timing, and the engine's greedy tokens equal HF
+    transformers' (the GPU machines have no default model: a tokenizer-free tiny Llama)."""
     from batchllm import LLM, SamplingParams
+    from tests.tiny_models import TINY_LLAMA, write_random_llama
 
-    llm = LLM(tiny_llama_dir, dtype="float32")
+    model = write_random_llama(tmp_path / "tiny", **TINY_LLAMA)
+    llm = LLM(model, dtype="float32", skip_tokenizer_init=True)
     assert llm.max_num_seqs in BATCH_SIZES and llm.max_num_batched_tokens in STEP_BUDGETS
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
     params = SamplingParams(max_tokens=6, temperature=0)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert ours == hf_greedy_tokens(tiny_llama_dir, prompts, 6)
+    assert ours == hf_greedy_tokens(model, prompts, 6)
