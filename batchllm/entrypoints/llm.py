@@ -116,6 +116,10 @@ class LLM(PoolingCalls):
             raise ValueError("structured outputs need a tokenizer (the LLM was built with skip_tokenizer_init=True)")
         self.engine.structured.check(params)
 
+    def get_tokenizer(self) -> Any:
+        """The model's HF tokenizer (vLLM's accessor of `LLM.tokenizer`); None with `skip_tokenizer_init=True`."""
+        return self.tokenizer
+
     @property
     def max_model_len(self) -> int:
         return self.engine.scheduler.config.max_model_len

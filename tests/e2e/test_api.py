@@ -192,3 +192,10 @@ def test_vllm_prompt_dicts_without_images_work_on_a_text_model(llm, tokenizer, h
         llm.generate([PROMPT, {"prompt": PROMPT, "multi_modal_data": {"image": b"x"}}], params, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 0: unknown key 'text'"):
         llm.generate([{"text": PROMPT}], params, use_tqdm=False)
+
+
+def test_get_tokenizer_is_the_models_tokenizer(llm, tokenizer):
+    """vLLM's `LLM.get_tokenizer()`: the HF tokenizer of the model directory, encoding as transformers' own does."""
+    assert llm.get_tokenizer() is llm.tokenizer
+    assert llm.get_tokenizer()(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
+    assert llm.get_tokenizer().chat_template == tokenizer.chat_template
