@@ -156,13 +156,15 @@ def calibrate_step_budget(model: torch.nn.Module, model_config: ModelConfig, pla
 
 @torch.inference_mode()
 def calibrate_batch_size(model: torch.nn.Module, model_config: ModelConfig, plan: CalibrationPlan, num_blocks: int,
-                         block_size: int, num_groups: int, max_model_len: int, device: torch.device
+                         block_size: int, num_groups: int, max_model_len: int, step_budget: int, device: torch.device
                          ) -> tuple[int, dict[int, float]]:
-    """The decode batch, on the allocated pool (`num_blocks` shared by `num_groups` groups)."""
+    """The decode batch, on the allocated pool (`num_blocks` shared by `num_groups` groups); no more rows than
+    `step_budget` tokens (a decode row is a token of the step)."""
     context = max(1, min(plan.context, max_model_len - 1))
     pool_tokens = num_blocks // num_groups * block_size
+    candidates = tuple(rows for rows in plan.batch_sizes if rows <= step_budget) or (step_budget,)
     step_ms: dict[int, float] = {}
-    for rows in sizes_the_pool_holds(plan.batch_sizes, pool_tokens, context + 1):
+    for rows in sizes_the_pool_holds(candidates, pool_tokens, context + 1):
         step = DummyStep(model, model_config, np.ones(rows, dtype=np.int64), np.full(rows, context, dtype=np.int64),
                          num_blocks, block_size, device, num_groups)
         step_ms[rows] = time_step(step, plan.repeats, _synchronizer(device))

@@ -155,7 +155,8 @@ class ModelRunner(StepSampling):
         decode_ms: dict[int, float] = {}
         if plan is not None and plan.batch_sizes:
             rows, decode_ms = calibrate_batch_size(self.model, self.model_config, plan, num_blocks, self.block_size,
-                                                   self.num_kv_groups, self.max_model_len, device)
+                                                   self.num_kv_groups, self.max_model_len,
+                                                   self.scheduler_config.max_num_batched_tokens, device)
             self._resize(max_num_seqs=all_reduce_min(rows))
         self.calibration = None if plan is None else Calibration(
             self.scheduler_config.max_num_seqs if plan.batch_sizes else None,

@@ -102,6 +102,28 @@ def test_a_calibrated_engine_runs_the_sizes_it_chose_and_matches_hf(tiny_llama_d
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_tokens(tiny_llama_dir, prompts, 6)
 
 
+
+def test_no_batch_larger_than_the_step_budget_is_timed(tiny_llama_dir, monkeypatch):
+    """A decode row is a token of its step: with the user's 4-token budget, the 8-row candidate is never timed
+    (were it, at 1.2 ms, it would be the best), and the batch is 4."""
+    from batchllm import LLM, SamplingParams
+
+    timed = []
+
+    def stand_in_clock(step, repeats, synchronize):
+        step.run()
+        timed.append(step.num_tokens)
+        return {2: 1.0, 4: 1.1, 8: 1.2}[step.num_tokens]
+
+    monkeypatch.setattr(calibration, "time_step", stand_in_clock)
+    monkeypatch.setattr("batchllm.engine.build._calibration_plan",
+                        lambda config: CalibrationPlan(batch_sizes=(2, 4, 8), step_budgets=(), context=20, repeats=1))
+    llm = LLM(tiny_llama_dir, device="cpu", max_num_batched_tokens=4)
+    assert timed == [2, 4] and (llm.max_num_seqs, llm.max_num_batched_tokens) == (4, 4)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_tokens(tiny_llama_dir, prompts, 4)
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_gpu_engine_calibrates_by_default_and_matches_hf(tmp_path):
