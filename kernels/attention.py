@@ -285,10 +285,12 @@ def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: t
     Batches with prefill tokens take 64 rows, so each K/V tile loaded serves four times more queries; 32-key
     tiles with 8 warps compile for sm_90 without register spills at head_dim 128. Decode-only batches take the
     smallest `tl.dot` tile, 16 rows, and the key tile that moved the most bytes per second in
-    `benchmarks/decode_attention.py`'s sweep on an H100 (2026-12-06): with 16-bit queries, 128 keys and 4 warps for
-    FP8 caches (1.3x the 32-key tile: byte-wide keys need many per step to keep the loads in flight), 64 keys and 2
-    warps at head_dim 64, 32 keys and 2 warps at 128. Float32 queries and head_dim 256 keep 32 keys and 4 warps,
-    which fit the registers and shared memory those wider tiles would exceed.
+    `benchmarks/decode_attention.py`'s sweep on an H100: with 16-bit queries, 64 keys and 2 warps at head_dim 64,
+    32 keys and 2 warps at 128 (2026-12-06); for FP8 caches 64 keys, 4 warps, 2 stages and at most 128 registers a
+    thread, the best launch summed over W7's 512 rows x 192 keys and 256 x 1,500 on llama3-8b's shape (2026-12-07:
+    121 and 391 us against 145 and 407 for the uncapped 128-key, 3-stage tile before it, which took 200 registers
+    and so held two programs an SM). Float32 queries and head_dim 256 keep 32 keys and 4 warps, which fit the
+    registers and shared memory those wider tiles would exceed.
     """
     if max_query_len * group_p2 > 16:
         return TileConfig(max(64, group_p2), 32, 8)
@@ -296,7 +298,7 @@ def tile_config(max_query_len: int, group_p2: int, head_dim: int, query_dtype: t
     if query_dtype == torch.float32 or head_dim > 128:
         return TileConfig(rows, 32, 4)
     if kv_fp8:
-        return TileConfig(rows, 128, 4)
+        return TileConfig(rows, 64, 4, num_stages=2, max_registers=128)
     return TileConfig(rows, 64, 2) if head_dim <= 64 else TileConfig(rows, 32, 2)
 
 

@@ -442,10 +442,10 @@ def test_fp8_attention_split_kv() -> None:
 @pytest.mark.parametrize(("gqa", "head_dim"), [(1, 64), (4, 128), (8, 64)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_decode_batch_with_16_bit_queries(gqa: int, head_dim: int, num_splits: int) -> None:
-    """Decode-only batches over FP8 caches take 128-key tiles (tile_config): one to five of them per sequence here,
+    """Decode-only batches over FP8 caches take 64-key tiles (tile_config): one to nine of them per sequence here,
     the last partial, and slices of whole tiles when split; no padding rows, as in an engine's decode step (the
     grid of one program per sequence)."""
-    assert tile_config(1, 8, head_dim, torch.float16, kv_fp8=True).tile_n == 128
+    assert tile_config(1, 8, head_dim, torch.float16, kv_fp8=True).tile_n == 64
     batch = make_batch(DECODE_BATCH, gqa, head_dim, torch.float16, seed=gqa * head_dim, num_blocks=256, pad_tokens=0)
     check_fp8_attention(batch, k_scale=0.05, v_scale=2.0, num_splits=num_splits)
 
