@@ -228,14 +228,15 @@ def paged_attention_triton(
             num_stages=tile.num_stages, **cap)
 
     decodes = metadata.num_decodes
-    if num_splits == 1 and not invariant and 0 < decodes < num_seqs:
+    split_decodes = num_splits == 1 and not invariant and 0 < decodes < num_seqs
+    decode_tile = (tile or tile_config(1, group_p2, head_dim, query.dtype, kv_fp8)) if split_decodes else None
+    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, kv_fp8)
+    if split_decodes:
         # A chunked-prefill step: its leading decode rows go apart to the decode grid and tile (in the prefill tile
         # each would fill one of the tile's rows, after a search for its sequence), the rest after them.
-        launch(0, decodes, True, tile or tile_config(1, group_p2, head_dim, query.dtype, kv_fp8))
-        launch(decodes, num_seqs, False, tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype,
-                                                             kv_fp8))
+        launch(0, decodes, True, decode_tile)
+        launch(decodes, num_seqs, False, tile)
         return out
-    tile = tile or tile_config(metadata.max_query_len, group_p2, head_dim, query.dtype, kv_fp8)
     # A decode-only batch (one query token a sequence, no padding rows) maps programs to sequences directly.
     decode = metadata.max_query_len == 1 and num_tokens == num_seqs
     if num_splits == 1:
