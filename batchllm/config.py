@@ -37,6 +37,10 @@ class CacheConfig:
 DEFAULT_MAX_NUM_SEQS = 256  # where no calibration chooses (executor/calibration.py): the CPU, a hand-built config
 
 
+# A burst's tokens reach the host (and a stream) together: past a few dozen the wait outweighs the host time saved.
+MAX_DECODE_STEPS = 64
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -53,6 +57,9 @@ class SchedulerConfig:
     # "optimistic": whenever its prompt fits now (admission.py). EngineConfig (LLM, the CLI, the doors) defaults to
     # "kv_aware"; a SchedulerConfig built by hand keeps the old policy, which the scheduler's preemption tests drive.
     admission_policy: str = "optimistic"
+    # Decode bursts (engine/decode_burst.py): a step of plain decode rows runs up to this many forward passes, each
+    # sampling on the device the next one's input, and the host schedules and applies them once. 1: off.
+    num_decode_steps: int = 1
 
     def validate(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
@@ -65,6 +72,9 @@ class SchedulerConfig:
                  " or ".join(map(repr, ADMISSION_POLICIES)))
         _require(isinstance(self.num_micro_batches, int) and self.num_micro_batches >= 1, "pipeline_parallel_size",
                  self.num_micro_batches, "an int >= 1")
+        _require(isinstance(self.num_decode_steps, int) and not isinstance(self.num_decode_steps, bool)
+                 and 1 <= self.num_decode_steps <= MAX_DECODE_STEPS, "num_decode_steps", self.num_decode_steps,
+                 f"an int in [1, {MAX_DECODE_STEPS}]")
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

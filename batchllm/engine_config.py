@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = dict(
     quantization=None, kv_cache_dtype="auto", speculative_config=None, swap_space=0, preemption_mode="recompute",
     pipeline_parallel_size=1, disaggregated=None, task="generate", pooling=None, normalize=None,
     disable_hybrid_kv_cache_manager=False, reasoning_parser=None, enable_expert_parallel=False,
-    admission_policy="kv_aware", deterministic=False, allow_remote_media=False)
+    admission_policy="kv_aware", deterministic=False, allow_remote_media=False, num_decode_steps=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,14 @@ class EngineConfig:
     model under 1B parameters (`batchllm.config.default_step_budget`): its steps are too short to hide their
     launches.
 
+    `num_decode_steps=k` (> 1): decode bursts. While every running row is a plain decode row (no prompt left, nobody
+    waiting for a seat; no grammar, penalties, min_tokens, logprobs, seed, adapter or image), one engine step runs k
+    forward passes, each sampling on the device the next one's input, and the host schedules, checks stops and
+    detokenizes once for all k: for a small model, whose decode step costs the host as much as the GPU. Outputs are
+    those of k single steps (stops are checked token by token; a row that stops inside a burst wastes the rest of
+    it); streams receive k tokens at a time. Not with speculative decoding, pipeline parallelism or disaggregated
+    engines. Default 1 (off). See batchllm/engine/decode_burst.py.
+
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,
     where the host and the "device" are the same cores and nothing overlaps.
@@ -235,7 +243,7 @@ class EngineConfig:
                                     GENERATE_STEP_BUDGET if budget is None else budget,
                                     max_loras=a["max_loras"] if a["enable_lora"] else 0,
                                     preemption_mode=a["preemption_mode"], num_micro_batches=pp,
-                                    admission_policy=a["admission_policy"])
+                                    admission_policy=a["admission_policy"], num_decode_steps=a["num_decode_steps"])
         cache.validate()
         scheduler.validate()
         if a["preemption_mode"] == "swap" and not a["swap_space"]:
@@ -253,6 +261,12 @@ class EngineConfig:
         check_backend(a["structured_outputs_backend"], "LLM argument structured_outputs_backend")
         check_reasoning_parser(a["reasoning_parser"])
         spec = parse_speculative_config(a["speculative_config"], "LLM argument speculative_config")
+        if scheduler.num_decode_steps > 1:
+            for name, used in (("speculative_config", spec is not None), ("pipeline_parallel_size", pp > 1),
+                               ("disaggregated", a["disaggregated"] is not None)):
+                if used:
+                    raise ValueError(f"LLM argument num_decode_steps={scheduler.num_decode_steps} does not work with "
+                                     f"{name} yet")
         if pp > 1 and (spec is not None or a["enable_lora"]):
             raise ValueError(f"LLM argument pipeline_parallel_size={pp} does not work with "
                              f"{'speculative_config' if spec is not None else 'enable_lora=True'} yet")

@@ -86,6 +86,13 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def reads_only_logits(self) -> bool:
+        """Its next token depends on the logits alone: no seed, penalties, min_tokens, logprobs or grammar, whose
+        state the host keeps between two tokens (decode bursts, engine/decode_burst.py, need that)."""
+        return (self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.uses_penalties
+                and self.structured_outputs is None)
+
 
 def _as_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:

@@ -54,6 +54,7 @@ class EngineStats:
     kv_handoffs_recomputed: int = 0  # handed over without K/V (the buffer was full), computed by the decode engine
     # Prefill done twice: tokens whose K/V a preemption by recompute threw away, computed again (of num_prefill_tokens).
     num_recomputed_tokens: int = 0
+    num_decode_bursts: int = 0  # steps that ran several decode passes (num_decode_steps > 1)
 
     @classmethod
     def collect(cls, scheduler_stats: SchedulerStats, kv_cache: KVCacheManager, runner: Any,

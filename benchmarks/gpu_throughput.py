@@ -139,6 +139,9 @@ def main() -> None:
     parser.add_argument("--admission-policy", choices=["kv_aware", "optimistic"], default="kv_aware",
                         help="batchllm's admission (engine/admission.py): optimistic preempts and recomputes")
     parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): batch-invariant kernels")
+    parser.add_argument("--num-decode-steps", type=int, nargs="+", default=[1], metavar="K",
+                        help="LLM(num_decode_steps=K), decode bursts; several values run one engine each in this "
+                             "process, in turn (the first is `batchllm`, the others `batchllm_steps{K}`)")
     parser.add_argument("--out", default=None, help="also copy the JSON record here")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="the whole run in N fresh processes (PYTHONHASHSEED 0 .. N-1), each its own record, "
@@ -156,7 +159,12 @@ def main() -> None:
     options = dict(quantization=args.quantization, admission_policy=args.admission_policy)
     if args.deterministic:
         options["deterministic"] = True
-    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, **options)}
+    first, *others = args.num_decode_steps
+    systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, num_decode_steps=first, **options)}
+    for steps in others:  # same process, same prompts: the ratio to `batchllm` holds the host's speed fixed
+        systems[f"batchllm_steps{steps}"] = run_batchllm(directory, prompts, max_tokens, args,
+                                                         num_decode_steps=steps, **options)
+        systems[f"batchllm_steps{steps}"].pop("token_ids")
     if args.also_sync:
         systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False, **options)
         # bf16 on random weights: a batch of another size may flip a near-tie, so this is a share, not a bound.
@@ -189,6 +197,9 @@ def main() -> None:
         ratio = ours["total_tok_s"] / systems["batchllm_sync"]["total_tok_s"]
         equal = ours["rows_equal_to_sync"]
         print(f"batchllm async / sync total tok/s: {ratio:.2f}x; greedy rows equal: {equal}/{rows}")
+    for steps in others:
+        ratio = systems[f"batchllm_steps{steps}"]["total_tok_s"] / ours["total_tok_s"]
+        print(f"batchllm num_decode_steps={steps} / num_decode_steps={first} total tok/s: {ratio:.2f}x")
     if "hf_generate_batch" in systems:
         ratio = ours["total_tok_s"] / systems["hf_generate_batch"]["total_tok_s"]
         print(f"batchllm / HF generate_batch total tok/s: {ratio:.1f}x")
@@ -205,6 +216,7 @@ def main() -> None:
                                                                 else "")
     seed = f"-hashseed{os.environ['PYTHONHASHSEED']}" if "PYTHONHASHSEED" in os.environ else ""
     seqs = args.max_num_seqs or "auto"
+    mode += "-steps" + "-".join(map(str, args.num_decode_steps)) if args.num_decode_steps != [1] else ""
     name = (f"{record['date']}-{args.workload}-r{rows}-o{max_tokens}-{args.shape}{quant}-seqs{seqs}"
             f"{budget}{mode}{seed}-{card}.json")
     save_record(name, record, args.out)

@@ -109,6 +109,9 @@ class SchedulerOutput:
     # Device proposers with K/V of their own (a draft model, EAGLE) run over the step only while speculation
     # pays: otherwise their pass would cost every step for nothing.
     observe_drafts: bool = True
+    # A decode burst (engine/decode_burst.py): every row is one decode token that runs this many forward passes,
+    # each sampling the next one's input; its results hold that many tokens a row (`ModelRunnerOutput.accepted`).
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -129,7 +132,8 @@ class SampledToken:
 class ModelRunnerOutput:
     # One entry per scheduled request with `sample=True`, keyed by request id: its last new token.
     sampled: dict[str, SampledToken]
-    # Rows that verified drafts: the accepted drafts, which come before their `sampled` token.
+    # Rows that verified drafts: the accepted drafts, which come before their `sampled` token. A decode burst's rows:
+    # the tokens of its passes before the last.
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Device proposers: each lookahead row's drafts for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -76,10 +76,14 @@ class Request:
     pooling: PoolingParams | None = None
     pooled: Any = None  # the result: a float32 vector (numpy), set when it finishes
     mm: MultiModalPrompt | None = None  # the prompt's images (multimodal/inputs.py); None: text only
+    burstable: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # It may decode in bursts (decode_burst.py): nothing about it needs the host between two of its tokens.
+        self.burstable = (self.lora_request is None and self.pooling is None and self.mm is None
+                          and self.sampling_params.reads_only_logits)
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,9 @@ Pipeline parallelism (`num_micro_batches` = P > 1): P steps are in flight, each 
 request whose token is still in flight is left out (no placeholder), and a step takes at most
 `max_num_seqs / P` requests, so that the next steps have requests to run.
 
+Decode bursts (decode_burst.py): a step of plain decode rows may give each row several tokens, computed by as many
+forward passes on the device; they count as pending as the asynchronous loop's single token does.
+
 Asynchronous scheduling: step N+1 is scheduled while step N runs, before its sampled tokens are known.
 A request that step N samples counts that token as pending (`num_pending_tokens`); the next step
 schedules it as a placeholder, which the runner fills in on the device. Step N's results are applied
@@ -29,6 +32,7 @@ from typing import Callable
 
 from batchllm.config import SchedulerConfig
 from batchllm.engine.admission import Admission
+from batchllm.engine.decode_burst import burst_length
 from batchllm.engine.image_chunks import encoder_work, whole_images
 from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, SchedulerOutput
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
@@ -56,6 +60,7 @@ class SchedulerStats:
     num_blocks: int = 0
     num_errors: int = 0
     num_speculative_steps: int = 0  # steps that verified drafts or drafted on the device
+    num_decode_bursts: int = 0  # steps that ran several decode passes (decode_burst.py)
 
 
 # Returns True when the request must stop after its newest token; sets status and stop_reason.
@@ -165,6 +170,8 @@ class Scheduler(Admission, StepResults):
         running, max_model_len, allocate = self.running, self.config.max_model_len, self.kv_cache.allocate_slots
         pipelined = self.config.num_micro_batches > 1
         max_rows = -(-self.config.max_num_seqs // self.config.num_micro_batches)
+        burst = burst_length(running, len(self.waiting), len(running), self.config)
+        extra = burst - 1  # each row's tokens after its first: slots to allocate, pending tokens to count
         while i < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[i]
             with_pending = len(request.token_ids) + request.num_pending_tokens
@@ -188,15 +195,18 @@ class Scheduler(Admission, StepResults):
                 if not num_new:  # its next image does not fit what is left of this step
                     i += 1
                     continue
-            allocation = allocate(request, num_new + request.num_lookahead)  # it fits: no call to preempt
+            allocation = allocate(request, num_new + request.num_lookahead + extra)  # it fits: no call to preempt
             if allocation is None:
-                allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead)
+                allocation = self._allocate_or_preempt(request, num_new, request.num_lookahead + extra)
             if allocation is None:
                 break  # the request preempted itself: it was the newest, nothing after it is running
             if mm is not None:
                 work = encoder_work(request, num_new)
                 encoder_tokens, budget = encoder_tokens + work, budget - work
             scheduled.append(self._schedule_request(request, num_new, allocation))
+            if extra:
+                request.num_computed_tokens += extra
+                request.num_pending_tokens += extra
             budget -= num_new
             i += 1
 
@@ -207,8 +217,10 @@ class Scheduler(Admission, StepResults):
         # (kv_cache_manager.py), at most a step's budget of them, so the copies run while this step computes.
         num_loading_tokens = 0
         self._reserved_blocks = None
-        while (not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < max_seqs
-               and num_loading_tokens < self.config.max_num_batched_tokens and len(scheduled) < max_rows):
+        # A burst admits nobody either: its passes are decode rows only.
+        while (not extra and not self._preempted_this_step and self.waiting and budget > 0
+               and len(self.running) < max_seqs and num_loading_tokens < self.config.max_num_batched_tokens
+               and len(scheduled) < max_rows):
             request = self.waiting[0]
             lora = request.lora_request
             if lora is not None:
@@ -241,9 +253,13 @@ class Scheduler(Admission, StepResults):
         self._scheduled_now.clear()
         if speculative:
             self.stats.num_speculative_steps += 1
+        if extra and scheduled:
+            self.stats.num_decode_bursts += 1
+            self.stats.num_decode_tokens += extra * len(scheduled)
+            self.stats.num_scheduled_tokens += extra * num_tokens
         observe = self.speculator is not None and (speculative or self.speculator.wants_observation)
         output = SchedulerOutput(scheduled, num_tokens, finished_ids, self.kv_cache.take_pending_copies(),
-                                 speculative=speculative, observe_drafts=observe)
+                                 speculative=speculative, observe_drafts=observe, num_steps=burst if scheduled else 1)
         output.kv_connector_metadata = connector_metadata(self.connectors, output)
         return output
 

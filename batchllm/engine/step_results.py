@@ -55,6 +55,10 @@ class StepResults:
                 continue
             if output.speculative:
                 ended, appended = self._apply_speculative(request, scheduled, runner_output)
+            elif output.num_steps > 1:
+                request.num_pending_tokens -= output.num_steps - 1
+                ended, appended = self._append_all(request, (*runner_output.accepted[scheduled.request_id],
+                                                             sampled[scheduled.request_id]))
             else:
                 ended, appended = self._append(request, sampled[scheduled.request_id]), 1
             num_generated += appended
@@ -98,14 +102,17 @@ class StepResults:
             self.speculator.record(request, num_drafted, len(accepted))
             if request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens -= num_drafted - len(accepted)
-        appended = 0
-        for token in (*accepted, runner_output.sampled[request_id]):
-            appended += 1
+        ended, appended = self._append_all(request, (*accepted, runner_output.sampled[request_id]))
+        if not ended and scheduled.num_lookahead and request.status is RequestStatus.RUNNING:
+            request.draft_token_ids = runner_output.draft_token_ids.get(request_id, [])
+        return ended, appended
+
+    def _append_all(self, request: Request, tokens: tuple[SampledToken, ...]) -> tuple[bool, int]:
+        """Append `tokens` in order, stopping at the first that ends the request. Returns (ended, tokens appended)."""
+        for appended, token in enumerate(tokens, 1):
             if self._append(request, token):
                 return True, appended
-        if scheduled.num_lookahead and request.status is RequestStatus.RUNNING:
-            request.draft_token_ids = runner_output.draft_token_ids.get(request_id, [])
-        return False, appended
+        return False, len(tokens)
 
 
 def _grammar_ended(request: Request) -> bool:

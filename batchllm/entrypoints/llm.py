@@ -63,7 +63,7 @@ class LLM(PoolingCalls):
                  normalize: bool | None = None, disable_hybrid_kv_cache_manager: bool = False,
                  reasoning_parser: str | None = None, enable_expert_parallel: bool = False,
                  admission_policy: str = "kv_aware", deterministic: bool = False,
-                 allow_remote_media: bool = False) -> None:
+                 allow_remote_media: bool = False, num_decode_steps: int = 1) -> None:
         # Every keyword as the user wrote it: EngineConfig checks them all, as it does for the CLI and the doors.
         arguments = {name: value for name, value in locals().items() if name != "self"}
         start = time.perf_counter()

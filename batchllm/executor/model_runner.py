@@ -8,7 +8,7 @@ through `StepOutput` (the step's one sync, which the engine takes after launchin
 A step, in `execute_model_async`'s order: the finished requests leave, the KV connectors' and copy-on-write copies
 run, the scheduled requests are gathered into a flat batch (step_batch.py) and uploaded, the model runs (a CUDA
 graph, a pipeline stage or eagerly), the drafter sees the step, and its rows are pooled or sampled
-(step_sampling.py).
+(step_sampling.py). A decode burst runs several forward passes and samplings instead (decode_burst.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from batchllm.engine.kv_groups import KVGroupLayout
 from batchllm.engine.speculative.config import SpeculativeConfig
 from batchllm.executor.calibration import Calibration, CalibrationPlan, calibrate_batch_size, calibrate_step_budget
 from batchllm.executor.cuda_graphs import DecodeGraphs
+from batchllm.executor.decode_burst import DecodeBurst
 from batchllm.executor.drafter import build_drafter
 from batchllm.executor.drafter_base import ObservedStep
 from batchllm.executor.input_batch import InputBatch
@@ -84,7 +85,7 @@ class RunnerConfig:
     calibration: CalibrationPlan | None = None
 
 
-class ModelRunner(StepSampling):
+class ModelRunner(StepSampling, DecodeBurst):
     """Runs the model on one device. Under tensor parallelism every rank has one, fed the same
     `SchedulerOutput`; each holds its shard of the weights and of the KV heads, and only rank 0 samples. Under
     pipeline parallelism each stage holds its layers (and their KV), takes the previous stage's activations and
@@ -167,7 +168,8 @@ class ModelRunner(StepSampling):
                                  max_blocks_per_seq, self.block_size, device, self.num_kv_groups)
         self.requests = RequestStates(max_blocks_per_seq, self.scheduler_config.max_num_seqs, device,
                                       self.num_kv_groups)
-        self._host_tokens = HostTokenBuffers(self.scheduler_config.max_num_seqs, device)
+        self._host_tokens = HostTokenBuffers(
+            self.scheduler_config.max_num_seqs * self.scheduler_config.num_decode_steps, device)
         self._share_samples = config.async_scheduling and get_tp().size > 1
         self._last_sampled, self._last_rows, self._unread = None, {}, None  # see StepSampling
         # Pipeline stages run eagerly: a decode graph replays the whole model from token ids to hidden states.
@@ -217,6 +219,8 @@ class ModelRunner(StepSampling):
         if not so.requests:  # a step may only copy K/V (a swap-out that emptied it)
             return self._unsampled_output()
         batch = self.requests.gather(so, self._last_rows)
+        if so.num_steps > 1:
+            return self._execute_burst(so, batch)
         inputs = self._prepare(batch)
         hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: its activations went on to the next stage

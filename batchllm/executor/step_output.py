@@ -35,9 +35,11 @@ class StepOutput:
     def __init__(self, request_ids: list[str], sampled: SamplerOutput | None, host_ids: torch.Tensor,
                  on_result: Callable[[ModelRunnerOutput], None], drafts: list[list[int]] | None = None,
                  proposals: dict[str, list[int]] | None = None,
-                 pooled: tuple[list[str], torch.Tensor] | None = None) -> None:
-        """`pooled`: the pooling requests whose prompts ended this step, and their vectors (on the device)."""
+                 pooled: tuple[list[str], torch.Tensor] | None = None, num_steps: int = 1) -> None:
+        """`pooled`: the pooling requests whose prompts ended this step, and their vectors (on the device).
+        `num_steps` > 1: a decode burst's, whose `sampled` holds its passes' tokens one pass after another."""
         self._request_ids = request_ids
+        self._num_steps = num_steps
         self._proposals = proposals
         self._on_result = on_result
         self._drafts = drafts
@@ -78,7 +80,9 @@ class StepOutput:
             if self._event is not None:
                 self._event.synchronize()
             tokens = self._host.to_sampled_tokens()
-            if self._drafts is None:
+            if self._num_steps > 1:
+                self._output = _burst_output(self._request_ids, tokens, self._num_steps)
+            elif self._drafts is None:
                 self._output = ModelRunnerOutput(dict(zip(self._request_ids, tokens)))
             else:
                 self._output = _speculative_output(self._request_ids, tokens, self._drafts,
@@ -100,6 +104,14 @@ def _speculative_output(request_ids: list[str], tokens: list[SampledToken], draf
             accepted[request_id] = tokens[start:start + n]
         start += len(row_drafts) + 1
     return ModelRunnerOutput(sampled, accepted)
+
+
+def _burst_output(request_ids: list[str], tokens: list[SampledToken], num_steps: int) -> ModelRunnerOutput:
+    """Row i's tokens are `tokens[i::num_rows]`: its last is `sampled`, the ones before it `accepted`."""
+    num_rows = len(request_ids)
+    last = (num_steps - 1) * num_rows
+    return ModelRunnerOutput(dict(zip(request_ids, tokens[last:])),
+                             {request_id: tokens[row:last:num_rows] for row, request_id in enumerate(request_ids)})
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

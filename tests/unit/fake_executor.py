@@ -9,6 +9,9 @@ blocks after preemption) changes the output and fails the test against `expected
 sampled for the request in the step launched just before (as a real runner reads it on the device), and
 results must be read in launch order.
 
+A decode burst (`num_steps` k > 1) runs k passes: each pass writes the token the pass before sampled into the next
+slot and samples again from the context read back, so the k slots the scheduler allocated are checked too.
+
 Grammar-constrained steps: the sampled token is the first token the step's bitmask allows, counting up
 (cyclically) from the fake model's choice. Asynchronously, such a step waits for its bitmask
 (`AwaitingGrammar`) before it runs; synchronously, it must carry it.
@@ -98,8 +101,28 @@ class FakeExecutor:
                 if r.request_id in masks:
                     token = first_allowed(masks[r.request_id], token)
                 sampled[r.request_id] = SampledToken(token)
+        accepted = self._burst_passes(so, sampled) if so.num_steps > 1 else {}
         self._last_sampled = {request_id: token.token_id for request_id, token in sampled.items()}
-        return ModelRunnerOutput(sampled)
+        return ModelRunnerOutput(sampled, accepted)
+
+    def _burst_passes(self, so: SchedulerOutput, sampled: dict[str, SampledToken]) -> dict[str, list[SampledToken]]:
+        """A decode burst's passes after the first: `sampled` ends with each row's last token; returns the ones
+        before it."""
+        accepted = {}
+        for r in so.requests:
+            assert r.sample and r.num_tokens == 1 and not r.draft_token_ids, f"{r.request_id}: not a decode row"
+            table = self.block_tables[r.request_id]
+            tokens = [sampled[r.request_id]]
+            for step in range(1, so.num_steps):
+                pos = r.num_computed_tokens + step
+                assert len(table) * self.block_size > pos, "block table too short for the burst"
+                self.slots[table[pos // self.block_size] * self.block_size + pos % self.block_size] = \
+                    tokens[-1].token_id
+                context = [self.slots[table[p // self.block_size] * self.block_size + p % self.block_size]
+                           for p in range(pos + 1)]
+                tokens.append(SampledToken(next_token(context)))
+            accepted[r.request_id], sampled[r.request_id] = tokens[:-1], tokens[-1]
+        return accepted
 
     def _check_writes_are_private(self, so: SchedulerOutput, r, table: list[int]) -> None:
         """No two requests of a step write into the same block. (A request may read a block another request

@@ -21,7 +21,7 @@ from batchllm.reasoning import REASONING_PARSERS
 ENGINE_FLAGS = {"device": str, "dtype": str, "max_model_len": int, "max_num_seqs": int,
                 "max_num_batched_tokens": int, "gpu_memory_utilization": float, "tensor_parallel_size": int,
                 "pipeline_parallel_size": int, "max_loras": int, "max_lora_rank": int, "num_kv_blocks": int,
-                "swap_space": float}
+                "swap_space": float, "num_decode_steps": int}
 # The engine flags that are not plain typed values (choices, JSON).
 OTHER_ENGINE_FLAGS = ("load_format", "structured_outputs_backend", "quantization", "kv_cache_dtype",
                       "speculative_config", "preemption_mode", "admission_policy", "disaggregated", "task", "pooling",
@@ -37,7 +37,9 @@ ENGINE_HELP = {"max_model_len": "max_model_len (None: the model's context length
                "max_loras": "adapters on the device at once (with --lora)", "max_lora_rank": "highest adapter rank",
                "num_kv_blocks": "KV-cache blocks on the device (None: sized from free memory)",
                "swap_space": "GiB of host memory for KV blocks: the prefix cache's host tier, and swap space for "
-                             "--preemption-mode swap (0: off)"}
+                             "--preemption-mode swap (0: off)",
+               "num_decode_steps": "decode forward passes one step runs while every row is a plain decode row "
+                                   "(1: off); the host's per-step work is then spread over that many tokens"}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
