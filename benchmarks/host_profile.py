@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--detail", action="store_true", help="also split the launch phase")
     parser.add_argument("--runtime-calls", action="store_true",
                         help="profile the timed run and list the CUDA runtime calls the host spent longest in")
+    parser.add_argument("--num-decode-steps", type=int, default=1, help="LLM(num_decode_steps=...): decode bursts")
     parser.add_argument("--null-model", action="store_true",
                         help="replace the forward pass and logits by zeros (no tensor parallelism, no CUDA graphs): "
                              "what is left of a step is the host's work")
@@ -184,7 +185,7 @@ def main() -> None:
         for async_scheduling in [mode == "async" for mode in args.modes]:
             llm = LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=not args.schema,
                       device=args.device, max_num_seqs=running, max_num_batched_tokens=max(8192, running),
-                      async_scheduling=async_scheduling)
+                      async_scheduling=async_scheduling, num_decode_steps=args.num_decode_steps)
             params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                                     structured_outputs=StructuredOutputsParams(json=SCHEMA) if args.schema else None)
             # Warm-up on every prompt: Triton compiles for the prefill shapes of this batch here, not in the timed
