@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): the invariant kernels")
     parser.add_argument("--quantization", default=None, help="LLM(quantization=...): fp8, ...")
     parser.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto or fp8")
+    parser.add_argument("--num-decode-steps", type=int, default=1, help="LLM(num_decode_steps=...): decode bursts")
     parser.add_argument("--images", action="store_true", help="vision.py's rows: one JPEG each (a VL shape)")
     parser.add_argument("--timeline", action="store_true", help="per-step host phases and GPU time (CPU too)")
     parser.add_argument("--kernel-steps", type=int, default=64, help="--timeline: profiled decode steps per bucket")
@@ -81,7 +82,8 @@ def main() -> None:
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               async_scheduling=False if args.sync else None, enforce_eager=args.enforce_eager,
-              deterministic=args.deterministic, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+              deterministic=args.deterministic, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              num_decode_steps=args.num_decode_steps)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:32], params, use_tqdm=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -261,7 +263,8 @@ def run_timeline(args, prompts) -> None:
     llm = LLM(model=str(make_shape_dir(args.shape)), load_format="dummy", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               async_scheduling=False if args.sync else None, enforce_eager=args.enforce_eager,
-              deterministic=args.deterministic, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+              deterministic=args.deterministic, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              num_decode_steps=args.num_decode_steps)
     # Warm-up on other rows of the workload (up to 64): the timed prompts must not be in the prefix cache.
     n = min(64, args.rows)
     warmup = _prompts(args, args.rows + n)[-n:]
