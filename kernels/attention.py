@@ -17,8 +17,8 @@ The grid is therefore `num_tokens // BLOCK_Q + num_seqs + 1` programs long (the 
 covering the padding rows), sized by host shapes only. A `(num_seqs, cdiv(max_query_len, BLOCK_Q))` grid
 would launch hundreds of thousands of idle programs for a batch of one long prefill and many decode rows.
 A decode-only batch (`max_query_len == 1` and as many tokens as sequences, which the host knows: a decode CUDA
-graph's step, padded rows included) takes that grid instead, one program per sequence and KV head, the heads of
-a sequence adjacent in launch order (they read the same cache blocks, where a token's heads lie side by side): the
+graph's step, padded rows included) takes that grid instead, one program per sequence and KV head (the sequences of
+a head adjacent in launch order, which measured fastest, benchmarks/README.md): the
 search is a chain of dependent loads that a short-context decode program would otherwise wait on first, and a
 fifth of the general grid's programs there have no query block and exit. A chunked-prefill step's leading decode
 rows (`AttentionMetadata.num_decodes`, counted on the host) take that grid and the decode tile in a launch of their
@@ -189,7 +189,7 @@ def paged_attention_triton(
         tile = invariant_tile(group_p2, head_dim, query.dtype, kv_fp8)
     constants = dict(
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16),
         # fp32 models get fp32 products; on the GPU the default would round operands to tf32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         KV_DOT_DTYPE=tl.float32 if query.dtype == torch.float32 else tl.float16,

@@ -40,7 +40,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_DOT_DTYPE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_KEY_LIMIT: tl.constexpr,
-    DECODE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Grid `((num_tokens - token_offset) // BLOCK_Q + num_seqs + 1, num_kv_heads, NUM_SPLITS)`, or
     `(num_seqs * num_kv_heads, 1, NUM_SPLITS)` with DECODE; see attention.py's docstring. `token_offset`: the decode
@@ -50,11 +50,11 @@ def paged_attention_kernel(
     split = tl.program_id(2)
 
     if DECODE:
-        # Every sequence one query token: program i is KV head i % NUM_KV_HEADS of sequence i // NUM_KV_HEADS,
-        # without the search's chain of loads. A token's heads lie side by side in a cache block, so the programs
-        # that read one block's bytes run together.
-        seq = tl.program_id(0) // NUM_KV_HEADS
-        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        # Every sequence one query token: program i is sequence i % num_seqs, KV head i // num_seqs, without the
+        # search's chain of loads. (Heads of a sequence adjacent instead, reading the same cache blocks together,
+        # was 13 % slower at 200 rows x 600 keys of a 3-KV-head model on an H100 and no faster at 8 heads.)
+        seq = tl.program_id(0) % num_seqs
+        kv_head = tl.program_id(0) // num_seqs
         q_start = tl.load(query_start_loc_ptr + seq)
         q_block = 0
     else:
