@@ -166,10 +166,13 @@ def main() -> None:
         # warm engines.
         run_batchllm(directory, prompts, max_tokens, args, num_decode_steps=first, **options)
     systems = {"batchllm": run_batchllm(directory, prompts, max_tokens, args, num_decode_steps=first, **options)}
+    names = []
     for steps in others:  # same process, same prompts: the ratio to `batchllm` holds the host's speed fixed
-        systems[f"batchllm_steps{steps}"] = run_batchllm(directory, prompts, max_tokens, args,
-                                                         num_decode_steps=steps, **options)
-        systems[f"batchllm_steps{steps}"].pop("token_ids")
+        name = f"batchllm_steps{steps}"
+        name += f"_{sum(n.startswith(name) for n in names) + 1}" if name in names else ""
+        names.append(name)
+        systems[name] = run_batchllm(directory, prompts, max_tokens, args, num_decode_steps=steps, **options)
+        systems[name].pop("token_ids")
     if args.also_sync:
         systems["batchllm_sync"] = run_batchllm(directory, prompts, max_tokens, args, async_scheduling=False, **options)
         # bf16 on random weights: a batch of another size may flip a near-tie, so this is a share, not a bound.
@@ -202,9 +205,9 @@ def main() -> None:
         ratio = ours["total_tok_s"] / systems["batchllm_sync"]["total_tok_s"]
         equal = ours["rows_equal_to_sync"]
         print(f"batchllm async / sync total tok/s: {ratio:.2f}x; greedy rows equal: {equal}/{rows}")
-    for steps in others:
-        ratio = systems[f"batchllm_steps{steps}"]["total_tok_s"] / ours["total_tok_s"]
-        print(f"batchllm num_decode_steps={steps} / num_decode_steps={first} total tok/s: {ratio:.2f}x")
+    for name in names:
+        ratio = systems[name]["total_tok_s"] / ours["total_tok_s"]
+        print(f"{name} / batchllm (num_decode_steps={first}) total tok/s: {ratio:.2f}x")
     if "hf_generate_batch" in systems:
         ratio = ours["total_tok_s"] / systems["hf_generate_batch"]["total_tok_s"]
         print(f"batchllm / HF generate_batch total tok/s: {ratio:.1f}x")
