@@ -68,6 +68,35 @@ def test_rows_that_need_the_host_between_tokens_keep_single_steps():
     assert a == b
 
 
+def test_the_server_streams_bursts_as_single_steps():
+    """The OpenAI server on an engine with bursts: streamed and whole completions (stop strings too) equal the same
+    engine's `generate` without bursts, token for token."""
+    pytest.importorskip("fastapi")
+    from batchllm.entrypoints.server.app import build_app
+    from batchllm.entrypoints.server.engine_loop import EngineLoop
+    from tests.server.conftest import openai_client, serving
+
+    stop = SamplingParams(max_tokens=12, temperature=0, stop=[" the"])
+    expected = {name: [o.outputs[0].text for o in LLM().generate(TEXTS, params, use_tqdm=False)]
+                for name, params in (("greedy", GREEDY), ("stop", stop))}
+    assert expected["stop"] != expected["greedy"], "no output hits the stop string"
+    llm = LLM(num_decode_steps=4)
+    loop = EngineLoop(llm)
+    with serving(build_app(loop)) as base_url:
+        client = openai_client(base_url)
+        for name, extra in (("greedy", {}), ("stop", {"stop": [" the"]})):
+            for stream in (False, True):
+                texts = []
+                for text in TEXTS:
+                    response = client.completions.create(model=llm.model_path.name, prompt=text, max_tokens=12,
+                                                         temperature=0, stream=stream, **extra)
+                    texts.append(response.choices[0].text if not stream
+                                 else "".join(chunk.choices[0].text for chunk in response if chunk.choices))
+                assert texts == expected[name], (name, stream)
+    loop.shutdown(5)
+    assert llm.stats.num_decode_bursts > 0, llm.stats
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir) -> str:
     return str(tiny_llama_dir)
