@@ -10,6 +10,7 @@ from batchllm.engine.decode_burst import burst_length
 from batchllm.engine.request import Request, RequestStatus
 from batchllm.sampling_params import SamplingParams
 from tests.unit.fake_executor import expected_continuation
+from tests.unit.test_abort import _RecordingDetokenizer
 from tests.unit.test_scheduler import _engine, _prompts, _run
 
 
@@ -113,3 +114,27 @@ def test_burst_length_waits_for_prefill_and_admission():
     assert burst_length([*decoding[:1], _request("c", plain, computed=False)], 0, 2, config) == 1  # prompt left
     assert burst_length(decoding, 0, 2, SchedulerConfig(2, 8192, 1000)) == 1  # off by default
     assert burst_length(decoding, 0, 2, SchedulerConfig(2, 8192, 8, num_decode_steps=8)) == 3  # model length 8
+
+
+def test_abort_while_a_burst_is_in_flight(async_scheduling):
+    """A request aborted while its burst runs: the burst's tokens for it are dropped, its blocks come back, the
+    others keep exactly the fake model's tokens."""
+    engine, executor = _burst_engine(200, 8192, 4, async_scheduling)
+    engine.detokenizer = _RecordingDetokenizer()
+    prompts = _prompts(5, seed=8, low=10, high=60)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20))
+    done = {}
+    while not any(step.num_steps > 1 for step in executor.steps):
+        done.update((f.request.request_id, f.request) for f in engine.step())
+    assert engine.abort("3") is not None
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        done.update((f.request.request_id, f.request) for f in engine.step())
+    assert "3" not in done
+    for i, prompt in enumerate(prompts):
+        if i != 3:
+            assert done[str(i)].output_token_ids == expected_continuation(prompt, 20), f"request {i}"
+    pool = engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
