@@ -11,13 +11,12 @@ import dataclasses
 import torch
 
 from batchllm.distributed.parallel_state import broadcast_from_driver
-from batchllm.engine.interfaces import ModelRunnerOutput, SchedulerOutput
+from batchllm.engine.interfaces import SchedulerOutput
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.sampled_rows import SampledRows
-from batchllm.executor.step_batch import DeviceInputs, RequestStates, StepBatch
-from batchllm.executor.step_output import HostTokenBuffers, StepOutput
+from batchllm.executor.step_batch import RequestStates, StepBatch
+from batchllm.executor.step_output import HostTokenBuffers, StepOutput, ignore_result
 from batchllm.model.layers.sampler import Sampler, SamplerOutput
-from batchllm.model.layers.sampling_tensors import SamplingTensors
 
 
 class DecodeBurst:
@@ -31,9 +30,7 @@ class DecodeBurst:
     _last_rows: dict[str, int]
     _unread: StepOutput | None
 
-    def _prepare(self, batch: StepBatch) -> DeviceInputs: ...
-    def _forward(self, inputs: DeviceInputs) -> torch.Tensor | None: ...
-    def _sampling_tensors(self, logits: torch.Tensor, rows: SampledRows) -> tuple[SamplingTensors, list]: ...
+    # And ModelRunner's `_prepare` and `_forward`, StepSampling's `_sampling_tensors`.
 
     def _execute_burst(self, so: SchedulerOutput, batch: StepBatch) -> StepOutput:
         num_rows = len(batch.sampled_states)
@@ -69,11 +66,6 @@ class DecodeBurst:
         # Pass by pass: the first `num_rows` ids are the first pass's.
         sampled = (SamplerOutput(torch.cat(tokens), None, None, None, None, [None] * num_rows * so.num_steps)
                    if has_logits else None)
-        output = StepOutput(request_ids, sampled, self._host_tokens.take(), _ignore, num_steps=so.num_steps)
+        output = StepOutput(request_ids, sampled, self._host_tokens.take(), ignore_result, num_steps=so.num_steps)
         self._unread = output
         return output
-
-
-def _ignore(result: ModelRunnerOutput) -> None:
-    pass
-

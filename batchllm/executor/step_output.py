@@ -94,6 +94,10 @@ class StepOutput:
         return self._output
 
 
+def ignore_result(result: ModelRunnerOutput) -> None:
+    """`on_result` of a step whose rows keep no token history on the runner."""
+
+
 def _speculative_output(request_ids: list[str], tokens: list[SampledToken], drafts: list[list[int]],
                         num_accepted: list[int]) -> ModelRunnerOutput:
     sampled, accepted = {}, {}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 
 from batchllm.distributed.parallel_state import broadcast_from_driver
-from batchllm.engine.interfaces import AwaitingGrammar, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from batchllm.engine.interfaces import AwaitingGrammar, GrammarBitmask, SchedulerOutput
 from batchllm.executor.drafter_base import Drafter
 from batchllm.executor.input_batch import InputBatch
 from batchllm.executor.sampled_rows import RequestState, SampledRows, record_tokens
 from batchllm.executor.step_batch import RequestStates, StepBatch
-from batchllm.executor.step_output import HostTokenBuffers, StepOutput
+from batchllm.executor.step_output import HostTokenBuffers, StepOutput, ignore_result
 from batchllm.model.layers.rejection_sampler import DraftBatch, RejectionSampler
 from batchllm.model.layers.sampler import Sampler, SamplerOutput
 from batchllm.model.layers.sampling_tensors import SamplingTensors
@@ -82,7 +82,7 @@ class StepSampling:
         if rows.drafts is None:
             self._last_rows = {request_id: row for row, request_id in enumerate(request_ids)}
         output = StepOutput(request_ids, sampled, self._host_tokens.take(),
-                            (lambda result: record_tokens(history, result)) if history else _ignore, rows.drafts,
+                            (lambda result: record_tokens(history, result)) if history else ignore_result, rows.drafts,
                             proposals)
         if sampled is not None:
             self._unread = output
@@ -109,8 +109,4 @@ class StepSampling:
 
     def _unsampled_output(self, pooled: tuple[list[str], torch.Tensor] | None = None) -> StepOutput:
         """The output of a step that samples nothing (`pooled`: the pooling requests whose prompts ended)."""
-        return StepOutput([], None, self._host_tokens.take(), _ignore, pooled=pooled)
-
-
-def _ignore(result: ModelRunnerOutput) -> None:
-    pass
+        return StepOutput([], None, self._host_tokens.take(), ignore_result, pooled=pooled)
