@@ -7,8 +7,6 @@ options are refused."""
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,9 +14,11 @@ import pytest
 
 import batchllm
 from batchllm import LLM, SamplingParams
+from batchllm.connectors import engine_cache
 from batchllm.entrypoints.cli.main import main
 from tests.distributed.test_tensor_parallel import SHAPES, engine, write_checkpoint
 from tests.e2e.conftest import QUESTIONS
+from tests.e2e.doors import batch_file_texts
 from tests.e2e.test_generate_vs_hf import MAX_NEW, _greedy_ids, _prompts
 
 STEPS = 5  # a burst length that does not divide MAX_NEW, so the last bursts are cut short
@@ -125,14 +125,10 @@ def test_an_openai_batch_file_and_a_pandas_frame(tiny, plain_texts, tmp_path):
     out = batchllm.generate(frame, prompt_column="q", model=tiny, engine_kwargs={"num_decode_steps": 4},
                             max_tokens=12, temperature=0, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": 12, "temperature": 0}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=tiny,
-                     engine_kwargs={"num_decode_steps": 4}, use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
+    assert engine_cache._cached[1].stats.num_decode_bursts > 0  # the option reached the door's engine
+    assert batch_file_texts(tmp_path, tiny, TEXTS, {"num_decode_steps": 4}, max_tokens=12, temperature=0) \
+        == plain_texts
+    assert engine_cache._cached[1].stats.num_decode_bursts > 0
 
 
 def test_tensor_parallel(tmp_path):

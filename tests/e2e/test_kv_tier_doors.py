@@ -10,8 +10,6 @@ The doors' point is the options reaching the engines, not the weights: they run 
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +20,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.connectors import engine_cache
 from batchllm.entrypoints.cli.main import main
 from tests.distributed.test_tensor_parallel import SHAPES, engine, prompts, write_checkpoint
+from tests.e2e.doors import batch_file_texts
 
 MAX_NEW = 24
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -70,13 +69,8 @@ def test_an_openai_batch_file_and_a_pandas_frame(tiny, plain_texts, tmp_path):
                             max_tokens=MAX_NEW, temperature=0, ignore_eos=True, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
     assert cached_engine_swapped()
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=tiny, engine_kwargs=SWAP, use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
+    assert batch_file_texts(tmp_path, tiny, TEXTS, SWAP, max_tokens=MAX_NEW, temperature=0, ignore_eos=True) \
+        == plain_texts
     assert cached_engine_swapped()
 
 

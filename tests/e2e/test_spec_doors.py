@@ -22,6 +22,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.entrypoints.cli.main import main
 from tests.distributed.test_tensor_parallel import SHAPES, engine, write_checkpoint
 from tests.e2e.conftest import QUESTIONS
+from tests.e2e.doors import batch_file_texts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -71,14 +72,8 @@ def test_an_openai_batch_file_and_a_pandas_frame(tiny, plain_texts, tmp_path):
     out = batchllm.generate(frame, prompt_column="q", model=tiny, engine_kwargs={"speculative_config": NGRAM},
                             max_tokens=MAX_NEW, temperature=0, use_tqdm=False)
     assert out["generated_text"].tolist() == plain_texts
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0}})
-             for i, text in enumerate(TEXTS)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batchllm.run_job(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=tiny,
-                     engine_kwargs={"speculative_config": NGRAM}, use_tqdm=False)
-    answers = {a["custom_id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    assert [answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] for i in range(len(TEXTS))] == plain_texts
+    assert batch_file_texts(tmp_path, tiny, TEXTS, {"speculative_config": NGRAM}, max_tokens=MAX_NEW,
+                            temperature=0) == plain_texts
 
 
 def test_seeded_sampling_ignores_the_batch_and_the_drafts(plain, spec):

@@ -7,11 +7,11 @@ import pytest
 
 from batchllm.config import SchedulerConfig
 from batchllm.engine.decode_burst import burst_length
-from batchllm.engine.request import Request, RequestStatus
+from batchllm.engine.request import Request
 from batchllm.sampling_params import SamplingParams
 from tests.unit.fake_executor import expected_continuation
 from tests.unit.test_abort import _RecordingDetokenizer
-from tests.unit.test_scheduler import _engine, _prompts, _run
+from tests.unit.test_scheduler import _engine, _prompts, _run, stop_on_multiples_of_7
 
 
 def _burst_engine(num_blocks: int, budget: int, steps: int, async_scheduling: bool, max_num_seqs: int = 64,
@@ -49,15 +49,7 @@ def test_a_stop_inside_a_burst_drops_the_rest(async_scheduling):
     results = {}
     for steps in (1, 6):
         engine, _ = _burst_engine(30, 48, steps, async_scheduling)
-        max_tokens_stop = engine.scheduler.check_stop
-
-        def check_stop(request: Request) -> bool:
-            if request.token_ids[-1] % 7 == 0:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            return max_tokens_stop(request)
-
-        engine.scheduler.check_stop = check_stop
+        stop_on_multiples_of_7(engine)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=25))
         done = _run(engine)

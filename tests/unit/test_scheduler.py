@@ -50,6 +50,19 @@ def _run(engine: EngineCore) -> dict[str, Request]:
     raise AssertionError("engine did not finish: livelock")
 
 
+def stop_on_multiples_of_7(engine: EngineCore) -> None:
+    """Rows also stop on a token's value, as on EOS or a stop token: a multiple of 7."""
+    max_tokens_stop = engine.scheduler.check_stop
+
+    def check_stop(request: Request) -> bool:
+        if request.token_ids[-1] % 7 == 0:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return max_tokens_stop(request)
+
+    engine.scheduler.check_stop = check_stop
+
+
 def _prompts(count: int, seed: int, low: int = 1, high: int = 200) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, 900) for _ in range(rng.randint(low, high))] for _ in range(count)]
@@ -88,15 +101,7 @@ def test_async_drops_the_token_after_an_unforeseen_stop():
     results = {}
     for async_scheduling in (False, True):
         engine, executor = _engine(num_blocks=30, budget=48, async_scheduling=async_scheduling)
-        max_tokens_stop = engine.scheduler.check_stop
-
-        def check_stop(request: Request) -> bool:
-            if request.token_ids[-1] % 7 == 0:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            return max_tokens_stop(request)
-
-        engine.scheduler.check_stop = check_stop
+        stop_on_multiples_of_7(engine)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=25))
         done = _run(engine)
