@@ -45,12 +45,13 @@ def test_greedy_equals_hf(prompts, hf_greedy, async_scheduling):
     assert stats.num_generated_tokens == sum(map(len, hf_greedy))
 
 
-def test_greedy_equals_hf_under_preemption_and_the_prefix_cache(prompts, hf_greedy, async_scheduling):
+def test_greedy_equals_hf_under_preemption_and_the_prefix_cache(prompts, hf_greedy):
+    # The asynchronous loop only, where a burst's tokens are still pending when the next step preempts (both loops
+    # meet preemption in tests/unit/test_decode_burst.py). The chat prompts share their system prompt's blocks.
     num_blocks = -(-(max(len(p) for p in prompts) + MAX_NEW) // 16) + 3
-    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=64, async_scheduling=async_scheduling,
+    llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=64, async_scheduling=True,
               admission_policy="optimistic", num_decode_steps=STEPS)
     assert _greedy_ids(llm, prompts) == hf_greedy
-    assert _greedy_ids(llm, prompts) == hf_greedy  # again, from the prefix cache
     stats = llm.stats
     assert stats.num_preemptions > 0 and stats.num_decode_bursts > 0 and stats.prefix_cache_hits > 0, stats
 
