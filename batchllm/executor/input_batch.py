@@ -3,8 +3,9 @@
 A step fills its arrays on the host with vectorized numpy, laid out back to back in one pinned arena at the
 step's own sizes, then issues one asynchronous copy of them all (staging_arena.py). Nothing is allocated on
 the hot path, and a step of a captured shape finds its device arrays where the CUDA graph reads them. With
-asynchronous scheduling the next step is prepared while this one may still be queued: an event after each
-step's copy guards the host arena against being refilled before the copy has read it.
+asynchronous scheduling the next step is prepared while this one may still be queued: on CUDA the arena's
+HOST_BUFFERS host blocks take turns, and an event after each step's copy guards its block against being refilled
+before the copy has read it.
 """
 
 from __future__ import annotations
@@ -18,32 +19,50 @@ from batchllm.forward_context import AttentionMetadata
 
 # Layouts kept for reuse; past this many all are dropped.
 MAX_CACHED_LAYOUTS = 512
+# Host blocks of the arena on CUDA: the steps (or a burst's passes) the host may stage ahead of the device's queue.
+HOST_BUFFERS = 3
 
 
 class InputBatch:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, num_kv_groups: int = 1) -> None:
+                 device: torch.device, num_kv_groups: int = 1, host_buffers: int | None = None) -> None:
+        """`host_buffers`: the arena's host blocks (None: HOST_BUFFERS on CUDA, one on the CPU)."""
         self.max_num_tokens = max_num_tokens
         self.attention = AttentionMetadataBuilder(block_size, max_blocks_per_seq, device, num_kv_groups)
         # Speculative decoding verifies every draft: up to one logits row per token.
         largest = self._specs(max_num_seqs, max_num_tokens, max_num_seqs, max(max_num_seqs, max_num_tokens))
-        self.arena = StagingArena(arena_bytes(list(largest)), device)
+        cuda = device.type == "cuda"
+        self.arena = StagingArena(arena_bytes(list(largest)), device,
+                                  host_buffers or (HOST_BUFFERS if cuda else 1))
         self.step: StagedLayout | None = None  # the arrays of the step last prepared
-        # Layouts by (rows, tokens, placeholders, samples): a decode step's sizes repeat, a mixed step's rarely.
-        self._layouts: dict[tuple[int, int, int, int], StagedLayout] = {}
+        # Layouts by (rows, tokens, placeholders, samples, host block): a decode step's sizes repeat, a mixed step's
+        # rarely.
+        self._layouts: dict[tuple[int, int, int, int, int], StagedLayout] = {}
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
-        self._copied = None if device.type == "cpu" else torch.cuda.Event()
+        # Per host block, an event after its last copy; the block the next step is staged in.
+        self._copied = [torch.cuda.Event() for _ in range(self.arena.num_buffers)] if cuda else []
+        self._next_buffer = 0
 
-    def _layout(self, num_seqs: int, num_tokens: int, num_placeholders: int, num_samples: int) -> StagedLayout:
-        """The arena's views for a step of these sizes, made once per sizes (past MAX_CACHED_LAYOUTS all are
-        dropped)."""
-        sizes = (num_seqs, num_tokens, num_placeholders, num_samples)
-        layout = self._layouts.get(sizes)
+    def _layout(self, num_seqs: int, num_tokens: int, num_placeholders: int, num_samples: int,
+                buffer: int = 0) -> StagedLayout:
+        """The arena's views for a step of these sizes in host block `buffer`, made once per sizes (past
+        MAX_CACHED_LAYOUTS all are dropped)."""
+        key = (num_seqs, num_tokens, num_placeholders, num_samples, buffer)
+        layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= MAX_CACHED_LAYOUTS:
                 self._layouts.clear()
-            layout = self._layouts[sizes] = self.arena.layout(self._specs(*sizes))
+            layout = self._layouts[key] = self.arena.layout(self._specs(num_seqs, num_tokens, num_placeholders,
+                                                                        num_samples), buffer)
         return layout
+
+    def _take_buffer(self) -> int:
+        """The host block to stage the next step in, once its last copy has read it."""
+        buffer = self._next_buffer
+        self._next_buffer = (buffer + 1) % self.arena.num_buffers
+        if self._copied:
+            self._copied[buffer].synchronize()
+        return buffer
 
     def _specs(self, num_seqs: int, num_tokens: int, num_placeholders: int, num_samples: int
                ) -> tuple[ArraySpec, ...]:
@@ -73,8 +92,7 @@ class InputBatch:
         `placeholders`: (flat token indices, rows of the last step's samples) for `fill_placeholders`. Returns
         (input_ids, positions, attention metadata, logits indices) on device.
         """
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has read the host arena
+        buffer = self._take_buffer()
         num_seqs = len(num_scheduled)
         num_tokens = len(token_ids)
         num_samples = len(sample_rows) if sample_counts is None else int(sample_counts.sum())
@@ -82,7 +100,7 @@ class InputBatch:
         final_seqs = max(num_seqs, pad_to or 0)
         final_tokens = num_tokens if pad_to is None and query_stride is None else final_seqs * query_len
         slots, rows = placeholders or ((), ())
-        step = self.step = self._layout(final_seqs, final_tokens, len(slots), num_samples)
+        step = self.step = self._layout(final_seqs, final_tokens, len(slots), num_samples, buffer)
         host = step.host
         positions = host["positions"]
         seq_of_token = self.attention.stage(step, num_scheduled, num_computed, block_tables, block_rows,
@@ -119,8 +137,8 @@ class InputBatch:
                                         sampled.index_select(0, device["placeholder_rows"]))
 
     def _record_copy(self) -> None:
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied:
+            self._copied[self.step.buffer].record()
 
     def _spread(self, num_computed: np.ndarray, seq_of_token: np.ndarray, num_tokens: int, stride: int) -> None:
         """Move the packed tokens of the prepared step to `stride` query tokens per sequence: sequence i's tokens
@@ -158,9 +176,7 @@ class InputBatch:
 
         Replays read whatever `prepare(..., pad_to=batch_size[, query_stride=query_len])` last uploaded there.
         """
-        if self._copied is not None:
-            self._copied.synchronize()
-        step = self.step = self.replay_layout(batch_size, query_len)
+        step = self.step = self._layout(batch_size, batch_size * query_len, 0, 0, self._take_buffer())
         step.host["query_start_loc"][0] = 0
         self.fill_padding(0, batch_size, query_len)
         metadata = self.attention.metadata(step, query_len, max_seq_len)

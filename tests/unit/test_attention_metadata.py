@@ -93,3 +93,22 @@ def test_a_padded_step_is_staged_where_its_graph_reads() -> None:
     assert captured[0].tolist() == [32, 31, 0, 0] and captured[1].tolist() == [4, 0, 0, 0]
     assert captured[2].seq_lens.tolist() == [5, 1, 1, 1] and logits.tolist() == [0, 1]
     assert inputs.replay_layout(4) is inputs.replay_layout(4)  # a repeated shape reuses its views
+
+
+def test_steps_staged_in_host_blocks_taking_turns_equal_one_block() -> None:
+    """CUDA's arena stages steps in host blocks taking turns: each step's device arrays are the same as staged in
+    one block (here on the CPU, with three blocks in front of a device block of their own)."""
+    steps = [([11, 12, 13, 14], [3, 1], [2, 8]), ([21, 22], [1, 1], [5, 9]), ([31], [1], [6]),
+             ([41, 42, 43], [2, 1], [0, 10]), ([51, 52], [1, 1], [7, 11])]
+    one, turns = _inputs(), InputBatch(max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=3,
+                                       block_size=BLOCK_SIZE, device=torch.device("cpu"), host_buffers=3)
+    assert turns.arena.num_buffers == 3 and one.arena.num_buffers == 1
+    for token_ids, num_scheduled, num_computed in steps:
+        rows = np.arange(len(num_scheduled)) % 2
+        args = (token_ids, np.array(num_scheduled), np.array(num_computed), TABLES, rows,
+                np.arange(len(num_scheduled)))
+        (ids_a, pos_a, meta_a, logits_a), (ids_b, pos_b, meta_b, logits_b) = one.prepare(*args), turns.prepare(*args)
+        assert (ids_a.tolist(), pos_a.tolist(), logits_a.tolist()) == (ids_b.tolist(), pos_b.tolist(),
+                                                                      logits_b.tolist())
+        assert _fields(meta_a) == _fields(meta_b)
+    assert {layout.buffer for layout in turns._layouts.values()} == {0, 1, 2}
