@@ -3,6 +3,8 @@ equal the single steps' continuation, whatever the burst length, the loop, the p
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from batchllm.config import SchedulerConfig
@@ -130,3 +132,38 @@ def test_abort_while_a_burst_is_in_flight(async_scheduling):
             assert done[str(i)].output_token_ids == expected_continuation(prompt, 20), f"request {i}"
     pool = engine.scheduler.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixes_of_rows_pools_and_stops(seed, async_scheduling):
+    """Rows that may burst beside rows that may not (seeded: single steps for every row while they run), arriving
+    in waves, prefix caching on, pools from tight to roomy, stops on token values: every output is the fake model's
+    continuation, and the pool ends empty."""
+    rng = random.Random(seed)
+    num_blocks = rng.choice([14, 30, 400])
+    engine, _ = _burst_engine(num_blocks, rng.choice([16, 64, 8192]), rng.randint(2, 9),
+                              async_scheduling, max_num_seqs=rng.choice([3, 8, 64]))
+    engine.scheduler.kv_cache.pool.enable_caching = True
+    stop_on_multiples_of_7(engine)
+    shared = [rng.randrange(5, 900) for _ in range(40)]
+    prompts = [shared[:rng.randint(0, 40)] + p for p in _prompts(16, seed=seed, low=1, high=60)]
+    waves = [prompts[:6], prompts[6:11], prompts[11:]]
+    limits = [rng.randint(1, 40) for _ in prompts]
+    done, added = {}, 0
+    for wave in waves:
+        for prompt in wave:
+            params = SamplingParams(max_tokens=limits[added], seed=1 if added % 8 == 3 else None)
+            engine.add_request(str(added), prompt, params)
+            added += 1
+        for _ in range(rng.randint(0, 12)):
+            done.update((f.request.request_id, f.request) for f in engine.step())
+    done.update(_run(engine))
+    for i, prompt in enumerate(prompts):
+        tokens = done[str(i)].output_token_ids
+        expected = expected_continuation(prompt, limits[i])
+        stops = [j for j, token in enumerate(expected) if token % 7 == 0]
+        assert tokens == expected[:stops[0] + 1 if stops else limits[i]], f"request {i}"
+    pool = engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    # The tightest pool may keep a row waiting (with a seat free) to the end: single steps throughout.
+    assert engine.scheduler.stats.num_decode_bursts > 0 or num_blocks == 14
