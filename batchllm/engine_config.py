@@ -139,12 +139,12 @@ class EngineConfig:
     launches.
 
     `num_decode_steps=k` (> 1): decode bursts. While every running row is a plain decode row (no prompt left, nobody
-    waiting for a seat; no grammar, penalties, min_tokens, logprobs, seed, adapter or image), one engine step runs k
-    forward passes, each sampling on the device the next one's input, and the host schedules, checks stops and
-    detokenizes once for all k: for a small model, whose decode step costs the host as much as the GPU. Outputs are
-    those of k single steps (stops are checked token by token; a row that stops inside a burst wastes the rest of
-    it); streams receive k tokens at a time. Not with speculative decoding, pipeline parallelism or disaggregated
-    engines. Default 1 (off). See batchllm/engine/decode_burst.py.
+    waiting who could be admitted: a free seat and room in the pool; no grammar, penalties, min_tokens, logprobs,
+    seed, adapter or image), one engine step runs k forward passes, each sampling on the device the next one's input,
+    and the host schedules, checks stops and detokenizes once for all k: for a small model, whose decode step costs
+    the host as much as the GPU. Outputs are those of k single steps (stops are checked token by token; a row that
+    stops inside a burst wastes the rest of it); streams receive k tokens at a time. Not with speculative decoding,
+    pipeline parallelism or disaggregated engines. Default 1 (off). See batchllm/engine/decode_burst.py.
 
     `async_scheduling`: schedule and prepare each step while the previous one runs, so the device never
     waits for the host; outputs are the same as without it. None (default): on for CUDA, off on the CPU,

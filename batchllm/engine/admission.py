@@ -41,6 +41,8 @@ class Admission:
     running: list[Request]
     output_lengths: OutputLengthEstimator
     _reserved_blocks: int | None  # blocks the running requests still need to reach their expected ends; None: unknown
+    # The last `_admit` that returned None found the pool too short (not a fork parent or an image to wait for).
+    _admit_lacked_room: bool
 
     def _admission_error(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
@@ -64,6 +66,7 @@ class Admission:
         it must keep waiting. A request left `loading` (its K/V comes from a connector) computes from the next step:
         it has no allocation then."""
         kv = self.kv_cache
+        self._admit_lacked_room = True  # cleared where it waits for something else
         for connector in self.connectors:
             # Swapped out (the host tier), or computed by a prefill engine (the P/D link).
             num_held = connector.get_num_held_tokens(request)
@@ -75,6 +78,7 @@ class Admission:
                 return num_new, None
         parent = self._fork_parent(request)
         if parent is _WAIT:
+            self._admit_lacked_room = False
             return None
         if parent is not None:
             if not self._has_room(request, 0):  # counted whole: its shared prompt blocks are few beside its output
@@ -98,6 +102,7 @@ class Admission:
         if request.mm is not None and request.mm.bidirectional:
             num_new = whole_images(request.mm, num_cached, num_new, budget)
             if not num_new:
+                self._admit_lacked_room = False
                 return None  # its first image does not fit what is left of this step
         allocation = kv.allocate_slots(request, num_new, cached)
         if allocation is None:

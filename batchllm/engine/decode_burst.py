@@ -10,8 +10,9 @@ usual stop checks, so the outputs are those of `k` single steps; a row that stop
 tokens computed in vain, and a row with fewer tokens left than `k` wastes the rest of the burst.
 
 A burst runs only where nothing needs the host between the passes: no prompt left to prefill, nobody waiting who
-could be admitted, no grammar, penalties, min_tokens, logprobs, seeded generator, adapter, image or pooling in
-any row. Otherwise the step is an ordinary one.
+could be admitted (a free seat, and room in the pool as far as the last admission found: it found none, and no
+request has ended since), no grammar, penalties, min_tokens, logprobs, seeded generator, adapter, image or pooling
+in any row. Otherwise the step is an ordinary one.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from batchllm.config import SchedulerConfig
 from batchllm.engine.request import Request
 
 
-def burst_length(running: Iterable[Request], num_waiting: int, num_running: int, config: SchedulerConfig) -> int:
+def burst_length(running: Iterable[Request], num_waiting: int, num_running: int, config: SchedulerConfig,
+                 waiting_for_room: bool = False) -> int:
     """The tokens each row gets in the next step: `config.num_decode_steps` where a burst may run (see the module
-    docstring), capped by what any row can still use (its max_tokens, the model length); 1 otherwise."""
+    docstring), capped by what any row can still use (its max_tokens, the model length); 1 otherwise.
+    `waiting_for_room`: the waiting rows' head found the pool too short, and no request has ended since."""
     steps = config.num_decode_steps
-    if steps == 1 or (num_waiting and num_running < config.max_num_seqs) or not num_running:
+    admissible = num_waiting and num_running < config.max_num_seqs and not waiting_for_room
+    if steps == 1 or admissible or not num_running:
         return 1
     max_model_len = config.max_model_len
     longest = 0  # the most tokens any row still needs

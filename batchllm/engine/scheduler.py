@@ -93,6 +93,10 @@ class Scheduler(Admission, StepResults):
         self._scheduled_now: dict[str, int] = {}  # request id → tokens scheduled in the step being built
         self.output_lengths = OutputLengthEstimator()  # learns from the finished rows (step_results.py)
         self._reserved_blocks: int | None = None  # admission.py: recounted in each step that admits
+        # The head of `waiting` found no room in the pool, and no blocks came back since: a decode burst may run
+        # (decode_burst.py), since nobody could be admitted before a request ends.
+        self._waiting_for_room = False
+        self._admit_lacked_room = False
 
     def add_request(self, request: Request, error: str | None = None) -> None:
         """Queue `request`, or reject it (with `error`, or when it cannot run) to be reported by the next step."""
@@ -170,7 +174,7 @@ class Scheduler(Admission, StepResults):
         running, max_model_len, allocate = self.running, self.config.max_model_len, self.kv_cache.allocate_slots
         pipelined = self.config.num_micro_batches > 1
         max_rows = -(-self.config.max_num_seqs // self.config.num_micro_batches)
-        burst = burst_length(running, len(self.waiting), len(running), self.config)
+        burst = burst_length(running, len(self.waiting), len(running), self.config, self._waiting_for_room)
         extra = burst - 1  # each row's tokens after its first: slots to allocate, pending tokens to count
         while i < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[i]
@@ -230,6 +234,7 @@ class Scheduler(Admission, StepResults):
                     break  # no device slot for another adapter until a running one's requests finish
             admitted = self._admit(request, budget)
             if admitted is None:
+                self._waiting_for_room = self._admit_lacked_room
                 break  # strict FIFO: a later, smaller request may not overtake the head of the queue
             num_new, allocation = admitted
             if lora is not None:
@@ -285,6 +290,7 @@ class Scheduler(Admission, StepResults):
             request.num_recompute_until = max(request.num_recompute_until, request.num_computed_tokens)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        self._waiting_for_room = False  # its blocks came back
         request.known_to_runner = False
         request.draft_token_ids = []
         request.num_lookahead = 0
@@ -332,6 +338,7 @@ class Scheduler(Admission, StepResults):
     def _free(self, request: Request) -> None:
         """Free an ended request's blocks, unless a connector keeps them (a prefill engine's, until its K/V is sent:
         that connector frees them)."""
+        self._waiting_for_room = False  # its blocks come back (or a connector's, later)
         block_ids = self.kv_cache.block_ids(request) if self.connectors else []
         if not [connector for connector in self.connectors if connector.request_finished(request, block_ids)]:
             self.kv_cache.free(request)

@@ -167,3 +167,30 @@ def test_random_mixes_of_rows_pools_and_stops(seed, async_scheduling):
     assert pool.num_free_blocks == pool.num_blocks
     # The tightest pool may keep a row waiting (with a seat free) to the end: single steps throughout.
     assert engine.scheduler.stats.num_decode_bursts > 0 or num_blocks == 14
+
+
+def test_bursts_run_while_the_waiting_rows_have_no_room(async_scheduling):
+    """KV-aware admission keeps rows waiting, seats free, until a running row ends: bursts run meanwhile, each row
+    ending admits the next at once, and the outputs are the fake model's."""
+    engine, executor = _burst_engine(24, 8192, 4, async_scheduling)
+    scheduler = engine.scheduler
+    scheduler.config.admission_policy = "kv_aware"
+    prompts = _prompts(10, seed=2, low=30, high=50)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=12 + i, ignore_eos=True))
+    waiting_during_bursts = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        if output.num_steps > 1:
+            waiting_during_bursts.append(len(scheduler.waiting))
+        return output
+
+    scheduler.schedule = recording_schedule
+    done = _run(engine)
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].output_token_ids == expected_continuation(prompt, 12 + i), f"request {i}"
+    assert any(waiting_during_bursts), "no burst ran while rows waited for room"
+    assert scheduler.stats.num_preemptions == 0
+    assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.pool.num_blocks
