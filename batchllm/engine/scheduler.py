@@ -236,6 +236,7 @@ class Scheduler(Admission, StepResults):
             if admitted is None:
                 self._waiting_for_room = self._admit_lacked_room
                 break  # strict FIFO: a later, smaller request may not overtake the head of the queue
+            self._waiting_for_room = False
             num_new, allocation = admitted
             if lora is not None:
                 adapters.add(lora.cache_key)
