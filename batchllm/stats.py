@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.engine.kv_cache_manager import KVCacheManager
-from batchllm.engine.scheduler import SchedulerStats
+from batchllm.engine.scheduler_stats import SchedulerStats
 from batchllm.engine.speculative.policy import SpecStats
 
 

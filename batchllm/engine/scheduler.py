@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from batchllm.config import SchedulerConfig
@@ -38,38 +37,19 @@ from batchllm.engine.interfaces import NewRequestData, ScheduledRequest, Schedul
 from batchllm.engine.kv_cache_manager import BlockAllocation, KVCacheManager
 from batchllm.engine.kv_connector import connector_metadata
 from batchllm.engine.output_length import OutputLengthEstimator
+from batchllm.engine.preemption import Preemption
 from batchllm.engine.request import Request, RequestStatus
+from batchllm.engine.scheduler_stats import SchedulerStats
 from batchllm.engine.speculative.speculator import Speculator
 from batchllm.engine.step_results import StepResults
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_steps: int = 0
-    num_scheduled_tokens: int = 0
-    num_prefill_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
-    num_decode_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    # Tokens computed again because a preemption by recompute threw their K/V away (prefill work done twice).
-    num_recomputed_tokens: int = 0
-    num_chunked_prefills: int = 0  # scheduled prompt chunks that stopped short of the prompt's end
-    max_step_tokens: int = 0
-    max_running: int = 0
-    peak_used_blocks: int = 0
-    num_blocks: int = 0
-    num_errors: int = 0
-    num_speculative_steps: int = 0  # steps that verified drafts or drafted on the device
-    num_decode_bursts: int = 0  # steps that ran several decode passes (decode_burst.py)
-
 
 # Returns True when the request must stop after its newest token; sets status and stop_reason.
 StopCheck = Callable[[Request], bool]
 
 
-class Scheduler(Admission, StepResults):
-    """Schedules each step (this module); admits waiting requests (admission.py) and applies a step's results
-    (step_results.py) as its two other halves."""
+class Scheduler(Admission, Preemption, StepResults):
+    """Schedules each step (this module); admits waiting requests (admission.py), preempts running ones when the pool
+    runs dry (preemption.py) and applies a step's results (step_results.py)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, check_stop: StopCheck,
                  speculator: Speculator | None = None) -> None:
@@ -268,37 +248,6 @@ class Scheduler(Admission, StepResults):
                                  speculative=speculative, observe_drafts=observe, num_steps=burst if scheduled else 1)
         output.kv_connector_metadata = connector_metadata(self.connectors, output)
         return output
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, num_lookahead: int = 0) -> BlockAllocation | None:
-        """Allocate blocks for `request` (and its lookahead slots), preempting the newest running requests until
-        they fit. Returns None when `request` itself had to be preempted.
-        """
-        while True:
-            allocation = self.kv_cache.allocate_slots(request, num_new + num_lookahead)
-            if allocation is not None:
-                return allocation
-            victim = self.running.pop()
-            self._preempt(victim)
-            if victim is request:
-                return None
-
-    def _preempt(self, request: Request) -> None:
-        # Swapping costs two copies of the request's K/V; recomputing a short one rides in a later step's budget.
-        swap = (self.config.preemption_mode == "swap" and request.num_computed_tokens >= self.config.swap_min_tokens
-                and self.kv_cache.swap_out(request))
-        if not swap:
-            self.kv_cache.free(request)
-            request.num_recompute_until = max(request.num_recompute_until, request.num_computed_tokens)
-            request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        self._waiting_for_room = False  # its blocks came back
-        request.known_to_runner = False
-        request.draft_token_ids = []
-        request.num_lookahead = 0
-        request.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self._preempted_this_step = True
-        self.waiting.appendleft(request)
 
     def _schedule_request(self, request: Request, num_new: int, allocation: BlockAllocation) -> ScheduledRequest:
         # Runs for every scheduled request of every step: kept to plain attribute reads.

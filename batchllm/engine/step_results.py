@@ -15,7 +15,7 @@ from batchllm.engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from batchllm.config import SchedulerConfig
     from batchllm.engine.output_length import OutputLengthEstimator
-    from batchllm.engine.scheduler import SchedulerStats
+    from batchllm.engine.scheduler_stats import SchedulerStats
     from batchllm.engine.speculative.speculator import Speculator
 
 
