@@ -87,11 +87,17 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def needs_row_state(self) -> bool:
+        """Whether sampling a row needs more than its per-row columns (model/layers/sampling_tensors.py): a seeded
+        generator, penalties, min_tokens (they read the row's tokens) or logprobs. Such rows are the few the host
+        visits one by one."""
+        return self.seed is not None or self.uses_penalties or self.min_tokens > 0 or self.logprobs is not None
+
+    @property
     def reads_only_logits(self) -> bool:
-        """Its next token depends on the logits alone: no seed, penalties, min_tokens, logprobs or grammar, whose
-        state the host keeps between two tokens (decode bursts, engine/decode_burst.py, need that)."""
-        return (self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.uses_penalties
-                and self.structured_outputs is None)
+        """Its next token depends on the logits alone: no row state and no grammar, which the host keeps between
+        two tokens (decode bursts, engine/decode_burst.py, need that)."""
+        return not self.needs_row_state and self.structured_outputs is None
 
 
 def _as_tuple(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -47,7 +47,6 @@ class DecodeBurst:
         for step in range(so.num_steps):
             if step:
                 follow.num_computed = batch.num_computed + step
-                follow.sample_positions = [position + step for position in batch.sample_positions]
             inputs = self._prepare(follow if step else batch)
             hidden = self._forward(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])

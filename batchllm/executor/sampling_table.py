@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchllm.model.layers.sampling_tensors import SamplingColumns, keeps_token_history, needs_row_state
+from batchllm.model.layers.sampling_tensors import SamplingColumns, keeps_token_history
 from batchllm.sampling_params import SamplingParams
 
 
 class SamplingTable:
     def __init__(self, initial_rows: int) -> None:
         self.columns = SamplingColumns.empty(initial_rows)
-        self.row_state = np.zeros(initial_rows, dtype=bool)  # needs_row_state
+        self.row_state = np.zeros(initial_rows, dtype=bool)  # SamplingParams.needs_row_state
         self.history = np.zeros(initial_rows, dtype=bool)  # keeps_token_history
 
     def set(self, row: int, params: SamplingParams) -> None:
         if row >= len(self.row_state):
             self._grow(max(row + 1, 2 * len(self.row_state)))
         self.columns.set(row, params)
-        self.row_state[row] = needs_row_state(params)
+        self.row_state[row] = params.needs_row_state
         self.history[row] = keeps_token_history(params)
 
     def gather(self, rows: np.ndarray) -> tuple[SamplingColumns, np.ndarray, bool]:

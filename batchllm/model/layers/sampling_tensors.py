@@ -41,12 +41,6 @@ def position_seed(seed: int, position: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
-def needs_row_state(params: SamplingParams) -> bool:
-    """Whether sampling a row needs more than its `SamplingColumns` entries: a seeded generator, penalties,
-    min_tokens (they read the row's tokens) or logprobs. Such rows are the few the host visits one by one."""
-    return params.seed is not None or params.uses_penalties or params.min_tokens > 0 or params.logprobs is not None
-
-
 def keeps_token_history(params: SamplingParams) -> bool:
     """Penalties and min_tokens read the row's tokens so far; nothing else does."""
     return params.uses_penalties or params.min_tokens > 0
@@ -146,7 +140,7 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """Gathers the batch's parameters into device tensors (see `from_columns`)."""
         columns = SamplingColumns.of([row.params for row in rows])
-        special = [(i, row) for i, row in enumerate(rows) if needs_row_state(row.params)]
+        special = [(i, row) for i, row in enumerate(rows) if row.params.needs_row_state]
         return cls.from_columns(columns, special, vocab_size, device, eos_token_ids)
 
     @classmethod
@@ -158,7 +152,7 @@ class SamplingTensors:
         device: torch.device | str,
         eos_token_ids: Collection[int] = (),
     ) -> SamplingTensors:
-        """Device tensors for a batch given as `columns` plus, for the rows that `needs_row_state`, their
+        """Device tensors for a batch given as `columns` plus, for the rows that `SamplingParams.needs_row_state`, their
         (row, `SamplingRow`): host work is vectorized over the batch and per row only for those.
 
         `eos_token_ids` are the model's end-of-sequence ids: a row with fewer than `min_tokens` outputs
