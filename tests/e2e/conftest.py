@@ -50,6 +50,12 @@ MAX_NEW = 12
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Write one word about the sea."]
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir) -> str:
+    """The session's tiny random Llama (tests/conftest.py) as `model=`: the door tests' engine."""
+    return str(tiny_llama_dir)
+
+
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory):
     """Three PEFT adapters of the default model (`peft_adapters.ADAPTERS`), saved as PEFT writes them."""

@@ -8,8 +8,6 @@ options are refused."""
 from __future__ import annotations
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 import batchllm
@@ -18,7 +16,7 @@ from batchllm.connectors import engine_cache
 from batchllm.entrypoints.cli.main import main
 from tests.distributed.test_tensor_parallel import SHAPES, engine, write_checkpoint
 from tests.e2e.conftest import QUESTIONS
-from tests.e2e.doors import batch_file_texts
+from tests.e2e.doors import batch_file_texts, parquet_job_texts
 from tests.e2e.test_generate_vs_hf import MAX_NEW, _greedy_ids, _prompts
 
 STEPS = 5  # a burst length that does not divide MAX_NEW, so the last bursts are cut short
@@ -99,22 +97,13 @@ def test_the_server_streams_bursts_as_single_steps():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> str:
-    return str(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def plain_texts(tiny) -> list[str]:
     """The tiny model's greedy text without bursts: the doors' reference."""
     return [out.outputs[0].text for out in LLM(tiny).generate(TEXTS, GREEDY, use_tqdm=False)]
 
 
 def test_the_cli_flag_on_two_replicas(tiny, plain_texts, tmp_path, capsys):
-    pq.write_table(pa.table({"q": TEXTS}), tmp_path / "in.parquet")
-    run = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q", "--model", tiny,
-           "--max-tokens", "12", "--rows-per-shard", "2", "--no-progress", "--num-decode-steps", "4"]
-    assert main([*run, "--data-parallel", "2"]) == 0, capsys.readouterr().err
-    assert pq.read_table(tmp_path / "out").to_pydict()["generated_text"] == plain_texts
+    assert parquet_job_texts(tmp_path, tiny, TEXTS, 12, ["--num-decode-steps", "4"]) == plain_texts
     bad = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out2"), "--prompt-column", "q", "--model", tiny]
     assert main([*bad, "--num-decode-steps", "0"]) == 2
     assert "--num-decode-steps must be an int in [1, 64], got 0" in capsys.readouterr().err

@@ -38,11 +38,6 @@ TEXTS = [*QUESTIONS, SHARED + "What is 2 + 2?", SHARED + "Name a color."]
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> str:
-    return str(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def fp8_texts(tiny) -> list[str]:
     texts = [out.outputs[0].text for out in LLM(tiny, **FP8).generate(TEXTS, GREEDY, use_tqdm=False)]
     float32 = [out.outputs[0].text for out in LLM(tiny).generate(TEXTS, GREEDY, use_tqdm=False)]

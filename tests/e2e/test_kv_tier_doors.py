@@ -33,11 +33,6 @@ SWAP_FLAGS = ["--num-kv-blocks", "8", "--swap-space", "0.05", "--preemption-mode
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> str:
-    return str(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def plain_texts(tiny) -> list[str]:
     return [out.outputs[0].text for out in LLM(tiny).generate(TEXTS, GREEDY, use_tqdm=False)]
 

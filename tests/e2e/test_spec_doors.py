@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from batchllm import LLM, SamplingParams
 from batchllm.entrypoints.cli.main import main
 from tests.distributed.test_tensor_parallel import SHAPES, engine, write_checkpoint
 from tests.e2e.conftest import QUESTIONS
-from tests.e2e.doors import batch_file_texts
+from tests.e2e.doors import batch_file_texts, parquet_job_texts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -30,11 +28,6 @@ MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
 TEXTS = [*QUESTIONS, "Copy this list: apple, banana, cherry, apple, banana, cherry, apple,",
          "Repeat after me: one two three four, one two three four, one two"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> str:
-    return str(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +47,8 @@ def plain_texts(tiny) -> list[str]:
 
 
 def test_the_cli_flag_on_two_replicas(tiny, plain_texts, tmp_path, capsys):
-    pq.write_table(pa.table({"q": TEXTS}), tmp_path / "in.parquet")
-    run = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--prompt-column", "q", "--model", tiny,
-           "--max-tokens", str(MAX_NEW), "--rows-per-shard", "2", "--no-progress", "--speculative-config",
-           json.dumps(NGRAM)]
-    assert main([*run, "--data-parallel", "2"]) == 0, capsys.readouterr().err
-    assert pq.read_table(tmp_path / "out").to_pydict()["generated_text"] == plain_texts
+    assert parquet_job_texts(tmp_path, tiny, TEXTS, MAX_NEW, ["--speculative-config", json.dumps(NGRAM)]) \
+        == plain_texts
     bad = ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out2"), "--prompt-column", "q"]
     with pytest.raises(SystemExit) as exit_info:
         main([*bad, "--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 2}'])
