@@ -13,7 +13,7 @@ from batchllm.engine.request import Request
 from batchllm.sampling_params import SamplingParams
 from tests.unit.fake_executor import expected_continuation
 from tests.unit.test_abort import _RecordingDetokenizer
-from tests.unit.test_scheduler import _engine, _prompts, _run, stop_on_multiples_of_7
+from tests.unit.test_scheduler import _engine, _prompts, _run, run_and_check, stop_on_multiples_of_7
 
 
 def _burst_engine(num_blocks: int, budget: int, steps: int, async_scheduling: bool, max_num_seqs: int = 64,
@@ -29,13 +29,7 @@ def test_bursts_give_the_single_steps_outputs(steps, num_blocks, budget, tight_p
     engine, executor = _burst_engine(num_blocks, budget, steps, async_scheduling)
     prompts = _prompts(20, seed=num_blocks + steps, high=min(120, num_blocks * 16 - 60))
     max_tokens = [1 + (7 * i) % 30 for i in range(len(prompts))]  # most not a multiple of the burst
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n))
-    done = _run(engine)
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        assert done[str(i)].output_token_ids == expected_continuation(prompt, n), f"request {i}"
-    pool = engine.scheduler.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    run_and_check(engine, prompts, max_tokens)
     bursts = [step for step in executor.steps if step.num_steps > 1]
     assert bursts, "no step ran as a burst"
     assert all(step.num_steps <= steps for step in executor.steps)

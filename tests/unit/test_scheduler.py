@@ -50,6 +50,20 @@ def _run(engine: EngineCore) -> dict[str, Request]:
     raise AssertionError("engine did not finish: livelock")
 
 
+def run_and_check(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Request]:
+    """Run request i (`prompts[i]`, `max_tokens[i]`) to the end: each output is the fake model's continuation, and
+    every block is back in the pool."""
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n))
+    done = _run(engine)
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        assert done[str(i)].output_token_ids == expected_continuation(prompt, n), f"request {i}"
+    pool = engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    return done
+
+
 def stop_on_multiples_of_7(engine: EngineCore) -> None:
     """Rows also stop on a token's value, as on EOS or a stop token: a multiple of 7."""
     max_tokens_stop = engine.scheduler.check_stop
@@ -74,15 +88,7 @@ def test_outputs_correct_under_pressure_and_pool_fully_freed(num_blocks, budget,
     engine, executor = _engine(num_blocks, budget, async_scheduling=async_scheduling)
     prompts = _prompts(25, seed=num_blocks, high=min(150, num_blocks * BLOCK - 40))
     max_tokens = [random.Random(i).randint(1, 30) for i in range(len(prompts))]
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n))
-    done = _run(engine)
-
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        assert done[str(i)].output_token_ids == expected_continuation(prompt, n), f"request {i}"
-    pool = engine.scheduler.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    run_and_check(engine, prompts, max_tokens)
     assert max(s.num_scheduled_tokens for s in executor.steps) <= budget
     stats = engine.scheduler.stats
     if tight_pool:
