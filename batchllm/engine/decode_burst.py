@@ -17,20 +17,18 @@ in any row. Otherwise the step is an ordinary one.
 
 from __future__ import annotations
 
-from typing import Iterable
-
 from batchllm.config import SchedulerConfig
 from batchllm.engine.request import Request
 
 
-def burst_length(running: Iterable[Request], num_waiting: int, num_running: int, config: SchedulerConfig,
+def burst_length(running: list[Request], num_waiting: int, config: SchedulerConfig,
                  waiting_for_room: bool = False) -> int:
     """The tokens each row gets in the next step: `config.num_decode_steps` where a burst may run (see the module
     docstring), capped by what any row can still use (its max_tokens, the model length); 1 otherwise.
     `waiting_for_room`: the waiting rows' head found the pool too short, and no request has ended since."""
     steps = config.num_decode_steps
-    admissible = num_waiting and num_running < config.max_num_seqs and not waiting_for_room
-    if steps == 1 or admissible or not num_running:
+    admissible = num_waiting and len(running) < config.max_num_seqs and not waiting_for_room
+    if steps == 1 or admissible or not running:
         return 1
     max_model_len = config.max_model_len
     longest = 0  # the most tokens any row still needs

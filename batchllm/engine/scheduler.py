@@ -154,7 +154,7 @@ class Scheduler(Admission, Preemption, StepResults):
         running, max_model_len, allocate = self.running, self.config.max_model_len, self.kv_cache.allocate_slots
         pipelined = self.config.num_micro_batches > 1
         max_rows = -(-self.config.max_num_seqs // self.config.num_micro_batches)
-        burst = burst_length(running, len(self.waiting), len(running), self.config, self._waiting_for_room)
+        burst = burst_length(running, len(self.waiting), self.config, self._waiting_for_room)
         extra = burst - 1  # each row's tokens after its first: slots to allocate, pending tokens to count
         while i < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[i]

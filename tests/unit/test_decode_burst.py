@@ -86,9 +86,9 @@ def _request(request_id: str, params: SamplingParams, computed: bool = True) -> 
 ])
 def test_burst_length_by_sampling_params(params, expected):
     config = SchedulerConfig(64, 8192, 1000, num_decode_steps=8)
-    assert burst_length([_request("a", params), _request("b", params)], 0, 2, config) == expected
+    assert burst_length([_request("a", params), _request("b", params)], 0, config) == expected
     # One row that needs the host between its tokens keeps every row to single steps.
-    assert burst_length([_request("a", SamplingParams(max_tokens=100)), _request("b", params)], 0, 2,
+    assert burst_length([_request("a", SamplingParams(max_tokens=100)), _request("b", params)], 0,
                         config) == (1 if expected == 1 else 8)
 
 
@@ -96,12 +96,12 @@ def test_burst_length_waits_for_prefill_and_admission():
     config = SchedulerConfig(2, 8192, 1000, num_decode_steps=8)
     plain = SamplingParams(max_tokens=100)
     decoding = [_request("a", plain), _request("b", plain)]
-    assert burst_length(decoding, 0, 2, config) == 8
-    assert burst_length(decoding, 3, 2, config) == 8  # waiting rows, but no seat is free
-    assert burst_length(decoding[:1], 3, 1, config) == 1  # a seat is free: admit first
-    assert burst_length([*decoding[:1], _request("c", plain, computed=False)], 0, 2, config) == 1  # prompt left
-    assert burst_length(decoding, 0, 2, SchedulerConfig(2, 8192, 1000)) == 1  # off by default
-    assert burst_length(decoding, 0, 2, SchedulerConfig(2, 8192, 8, num_decode_steps=8)) == 3  # model length 8
+    assert burst_length(decoding, 0, config) == 8
+    assert burst_length(decoding, 3, config) == 8  # waiting rows, but no seat is free
+    assert burst_length(decoding[:1], 3, config) == 1  # a seat is free: admit first
+    assert burst_length([*decoding[:1], _request("c", plain, computed=False)], 0, config) == 1  # prompt left
+    assert burst_length(decoding, 0, SchedulerConfig(2, 8192, 1000)) == 1  # off by default
+    assert burst_length(decoding, 0, SchedulerConfig(2, 8192, 8, num_decode_steps=8)) == 3  # model length 8
 
 
 def test_abort_while_a_burst_is_in_flight(async_scheduling):
